@@ -1,0 +1,56 @@
+"""Engine configuration: which model, where it runs, and the cache/scheduler budgets."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """`model` is None or "smollm2-135m-instruct" for the default model, or a local HF directory."""
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError("num_kv_blocks must be at least 2")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError("kv_cache_memory_gb must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def model_id(self) -> str:
+        return self.model or DEFAULT_MODEL
+
+    def apply_threads(self) -> None:
+        threads = self.num_threads or int(os.environ.get("TANDEM_NUM_THREADS", 0)) or os.cpu_count() or 1
+        torch.set_num_threads(threads)

@@ -1,0 +1,44 @@
+"""The paged KV cache: per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What two peers must agree on before KV blocks can move between them."""
+    model_id: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def bytes_per_block_per_layer(self) -> int:
+        """Bytes of K (or of V) for one block in one layer."""
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.bytes_per_block_per_layer // self.block_size
+
+
+class KVCache:
+    """The block pool of one engine; `k[layer]` and `v[layer]` are indexed by block id."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu"):
+        self.layout = layout
+        self.num_blocks = num_blocks
+        shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        dtype = getattr(torch, layout.dtype)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
+
+    @staticmethod
+    def num_blocks_for_budget(layout: KVLayout, memory_bytes: float) -> int:
+        per_block = 2 * layout.num_layers * layout.bytes_per_block_per_layer
+        return max(2, int(memory_bytes // per_block))
