@@ -1,0 +1,185 @@
+"""Paged KV block allocation with ref counts, LRU eviction and prefix caching by hash chain."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.hashing import NONE_HASH, hash_block, salt_bytes
+from engine.kv_events import KVEvent
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    """Owns which block holds what. Free blocks sit in LRU order; cached ones stay findable until evicted."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}
+        self.events: list[KVEvent] = []
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def update_block_hashes(self, req: Request) -> None:
+        """Extend `req.block_hashes` to cover every full block of its tokens."""
+        bs = self.block_size
+        while len(req.block_hashes) < req.num_tokens // bs:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if i else NONE_HASH
+            extra = salt_bytes(req.cache_salt) if i == 0 else b""
+            req.block_hashes.append(hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
+
+    def lookup(self, block_hash: int, token_ids=None) -> int | None:
+        """The block caching `block_hash` (confirmed by token ids when given), or None."""
+        block_id = self.cached.get(block_hash)
+        if block_id is None:
+            return None
+        if token_ids is not None and self.blocks[block_id].token_ids != tuple(token_ids):
+            return None
+        return block_id
+
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        """Leading blocks of `req` already in the cache; at least one token is always left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        self.update_block_hashes(req)
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        hits = []
+        for i, h in enumerate(req.block_hashes[:max_blocks]):
+            block_id = self.lookup(h, req.all_token_ids[i * bs:(i + 1) * bs])
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += len(hits) * bs
+        return hits
+
+    def can_allocate(self, num_blocks: int, computed_blocks: list[int] = ()) -> bool:
+        reclaimed = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        return num_blocks <= self.num_free_blocks - reclaimed
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Give `req` blocks for `num_new_tokens` more tokens; False (and no change) when the pool is short."""
+        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(req.block_table) - len(computed_blocks)
+        if not self.can_allocate(max(need, 0), computed_blocks):
+            return False
+        for block_id in computed_blocks:
+            self._touch(block_id)
+        req.block_table.extend(computed_blocks)
+        req.block_table.extend(self._pop_free() for _ in range(need))
+        return True
+
+    def allocate_blocks(self, n: int) -> list[int] | None:
+        """Take `n` fresh blocks (ref count 1) outside any request, e.g. as KV import targets."""
+        if n > self.num_free_blocks:
+            return None
+        return [self._pop_free() for _ in range(n)]
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the blocks whose tokens are all computed, emitting a `stored` event."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_block_hashes(req)
+        bs = self.block_size
+        num_full = min(req.num_computed_tokens // bs, len(req.block_hashes), len(req.block_table))
+        stored, parent = [], None
+        for i in range(num_full):
+            block = self.blocks[req.block_table[i]]
+            if block.block_hash is not None:
+                continue
+            h = req.block_hashes[i]
+            if h in self.cached:
+                continue
+            block.block_hash, block.token_ids = h, tuple(req.all_token_ids[i * bs:(i + 1) * bs])
+            self.cached[h] = block.block_id
+            if not stored:
+                parent = req.block_hashes[i - 1] if i else None
+            stored.append(h)
+        if stored:
+            self.events.append(KVEvent("stored", stored, parent))
+
+    def register_block(self, block_id: int, block_hash: int, token_ids, parent_hash: int | None) -> bool:
+        """Put an imported block into the prefix cache; False if that hash is already cached elsewhere."""
+        if not self.enable_prefix_caching or block_hash in self.cached:
+            return False
+        block = self.blocks[block_id]
+        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        self.cached[block_hash] = block_id
+        self.events.append(KVEvent("stored", [block_hash], parent_hash))
+        return True
+
+    def free(self, req: Request) -> None:
+        self.free_block_ids(reversed(req.block_table))
+        req.block_table = []
+
+    def free_block_ids(self, block_ids) -> None:
+        """Drop one reference from each block; tail blocks first so they are evicted first."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+                if block.block_hash is None:
+                    self.free_blocks.move_to_end(block_id, last=False)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block that no request holds; False if some are still in use."""
+        if any(b.ref_count for b in self.blocks):
+            return False
+        for block in self.blocks:
+            block.block_hash, block.token_ids = None, ()
+        self.cached.clear()
+        self.events.append(KVEvent("cleared"))
+        return True
+
+    def snapshot(self) -> list[int]:
+        """All cached block hashes, for a router resync."""
+        return list(self.cached)
+
+    def take_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def _touch(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+        block.ref_count += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            self.events.append(KVEvent("removed", [block.block_hash]))
+            block.block_hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,54 @@
+"""Incremental detokenization with stop strings that never leak and no half UTF-8 characters."""
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+
+PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing token list a window at a time, as vLLM does: text is released only once it
+    no longer ends in a replacement character, and up to len(longest stop) - 1 characters are held
+    back while streaming in case they begin a stop string."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.emitted = 0
+        self.hold_back = max((len(s) for s in params.stop), default=1) - 1
+
+    def append(self, token_id: int) -> str | None:
+        """Add one token; returns the stop string it completed, if any (the text is then cut before it)."""
+        self.ids.append(token_id)
+        skip = self.params.skip_special_tokens
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        new_text = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += new_text
+        return self._check_stop(len(new_text))
+
+    def _check_stop(self, num_new_chars: int) -> str | None:
+        if not self.params.stop:
+            return None
+        start = max(0, len(self.text) - num_new_chars - self.hold_back)
+        for stop in self.params.stop:
+            idx = self.text.find(stop, start)
+            if idx != -1:
+                end = idx + len(stop) if self.params.include_stop_str_in_output else idx
+                self.text = self.text[:end]
+                return stop
+        return None
+
+    def take_new_text(self, finished: bool) -> str:
+        """Text not yet handed out; while running, keeps back what could begin a stop string."""
+        limit = len(self.text) if finished else max(self.emitted, len(self.text) - self.hold_back)
+        out = self.text[self.emitted:limit]
+        self.emitted = limit
+        return out

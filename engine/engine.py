@@ -1,0 +1,227 @@
+"""The offline engine: add requests, step the batch, read outputs. Workers drive the same step API."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
+from engine.model_loader import load_tokenizer, resolve_model_dir
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """Continuous-batching inference on one model: `add_request`, `step`, `abort`, or `generate` for a batch."""
+
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        config.apply_threads()
+        model_dir = resolve_model_dir(config.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.runner = ModelRunner(config, model_dir)
+        self.kv_cache = self.runner.kv_cache
+        self.max_model_len = min(config.max_model_len or self.runner.max_position_embeddings,
+                                 self.runner.max_position_embeddings)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.eos_token_ids = _eos_token_ids(self.runner.model, self.tokenizer)
+        self.sampler = Sampler(self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._seeds = torch.Generator().manual_seed(config.seed)
+        self._ids = itertools.count()
+        self.num_generation_tokens = 0
+        self.num_prompt_tokens = 0
+
+    # ---- request intake -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids or not all(isinstance(t, int) and 0 <= t < self.runner.vocab_size for t in ids):
+            raise InvalidRequestError("prompt token ids must be a non-empty list of ids in the vocabulary",
+                                      field="prompt")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+
+    def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                     cache_salt: str | None = None) -> Request:
+        """Validate and build a request without queueing it (workers use this for their own bookkeeping)."""
+        params.validate(self.runner.vocab_size)
+        prompt_ids = self.tokenize(prompt)
+        if not prompt_ids:
+            raise InvalidRequestError("prompt must not be empty", field="prompt")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens; the context window is "
+                                      f"{self.max_model_len}, leaving no room to generate", field="prompt")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(f"max_tokens={params.max_tokens} does not fit: prompt has {len(prompt_ids)} "
+                                      f"tokens and the context window is {self.max_model_len}", field="max_tokens")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if self.block_manager.blocks_needed(len(prompt_ids) + max_tokens) > self.block_manager.num_blocks:
+            raise InvalidRequestError(f"prompt + max_tokens needs more KV blocks than this worker has "
+                                      f"({self.block_manager.num_blocks} x {self.config.block_size} tokens)",
+                                      field="max_tokens")
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
+        generator = None if params.greedy else torch.Generator(self.runner.device).manual_seed(seed)
+        return Request(request_id, prompt_ids, params, max_tokens, cache_salt, generator)
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> Request:
+        """Queue a request; raises InvalidRequestError (naming the field) when it cannot run."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", field="request_id")
+        req = self.make_request(request_id, prompt, params or SamplingParams(), cache_salt)
+        self.add(req)
+        return req
+
+    def add(self, req: Request) -> None:
+        """Queue an already built request (possibly with some tokens computed from imported KV)."""
+        self.requests[req.request_id] = req
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                                   req.sampling_params)
+        self.num_prompt_tokens += req.num_prompt_tokens
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False when it is unknown or already done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.detokenizers.pop(request_id, None)
+        req.finish_reason = "abort"
+        self.scheduler.finish(req)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return what changed for each request."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        sample_mask = [req.num_computed_tokens + n == req.num_tokens for req, n in scheduled]
+        try:
+            logits = self.runner.execute(scheduled, sample_mask)
+        except Exception as exc:  # a failed forward fails its requests, not the engine
+            logger.exception("model forward failed")
+            return [self._fail(req, exc) for req, _ in scheduled]
+        sampled = [req for (req, _), s in zip(scheduled, sample_mask) if s]
+        for req, n in scheduled:
+            req.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(req)
+        tokens, logprobs = self.sampler(logits, sampled) if sampled else ([], [])
+        return [self._append_token(req, t, lp) for req, t, lp in zip(sampled, tokens, logprobs)]
+
+    def _append_token(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:
+        now = time.time()
+        req.times.first_token = req.times.first_token or now
+        req.times.last_token = now
+        req.all_token_ids.append(token)
+        self.num_generation_tokens += 1
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
+        detok = self.detokenizers[req.request_id]
+        stop_string = detok.append(token)
+        self._check_finish(req, token, stop_string)
+        if req.finish_reason is not None:
+            req.times.finished = now
+            self.scheduler.finish(req)
+            self.requests.pop(req.request_id, None)
+            self.detokenizers.pop(req.request_id, None)
+        return RequestOutput(req.request_id, [token], detok.take_new_text(req.finished), req.output_token_ids,
+                             detok.text, req.finished, req.finish_reason, req.stop_reason,
+                             [logprobs] if logprobs is not None else [], req.num_prompt_tokens,
+                             req.num_cached_tokens)
+
+    def _check_finish(self, req: Request, token: int, stop_string: str | None) -> None:
+        p = req.sampling_params
+        if req.num_output_tokens >= p.min_tokens:
+            if token in self.eos_token_ids and not p.ignore_eos:
+                req.finish_reason = "stop"
+                return
+            if token in p.stop_token_ids:
+                req.finish_reason, req.stop_reason = "stop", token
+                return
+            if stop_string is not None:
+                req.finish_reason, req.stop_reason = "stop", stop_string
+                return
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.finish_reason = "length"
+
+    def _fail(self, req: Request, exc: Exception) -> RequestOutput:
+        self.requests.pop(req.request_id, None)
+        self.detokenizers.pop(req.request_id, None)
+        req.finish_reason = "error"
+        self.scheduler.finish(req)
+        return RequestOutput(req.request_id, [], "", req.output_token_ids, "", True, "error",
+                             error=f"{type(exc).__name__}: {exc}")
+
+    # ---- offline batch --------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str | Sequence[int]] | str,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Run prompts to completion as one continuous batch; one output per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = []
+        for prompt, p in zip(prompts, params_list):
+            base = f"gen-{next(self._ids)}"
+            ids.append([f"{base}-{i}" for i in range(p.n)])
+            for i, rid in enumerate(ids[-1]):
+                self.add_request(rid, prompt, _candidate_params(p, i))
+        done: dict[str, CompletionOutput] = {}
+        logprobs: dict[str, list[dict]] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
+                if out.finished:
+                    done[out.request_id] = CompletionOutput(
+                        out.request_id, out.token_ids, out.text, out.finish_reason, out.stop_reason,
+                        logprobs.pop(out.request_id, []), out.num_prompt_tokens, out.num_cached_tokens)
+        results = []
+        for group in ids:
+            first = done[group[0]]
+            first.candidates = [done[r] for r in group]
+            results.append(first)
+        return results
+
+
+def _candidate_params(params: SamplingParams, index: int) -> SamplingParams:
+    if params.n == 1:
+        return params
+    from dataclasses import replace
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, n=1, seed=seed)
+
+
+def _eos_token_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return ids

@@ -1,0 +1,95 @@
+"""Turns logits into tokens: penalties, bias, temperature, min-p/top-k/top-p, seeded sampling, logprobs."""
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request
+
+
+class Sampler:
+    """Samples one token per request. Each request draws from its own generator, so seeded
+    requests give the same tokens whatever else is in the batch."""
+
+    def __init__(self, eos_token_ids: set[int]):
+        self.eos_token_ids = eos_token_ids
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict | None]]:
+        want_logprobs = [r.sampling_params.logprobs is not None for r in reqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        logits = logits.clone()
+        for i, req in enumerate(reqs):
+            self._adjust(logits[i], req)
+        tokens = [0] * len(reqs)
+        greedy = [i for i, r in enumerate(reqs) if r.sampling_params.greedy]
+        if greedy:
+            for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+                tokens[i] = t
+        random = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
+        if random:
+            probs = filtered_probs(logits[random], [reqs[i] for i in random])
+            for row, i in enumerate(random):
+                tokens[i] = int(torch.multinomial(probs[row], 1, generator=reqs[i].generator))
+        logprobs = [None] * len(reqs)
+        for i, want in enumerate(want_logprobs):
+            if want:
+                logprobs[i] = _logprobs_entry(raw_logprobs[i], tokens[i], reqs[i].sampling_params.logprobs)
+        return tokens, logprobs
+
+    def _adjust(self, row: torch.Tensor, req: Request) -> None:
+        """Penalties, logit bias and min_tokens masking, in place, as vLLM applies them."""
+        p = req.sampling_params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=row.device)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and req.num_output_tokens:
+            out = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
+            counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+        if req.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            if banned:
+                row[list(banned)] = float("-inf")
+
+
+def filtered_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Probabilities after temperature, min-p, top-k and top-p; filtered-out tokens get probability 0."""
+    params = [r.sampling_params for r in reqs]
+    temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    logits = logits / temp.unsqueeze(1)
+    probs = torch.softmax(logits, dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+    if (min_p > 0).any():
+        keep = probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(~keep, float("-inf"))
+    vocab = logits.shape[1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+    if (top_k < vocab).any() or (top_p < 1.0).any():
+        logits = _top_k_top_p(logits, top_k.clamp(max=vocab), top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the mass before it already reaches top_p; the top token always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _logprobs_entry(logprobs: torch.Tensor, token: int, num_top: int) -> dict:
+    top = {}
+    if num_top:
+        values, ids = logprobs.topk(num_top)
+        top = dict(zip(ids.tolist(), values.tolist()))
+    return {"token_id": token, "logprob": float(logprobs[token]), "top_logprobs": top}

@@ -1,0 +1,87 @@
+"""Sampling parameters, with vLLM's names and semantics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. temperature=0 means greedy; top_k<=0 means no top-k."""
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"{name} {message}", field=name)
+
+        check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", f"must be an integer in [1, 128], got {self.n!r}")
+        check(_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
+              f"must be in [0, 100], got {self.temperature!r}")
+        check(_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+              f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        check(_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(_num(value) and -2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value!r}")
+        check(_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0, "repetition_penalty",
+              f"must be in (0, 10], got {self.repetition_penalty!r}")
+        check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
+              f"must be a positive integer, got {self.max_tokens!r}")
+        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+              f"must be a non-negative integer, got {self.min_tokens!r}")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+              f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+              "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
+        self._validate_token_ids(vocab_size)
+
+    def _validate_token_ids(self, vocab_size: int | None) -> None:
+        in_vocab = (lambda t: isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size))
+        if not all(in_vocab(t) for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be token ids in the vocabulary, got {self.stop_token_ids}",
+                                      field="stop_token_ids")
+        for token, bias in (self.logit_bias or {}).items():
+            if not in_vocab(token):
+                raise InvalidRequestError(f"logit_bias key {token!r} is not a token id in the vocabulary",
+                                          field="logit_bias")
+            if not _num(bias) or not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias!r}",
+                                          field="logit_bias")
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x

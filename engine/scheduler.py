@@ -1,0 +1,82 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute."""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Each step gives running requests their next tokens first (decode or the next prefill chunk),
+    then admits waiting ones while the token budget, `max_num_seqs` and free blocks allow. When a
+    running request cannot get a block, the most recently admitted one is preempted and recomputed later."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            computed = self.block_manager.get_computed_blocks(req)
+            num_cached = len(computed) * self.block_manager.block_size
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate_slots(req, num_new, computed):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            if req.times.first_scheduled is None:
+                req.num_cached_tokens = num_cached
+                req.times.first_scheduled = time.time()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, num_new))
+            budget -= num_new
+        return scheduled
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished or aborted request and free its blocks (they stay in the prefix cache)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        req.status = RequestStatus.FINISHED
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
