@@ -94,12 +94,52 @@ class Engine:
         return req
 
     def add(self, req: Request) -> None:
-        """Queue an already built request (possibly with some tokens computed from imported KV)."""
+        """Queue an already built request. Output tokens it already has (sampled by a prefill worker)
+        count as streamed: their text is not handed out again."""
         self.requests[req.request_id] = req
-        self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                                   req.sampling_params)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params)
+        for token in req.output_token_ids:
+            detok.append(token)
+        detok.take_new_text(finished=False)
+        self.detokenizers[req.request_id] = detok
         self.num_prompt_tokens += req.num_prompt_tokens
         self.scheduler.add(req)
+
+    def stats(self) -> dict:
+        """Load and cache counters for the worker around this engine."""
+        bm, sched = self.block_manager, self.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        queued += sum(r.num_prompt_tokens - r.num_computed_tokens for r in sched.running
+                      if r.num_computed_tokens < r.num_prompt_tokens)
+        return {"num_waiting": len(sched.waiting), "num_running": len(sched.running),
+                "queued_prefill_tokens": queued, "num_active_blocks": bm.num_blocks - bm.num_free_blocks,
+                "num_total_blocks": bm.num_blocks, "prefix_cache_queries": bm.prefix_cache_queries,
+                "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": sched.num_preemptions,
+                "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens}
+
+    def reserve_for_import(self, req: Request) -> list[int] | None:
+        """Give `req` blocks for its whole prompt, reusing locally cached prefix blocks.
+
+        Returns the indices (into `req.block_table`) of the blocks whose KV must be imported, or None when
+        the pool is short. The caller writes them, then calls `add_imported` (or `release_import`)."""
+        computed = self.block_manager.get_computed_blocks(req)
+        num_prompt = req.num_prompt_tokens
+        num_cached = len(computed) * self.config.block_size
+        if not self.block_manager.allocate_slots(req, num_prompt - num_cached, computed):
+            return None
+        req.num_cached_tokens = num_cached
+        return list(range(len(computed), self.block_manager.blocks_needed(num_prompt)))
+
+    def add_imported(self, req: Request) -> None:
+        """Queue a request whose prompt KV now sits in its blocks; tokens it already produced elsewhere
+        (the first one, sampled by the prefill worker) count as already streamed."""
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.block_manager.cache_full_blocks(req)
+        self.add(req)
+
+    def release_import(self, req: Request) -> None:
+        """Give back the blocks reserved for an import that did not happen."""
+        self.block_manager.free(req)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when it is unknown or already done."""
@@ -145,15 +185,20 @@ class Engine:
         detok = self.detokenizers[req.request_id]
         stop_string = detok.append(token)
         self._check_finish(req, token, stop_string)
-        if req.finish_reason is not None:
+        kv_transfer_params = None
+        if req.finish_reason is not None or req.do_remote_decode:
             req.times.finished = now
-            self.scheduler.finish(req)
+            keep_blocks = req.do_remote_decode and req.finish_reason is None
+            if keep_blocks:
+                kv_transfer_params = {"block_ids": list(req.block_table), "num_tokens": req.num_prompt_tokens}
+            self.scheduler.finish(req, free_blocks=not keep_blocks)
             self.requests.pop(req.request_id, None)
             self.detokenizers.pop(req.request_id, None)
-        return RequestOutput(req.request_id, [token], detok.take_new_text(req.finished), req.output_token_ids,
-                             detok.text, req.finished, req.finish_reason, req.stop_reason,
+        finished = req.finish_reason is not None
+        return RequestOutput(req.request_id, [token], detok.take_new_text(finished), req.output_token_ids,
+                             detok.text, finished, req.finish_reason, req.stop_reason,
                              [logprobs] if logprobs is not None else [], req.num_prompt_tokens,
-                             req.num_cached_tokens)
+                             req.num_cached_tokens, kv_transfer_params=kv_transfer_params)
 
     def _check_finish(self, req: Request, token: int, stop_string: str | None) -> None:
         p = req.sampling_params

@@ -22,3 +22,32 @@ class KVEventBatch:
     worker_id: str
     seq: int
     events: list[KVEvent]
+
+
+class KVEventLog:
+    """A worker's numbered history of event batches, bounded; consumers poll with the last seq they saw.
+
+    A consumer that fell behind the retained history gets `None` and must resync from a snapshot.
+    """
+
+    def __init__(self, worker_id: str, max_batches: int = 1024):
+        self.worker_id = worker_id
+        self.max_batches = max_batches
+        self.batches: list[KVEventBatch] = []
+        self.seq = 0
+
+    def publish(self, events: list[KVEvent]) -> None:
+        if not events:
+            return
+        self.seq += 1
+        self.batches.append(KVEventBatch(self.worker_id, self.seq, events))
+        if len(self.batches) > self.max_batches:
+            del self.batches[: len(self.batches) - self.max_batches]
+
+    def since(self, after_seq: int) -> list[KVEventBatch] | None:
+        """Batches numbered after `after_seq`, or None when some of them were already dropped."""
+        if after_seq >= self.seq:
+            return []
+        if not self.batches or self.batches[0].seq > after_seq + 1:
+            return None
+        return self.batches[after_seq + 1 - self.batches[0].seq:]

@@ -19,6 +19,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    kv_transfer_params: dict | None = None
 
 
 @dataclass(slots=True)

@@ -44,6 +44,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     output_logprobs: list[dict] = field(default_factory=list)
+    do_remote_decode: bool = False
     times: RequestTimes = field(default_factory=RequestTimes)
 
     def __post_init__(self):

@@ -48,8 +48,9 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            computed = self.block_manager.get_computed_blocks(req)
-            num_cached = len(computed) * self.block_manager.block_size
+            # A request whose prompt KV was imported arrives with blocks and computed tokens.
+            computed = [] if req.num_computed_tokens else self.block_manager.get_computed_blocks(req)
+            num_cached = req.num_computed_tokens or len(computed) * self.block_manager.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(req, num_new, computed):
                 break
@@ -64,13 +65,16 @@ class Scheduler:
             budget -= num_new
         return scheduled
 
-    def finish(self, req: Request) -> None:
-        """Remove a finished or aborted request and free its blocks (they stay in the prefix cache)."""
+    def finish(self, req: Request, free_blocks: bool = True) -> None:
+        """Remove a finished or aborted request; its freed blocks stay in the prefix cache.
+
+        `free_blocks=False` hands the blocks to the caller (a prefill worker leasing them to decode)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.block_manager.free(req)
+        if free_blocks:
+            self.block_manager.free(req)
         req.status = RequestStatus.FINISHED
 
     def _preempt(self, req: Request) -> None:

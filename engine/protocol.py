@@ -1,0 +1,74 @@
+"""What crosses actor boundaries: the request created once at the ingress, and what workers return."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """A tokenized request as the ingress built it; stages add timestamps to `times`."""
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    cache_salt: str | None = None
+    times: dict[str, float] = field(default_factory=lambda: {"arrival": time.time()})
+
+    def stamp(self, stage: str) -> None:
+        self.times[stage] = time.time()
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """One step of a request's stream."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    times: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What a prefill worker hands back: the first token, and where to pull the KV from (None when done)."""
+    first: TokenDelta
+    kv_handle: object | None
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """A worker's load and cache state, as the router and metrics read it."""
+    worker_id: str
+    pool: str
+    num_waiting: int = 0
+    num_running: int = 0
+    queued_prefill_tokens: int = 0
+    num_active_blocks: int = 0
+    num_total_blocks: int = 1
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    draining: bool = False
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_active_blocks / self.num_total_blocks
+
+
+@dataclass(slots=True)
+class KVEventsReply:
+    """Answer to a router's poll: new batches, or a full snapshot when it fell behind."""
+    worker_id: str
+    batches: list = field(default_factory=list)
+    snapshot: list[int] | None = None
+    seq: int = 0

@@ -1,0 +1,96 @@
+"""What prefill and decode workers share: an engine stepping in the background, its KV event log,
+its load stats and request streams. Plain asyncio; the Ray actors in prefill_workers/ and
+decode_workers/ build on it."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.engine_loop import EngineLoop
+from engine.kv_events import KVEventLog
+from engine.outputs import RequestOutput
+from engine.protocol import GenerateRequest, KVEventsReply, TokenDelta, WorkerStats
+from engine.request import Request
+
+
+class EngineServer:
+    """One engine behind an async interface, owned by one worker actor."""
+
+    pool = "engine"
+
+    def __init__(self, worker_id: str, engine_config: EngineConfig):
+        self.worker_id = worker_id
+        self.engine = Engine(engine_config)
+        self.events = KVEventLog(worker_id)
+        self.draining = False
+        self.in_flight: set[str] = set()
+        self.loop = EngineLoop(self.engine, on_step=self._after_step)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def build_request(self, req: GenerateRequest) -> Request:
+        return self.loop.call(self.engine.make_request, req.request_id, req.prompt_token_ids,
+                              req.sampling_params, req.cache_salt)
+
+    async def stream(self, request: GenerateRequest, engine_req: Request, add=None):
+        """Queue `engine_req` (with `add`, default Engine.add) and yield its outputs until it finishes;
+        cancelling the consumer aborts the request and frees its blocks."""
+        rid = engine_req.request_id
+        queue = self.loop.subscribe(rid)
+        self.in_flight.add(rid)
+        try:
+            self.loop.call(add or self.engine.add, engine_req)
+            while True:
+                out: RequestOutput = await queue.get()
+                yield out
+                if out.finished or out.kv_transfer_params is not None:
+                    return
+        finally:
+            self.loop.unsubscribe(rid)
+            self.in_flight.discard(rid)
+            self.loop.call(self.engine.abort, rid)
+
+    @staticmethod
+    def to_delta(out: RequestOutput, request: GenerateRequest) -> TokenDelta:
+        if out.finished:
+            request.stamp("finished")
+        return TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
+                          out.stop_reason, out.new_logprobs, out.num_prompt_tokens, out.num_cached_tokens,
+                          out.error, dict(request.times) if out.finished else {})
+
+    # ---- what the router and operators read ---------------------------------------------------
+
+    def stats(self) -> WorkerStats:
+        counters = self.loop.call(self.engine.stats)
+        return WorkerStats(self.worker_id, self.pool, draining=self.draining, **counters)
+
+    async def kv_events(self, after_seq: int, timeout_s: float = 1.0) -> KVEventsReply:
+        """New KV event batches after `after_seq`, waiting up to `timeout_s` for some to appear."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            batches = self.events.since(after_seq)
+            if batches is None or after_seq > self.events.seq:
+                snapshot = self.loop.call(self.engine.block_manager.snapshot)
+                return KVEventsReply(self.worker_id, [], snapshot, self.events.seq)
+            remaining = deadline - time.monotonic()
+            if batches or remaining <= 0:
+                return KVEventsReply(self.worker_id, batches, None, self.events.seq)
+            await asyncio.sleep(min(remaining, 0.02))
+
+    def ping(self) -> str:
+        return self.worker_id
+
+    def drain(self) -> None:
+        """Stop taking new requests; in-flight ones finish."""
+        self.draining = True
+
+    def num_in_flight(self) -> int:
+        return len(self.in_flight)
+
+    def _after_step(self, outputs: list[RequestOutput]) -> None:
+        # Runs on the loop thread right after a step, while nothing else touches the block manager.
+        with self.loop.lock:
+            events = self.engine.block_manager.take_events()
+        self.events.publish(events)
