@@ -1,0 +1,439 @@
+"""The Kubernetes manifests under k8s/: rendered the way `kubectl kustomize` renders
+them, validated against KubeRay's CRD schema and Kubernetes' own schemas, and
+checked for what the deployment promises (pools pinned to their worker groups,
+a CPU overlay without GPUs, monitoring that scrapes real ports, a dashboard on
+the metrics tandem exports)."""
+from __future__ import annotations
+
+import ast
+import copy
+import functools
+import inspect
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pydantic
+import pytest
+import yaml
+from kubernetes_validate.utils import all_versions
+from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+from ray.serve.schema import ServeDeploySchema
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "k8s"
+KUBERAY_CRD = REPO.parent / "shared" / "k8s-schemas" / "ray.io_rayservices.yaml"
+KUSTOMIZATIONS = ["base", "monitoring", "overlays/cpu"]
+DEPLOYABLE = ["base", "overlays/cpu"]
+# Oldest and newest Kubernetes versions whose schemas kubernetes-validate bundles.
+KUBERNETES_VERSIONS = [all_versions()[0], all_versions()[-1]]
+
+HISTOGRAMS = {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+              "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "tandem:kv_transfer_seconds"}
+COUNTERS = {"vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens", "vllm:generation_tokens",
+            "vllm:num_preemptions", "tandem:kv_transfer_bytes", "tandem:routing_decisions",
+            "tandem:routing_prefix_hit_blocks", "tandem:scaling_events"}
+GAUGES = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "tandem:pool_replicas"}
+# prometheus_client's exposition: counters gain _total, histograms _bucket/_sum/_count.
+SERIES = ({f"{h}{s}" for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
+          | {f"{c}_total" for c in COUNTERS} | GAUGES)
+PROMQL_FUNCTIONS = {"histogram_quantile", "sum", "max", "rate", "increase"}
+
+
+# -- a small kustomize: exactly the kustomization fields k8s/ uses -------------
+
+def kustomize_build(directory: Path) -> list[dict]:
+    """Render a kustomization directory; a field this renderer does not implement is an error."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unsupported = set(kustomization) - {"apiVersion", "kind", "resources", "configMapGenerator", "images", "patches"}
+    if unsupported:
+        raise NotImplementedError(f"{directory}: kustomize_build does not implement {sorted(unsupported)}")
+    docs = []
+    for entry in kustomization.get("resources", []):
+        path = directory / entry
+        docs += kustomize_build(path) if path.is_dir() else load_yaml(path)
+    docs += [_config_map(directory, generator) for generator in kustomization.get("configMapGenerator", [])]
+    for patch in kustomization.get("patches", []):
+        text = patch["patch"] if "patch" in patch else (directory / patch["path"]).read_text()
+        docs = _apply_patch(docs, yaml.safe_load(text), patch.get("target", {}))
+    for image in kustomization.get("images", []):
+        _set_image(docs, image)
+    return docs
+
+
+def load_yaml(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def _config_map(directory: Path, generator: dict) -> dict:
+    options = generator.get("options", {})
+    if not options.get("disableNameSuffixHash"):
+        raise NotImplementedError("name suffix hashes are not implemented; set disableNameSuffixHash")
+    data = {}
+    for entry in generator["files"]:
+        key, _, path = entry.rpartition("=")
+        data[key or Path(path).name] = (directory / path).read_text()
+    return {"apiVersion": "v1", "kind": "ConfigMap", "data": data,
+            "metadata": {"name": generator["name"], "labels": options.get("labels", {})}}
+
+
+def _matches(doc: dict, target: dict) -> bool:
+    group, _, version = doc["apiVersion"].rpartition("/")
+    wanted = {"group": group, "version": version, "kind": doc["kind"], "name": doc["metadata"]["name"]}
+    return all(wanted[field] == value for field, value in target.items())
+
+
+def _apply_patch(docs: list[dict], patch, target: dict) -> list[dict]:
+    if isinstance(patch, list):  # JSON 6902
+        matched = [doc for doc in docs if _matches(doc, target)]
+        if not matched:
+            raise ValueError(f"JSON patch target {target} matches nothing")
+        for doc in matched:
+            _json_patch(doc, patch)
+        return docs
+    if patch.pop("$patch", None) == "delete":
+        kept = [doc for doc in docs if not (doc["apiVersion"] == patch["apiVersion"] and doc["kind"] == patch["kind"]
+                                            and doc["metadata"]["name"] == patch["metadata"]["name"])]
+        if len(kept) == len(docs):
+            raise ValueError(f"delete patch for {patch['kind']}/{patch['metadata']['name']} matches nothing")
+        return kept
+    raise NotImplementedError("strategic merge patches other than `$patch: delete` are not implemented")
+
+
+def _json_patch(doc: dict, operations: list[dict]) -> None:
+    for operation in operations:
+        *parents, last = [part.replace("~1", "/").replace("~0", "~") for part in operation["path"].split("/")[1:]]
+        node = doc
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        key = (len(node) if last == "-" else int(last)) if isinstance(node, list) else last
+        match operation["op"]:
+            case "test":
+                if node[key] != operation["value"]:
+                    raise ValueError(f"JSON patch test failed at {operation['path']}: {node[key]!r}")
+            case "replace":
+                node[key]  # RFC 6902: the target must exist
+                node[key] = operation["value"]
+            case "add" if isinstance(node, list):
+                node.insert(key, operation["value"])
+            case "add":
+                node[key] = operation["value"]
+            case "remove":
+                del node[key]
+            case other:
+                raise NotImplementedError(f"JSON patch op {other!r}")
+
+
+def _set_image(docs: list[dict], image: dict) -> None:
+    for container in containers(docs):
+        name, _, tag = container["image"].partition(":")
+        if name == image["name"]:
+            container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
+
+
+def containers(node) -> list[dict]:
+    """Every container and init container anywhere below `node`, as kustomize's image transformer finds them."""
+    if isinstance(node, list):
+        return [c for item in node for c in containers(item)]
+    if not isinstance(node, dict):
+        return []
+    found = [c for key in ("containers", "initContainers") for c in node.get(key, [])]
+    return found + [c for key, value in node.items() if key not in ("containers", "initContainers")
+                    for c in containers(value)]
+
+
+# -- validators -----------------------------------------------------------------
+
+def strict_schema(node: dict) -> dict:
+    """A CRD's OpenAPI schema as the API server applies it with strict field validation:
+    unknown fields are errors (not silently pruned) and `nullable` admits null."""
+    out = {key: value for key, value in node.items()
+           if not key.startswith("x-kubernetes-") and key not in ("nullable", "description")}
+    if "properties" in node:
+        out["properties"] = {name: strict_schema(schema) for name, schema in node["properties"].items()}
+        if "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            out[key] = strict_schema(node[key])
+    for key in ("anyOf", "allOf", "oneOf"):
+        if key in node:
+            out[key] = [strict_schema(schema) for schema in node[key]]
+    if node.get("nullable"):
+        out["type"] = [node["type"], "null"]
+    return out
+
+
+@functools.cache
+def rayservice_validator(api_version: str = "ray.io/v1") -> jsonschema.Draft7Validator:
+    crd = yaml.load(KUBERAY_CRD.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 18k lines
+    group, version = api_version.split("/")
+    assert crd["spec"]["group"] == group
+    schema = next(v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == version)
+    return jsonschema.Draft7Validator(strict_schema(schema))
+
+
+@functools.cache
+def rendered(name: str) -> list[dict]:
+    return kustomize_build(K8S / name)
+
+
+def the(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    [doc] = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    return copy.deepcopy(doc)
+
+
+def serve_app(rayservice: dict) -> dict:
+    """The one Serve application of a RayService, after Ray Serve's own schema accepts the config."""
+    config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(config)
+    [app] = config["applications"]
+    return app
+
+
+def ray_node_types(rayservice: dict) -> dict[str, dict]:
+    """The node types Ray's KubeRay autoscaler derives from the cluster spec."""
+    ray_cr = {"metadata": {"name": rayservice["metadata"]["name"], "namespace": "default"},
+              "spec": rayservice["spec"]["rayClusterConfig"]}
+    return _derive_autoscaling_config_from_ray_cr(ray_cr)["available_node_types"]
+
+
+# -- rendering --------------------------------------------------------------------
+
+def test_every_yaml_file_under_k8s_is_used_by_a_kustomization():
+    used = set()
+    for name in KUSTOMIZATIONS:
+        directory = K8S / name
+        kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+        used.add(directory / "kustomization.yaml")
+        used |= {(directory / entry).resolve() for entry in kustomization.get("resources", [])}
+        used |= {(directory / patch["path"]).resolve() for patch in kustomization.get("patches", []) if "path" in patch}
+    for path in K8S.rglob("*.yaml"):
+        assert load_yaml(path), f"{path} is empty"
+        assert path.resolve() in used, f"{path.relative_to(REPO)} is in no kustomization"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_renderer_agrees_with_kubectl_kustomize(name):
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / name)], capture_output=True, text=True, check=True).stdout
+    key = lambda doc: (doc["apiVersion"], doc["kind"], doc["metadata"]["name"])  # noqa: E731
+    expected = {key(doc): doc for doc in yaml.safe_load_all(out)}
+    assert {key(doc): doc for doc in rendered(name)} == expected
+
+
+# -- schemas ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", DEPLOYABLE)
+def test_rayservice_matches_the_kuberay_crd_schema(name):
+    rayservice = the(rendered(name), "RayService")
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+              for e in rayservice_validator(rayservice["apiVersion"]).iter_errors(rayservice)]
+    assert errors == []
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda rs: rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0].update(maxReplicas="4"), "maxReplicas"),
+    (lambda rs: rs["spec"]["rayClusterConfig"].update(enableInTreeAutoScaling=True), "enableInTreeAutoScaling"),
+    (lambda rs: rs["spec"].update(serveConfigV2={"applications": []}), "serveConfigV2"),
+    (lambda rs: containers(rs)[0]["resources"]["limits"].update(cpu="four"), "cpu"),
+])
+def test_crd_validator_rejects_a_broken_rayservice(mutate, field):
+    rayservice = the(rendered("base"), "RayService")
+    mutate(rayservice)
+    messages = [f"{e.absolute_path} {e.message}" for e in rayservice_validator().iter_errors(rayservice)]
+    assert messages and all(field in message for message in messages)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("name", DEPLOYABLE)
+def test_core_kinds_match_kubernetes_schemas(name, version):
+    core = [doc for doc in rendered(name) if "." not in doc["apiVersion"].partition("/")[0]]
+    assert {doc["kind"] for doc in core} == {"Secret", "ConfigMap"}
+    for doc in core:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_kubernetes_validator_rejects_a_broken_secret():
+    secret = the(rendered("base"), "Secret", "tandem-api-keys")
+    secret["stringData"]["api-keys"] = 12345
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(secret, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+# -- the Serve application and the pools --------------------------------------------
+
+@pytest.mark.parametrize("name", DEPLOYABLE)
+def test_serve_config_builds_the_app_with_router_app_build_app(name):
+    app = serve_app(the(rendered(name), "RayService"))
+    assert app["import_path"] == "router.app:build_app"
+    module = REPO / "router" / "app.py"
+    if module.exists():
+        tree = ast.parse(module.read_text())
+        assert "build_app" in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+@pytest.mark.parametrize("name", DEPLOYABLE)
+def test_serve_args_are_accepted_by_build_app(name):
+    if not (REPO / "router" / "app.py").exists():
+        pytest.skip("router/app.py is not written yet")
+    from router.app import build_app
+    [parameter] = inspect.signature(build_app).parameters.values()
+    if not (inspect.isclass(parameter.annotation) and issubclass(parameter.annotation, pydantic.BaseModel)):
+        pytest.skip("build_app's args are not a pydantic model, so Serve does not validate them")
+    parameter.annotation.model_validate(serve_app(the(rendered(name), "RayService"))["args"])
+
+
+@pytest.mark.parametrize("name", DEPLOYABLE)
+def test_each_pool_actor_fits_only_its_own_worker_group(name):
+    rayservice = the(rendered(name), "RayService")
+    node_types = ray_node_types(rayservice)
+    assert set(node_types) == {"headgroup", "prefill", "decode"}
+    args = serve_app(rayservice)["args"]
+    for pool in ("prefill", "decode"):
+        options = args[pool]["ray_actor_options"]
+        demand = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], **options["resources"]}
+        fits = {group for group, node in node_types.items()
+                if all(node["resources"].get(resource, 0) >= amount for resource, amount in demand.items() if amount)}
+        assert fits == {pool}
+
+
+@pytest.mark.parametrize("name", DEPLOYABLE)
+def test_pools_autoscale_as_separate_worker_groups(name):
+    cluster = the(rendered(name), "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    groups = {group["groupName"]: group for group in cluster["workerGroupSpecs"]}
+    assert set(groups) == {"prefill", "decode"}
+    for group in groups.values():
+        assert 1 <= group["minReplicas"] <= group["replicas"] < group["maxReplicas"]
+
+
+def test_base_gives_each_pool_worker_a_gpu():
+    rayservice = the(rendered("base"), "RayService")
+    node_types = ray_node_types(rayservice)
+    assert node_types["prefill"]["resources"]["GPU"] == node_types["decode"]["resources"]["GPU"] == 1
+    assert serve_app(rayservice)["args"]["device"] == "cuda"
+
+
+def test_cpu_overlay_drops_every_gpu_and_runs_one_pod_per_pool():
+    rayservice = the(rendered("overlays/cpu"), "RayService")
+    for container in containers(rayservice):
+        requested = {**container["resources"].get("requests", {}), **container["resources"].get("limits", {})}
+        assert not [resource for resource in requested if "gpu" in resource.lower()]
+    assert all(not node["resources"].get("GPU") for node in ray_node_types(rayservice).values())
+    args = serve_app(rayservice)["args"]
+    assert args["device"] == "cpu"
+    assert args["prefill"]["ray_actor_options"]["num_gpus"] == args["decode"]["ray_actor_options"]["num_gpus"] == 0
+    for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        assert group["replicas"] == group["minReplicas"] == 1
+    assert {c["image"] for c in containers(rayservice)} == {"tandem-serve:0.1.0-cpu"}
+
+
+def test_cpu_overlay_changes_only_device_and_gpu_counts_in_serve_args():
+    base = serve_app(the(rendered("base"), "RayService"))
+    cpu = serve_app(the(rendered("overlays/cpu"), "RayService"))
+    for app in (base, cpu):
+        app["args"]["device"] = "any"
+        for pool in ("prefill", "decode"):
+            app["args"][pool]["ray_actor_options"].update(num_cpus=0, num_gpus=0)
+    assert cpu == base
+
+
+@pytest.mark.parametrize("name", DEPLOYABLE)
+def test_every_ray_container_reads_both_keys_from_secrets_that_exist(name):
+    docs = rendered(name)
+    secrets = {doc["metadata"]["name"]: doc["stringData"] for doc in docs if doc["kind"] == "Secret"}
+    for container in containers(the(docs, "RayService")):
+        refs = {env["name"]: env["valueFrom"]["secretKeyRef"] for env in container["env"] if "valueFrom" in env}
+        assert set(refs) == {"TANDEM_API_KEYS", "TANDEM_ADMIN_KEY"}
+        for ref in refs.values():
+            assert ref["key"] in secrets[ref["name"]]
+
+
+# -- monitoring -------------------------------------------------------------------
+
+def pod_templates(rayservice: dict) -> list[dict]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"]["template"]] + [group["template"] for group in cluster["workerGroupSpecs"]]
+
+
+def test_pod_monitors_scrape_named_ports_of_the_pods_they_select():
+    docs = rendered("base")
+    templates = pod_templates(the(docs, "RayService"))
+    monitors = {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == "PodMonitor"}
+    assert set(monitors) == {"tandem-api", "tandem-ray"}
+    selected = {}
+    for name, monitor in monitors.items():
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        labels = monitor["spec"]["selector"]["matchLabels"]
+        pods = [t for t in templates if labels.items() <= t["metadata"]["labels"].items()]
+        selected[name] = [t["metadata"]["labels"]["app.kubernetes.io/component"] for t in pods]
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            assert endpoint["path"] == "/metrics"
+            for pod in pods:
+                assert endpoint["port"] in {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    assert selected == {"tandem-api": ["head"], "tandem-ray": ["head", "prefill", "decode"]}
+
+
+def test_head_serves_the_api_on_8000_and_ray_metrics_on_8080():
+    [head] = the(rendered("base"), "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"][
+        "containers"]
+    assert {p["name"]: p["containerPort"] for p in head["ports"]}.items() >= {"serve": 8000, "metrics": 8080}.items()
+    assert yaml.safe_load(the(rendered("base"), "RayService")["spec"]["serveConfigV2"])["http_options"]["port"] == 8000
+
+
+def test_cpu_overlay_leaves_out_pod_monitors_but_keeps_the_dashboard():
+    kinds = {doc["kind"] for doc in rendered("overlays/cpu")}
+    assert "PodMonitor" not in kinds and "ConfigMap" in kinds
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = json.loads((K8S / "monitoring" / "grafana-dashboard.json").read_text())
+    panels = [panel for panel in dashboard["panels"] if panel["type"] != "row"]
+    assert panels and all(panel["targets"] for panel in panels)
+    return [target["expr"] for panel in panels for target in panel["targets"]]
+
+
+def promql_names(expr: str) -> tuple[set[str], set[str]]:
+    """(functions, series) named in a PromQL expression."""
+    bare = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\b(by|without)\s*\([^)]*\)", " ", expr)
+    names = re.findall(r"(?<![\w.:])([A-Za-z_:][\w:]*)(\s*\()?", bare)
+    return {n for n, call in names if call}, {n for n, call in names if not call}
+
+
+def test_dashboard_queries_use_only_metric_names_tandem_exports():
+    for expr in dashboard_queries():
+        functions, series = promql_names(expr)
+        assert functions <= PROMQL_FUNCTIONS, expr
+        assert series <= SERIES, f"unknown series {series - SERIES} in {expr}"
+
+
+def test_promql_name_check_catches_a_misspelt_metric():
+    assert promql_names("sum by (pool) (rate(vllm:prompt_token_total[5m]))")[1] == {"vllm:prompt_token_total"}
+
+
+def test_dashboard_shows_every_exported_metric():
+    used = set().union(*(promql_names(expr)[1] for expr in dashboard_queries()))
+    families = {re.sub(r"_(bucket|sum|count|total)$", "", series) for series in used}
+    assert families == HISTOGRAMS | COUNTERS | GAUGES
+
+
+def test_dashboard_quantiles_come_from_histogram_buckets_by_le():
+    quantiles = [expr for expr in dashboard_queries() if "histogram_quantile" in expr]
+    assert len(quantiles) >= 2 * len(HISTOGRAMS)  # p50 and p99 of each
+    for expr in quantiles:
+        assert all(series.endswith("_bucket") for series in promql_names(expr)[1]), expr
+        assert re.search(r"\bby \((le|[^)]*, le)\b", expr), expr
+
+
+def test_dashboard_ships_in_a_config_map_grafana_picks_up():
+    config_map = the(rendered("base"), "ConfigMap", "tandem-grafana-dashboard")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    [content] = config_map["data"].values()
+    assert json.loads(content)["uid"] == "tandem-overview"
+    # kubectl apply keeps the object in an annotation limited to 256 KiB.
+    assert len(content.encode()) < 256 * 1024
