@@ -1,0 +1,127 @@
+"""Block-granular export and import between paged KV caches, one chunk at a time.
+
+A chunk is layers [layer_start, layer_end) x a range of a pull's requested
+blocks. Its payload, in wire order, is for each layer K then V of those
+blocks, each [num_blocks, block_size, num_kv_heads, head_dim] in C order.
+Both ends derive the same chunk plan from the pull request, so a receiver
+knows every chunk's size before it arrives. Reads and writes are one tensor
+op per layer (a slice when the block ids are consecutive, else
+`index_select` / `index_copy_`); nothing is done per element in Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import crc32c
+import torch
+
+from engine.kv_cache import KVCache, KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSpec:
+    """Layers [layer_start, layer_end) x positions [block_start, block_end) of the pull's block list."""
+    layer_start: int
+    layer_end: int
+    block_start: int
+    block_end: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_end - self.block_start
+
+    def num_bytes(self, layout: KVLayout) -> int:
+        return 2 * self.num_layers * self.num_blocks * layout.bytes_per_block_per_layer
+
+
+def plan_chunks(layout: KVLayout, num_blocks: int, layer_start: int, layer_end: int,
+                max_chunk_bytes: int) -> list[ChunkSpec]:
+    """Split a pull into chunks of at most `max_chunk_bytes` (or one block-layer), early layers first."""
+    block_layer = 2 * layout.bytes_per_block_per_layer
+    if num_blocks == 0 or layer_end <= layer_start:
+        return []
+    if num_blocks * block_layer <= max_chunk_bytes:
+        step = max(1, max_chunk_bytes // (num_blocks * block_layer))
+        return [ChunkSpec(lo, min(lo + step, layer_end), 0, num_blocks)
+                for lo in range(layer_start, layer_end, step)]
+    pieces = -(-num_blocks * block_layer // max_chunk_bytes)
+    bounds = [num_blocks * i // pieces for i in range(pieces + 1)]
+    return [ChunkSpec(layer, layer + 1, lo, hi)
+            for layer in range(layer_start, layer_end) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+def consecutive_start(block_ids: list[int]) -> int | None:
+    """The first id when `block_ids` are consecutive ascending (the chunk is a slice), else None."""
+    if block_ids and block_ids[-1] - block_ids[0] == len(block_ids) - 1 \
+            and all(b - a == 1 for a, b in zip(block_ids, block_ids[1:])):
+        return block_ids[0]
+    return None
+
+
+def cache_views(cache: KVCache, block_ids: list[int], spec: ChunkSpec) -> list[torch.Tensor] | None:
+    """The chunk's payload as views of the cache (K, V per layer) when its blocks are a slice."""
+    start = consecutive_start(block_ids)
+    if start is None:
+        return None
+    end = start + len(block_ids)
+    return [t[start:end] for layer in range(spec.layer_start, spec.layer_end)
+            for t in (cache.k[layer], cache.v[layer])]
+
+
+def chunk_shape(layout: KVLayout, spec: ChunkSpec) -> tuple[int, ...]:
+    """The payload as one tensor: [layers, 2 (K, V), blocks, block_size, heads, head_dim]."""
+    return (spec.num_layers, 2, spec.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+
+
+def staging_buffer(cache: KVCache, spec: ChunkSpec) -> torch.Tensor:
+    """An empty tensor of the chunk's payload shape on the cache's device."""
+    return torch.empty(chunk_shape(cache.layout, spec), dtype=cache.k[0].dtype, device=cache.k[0].device)
+
+
+def segments(staging: torch.Tensor) -> list[torch.Tensor]:
+    """A staging buffer split like `cache_views`: K, V per layer."""
+    return [staging[i, kv] for i in range(staging.shape[0]) for kv in (0, 1)]
+
+
+def read_chunk(cache: KVCache, block_ids: list[int], spec: ChunkSpec) -> list[torch.Tensor]:
+    """The chunk's payload as K, V segments per layer: cache views if possible, else a gathered copy."""
+    views = cache_views(cache, block_ids, spec)
+    if views is not None:
+        return views
+    staging = staging_buffer(cache, spec)
+    index = torch.tensor(block_ids, dtype=torch.long, device=staging.device)
+    for i, layer in enumerate(range(spec.layer_start, spec.layer_end)):
+        torch.index_select(cache.k[layer], 0, index, out=staging[i, 0])
+        torch.index_select(cache.v[layer], 0, index, out=staging[i, 1])
+    return segments(staging)
+
+
+def write_chunk(cache: KVCache, block_ids: list[int], spec: ChunkSpec, payload: torch.Tensor) -> None:
+    """Scatter a payload (any tensor holding the chunk's bytes in wire order) into `block_ids`."""
+    device = cache.k[0].device
+    src = payload.view(cache.k[0].dtype).view(chunk_shape(cache.layout, spec)).to(device)
+    start = consecutive_start(block_ids)
+    index = None if start is not None else torch.tensor(block_ids, dtype=torch.long, device=device)
+    for i, layer in enumerate(range(spec.layer_start, spec.layer_end)):
+        for kv, dst in enumerate((cache.k[layer], cache.v[layer])):
+            if index is None:
+                dst[start:start + len(block_ids)].copy_(src[i, kv])
+            else:
+                dst.index_copy_(0, index, src[i, kv])
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes without a copy (works for bfloat16, which numpy lacks)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def payload_crc(tensors: list[torch.Tensor]) -> int:
+    """CRC32C over CPU tensors' bytes, in order, as if they were one buffer."""
+    crc = 0
+    for t in tensors:
+        crc = crc32c.crc32c(host_bytes(t), crc)
+    return crc

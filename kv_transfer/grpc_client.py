@@ -1,0 +1,108 @@
+"""Pull KV blocks over gRPC: parallel streams of large, checksummed chunks written straight into the cache.
+
+The requested blocks are split into up to `num_streams` contiguous groups,
+each pulled by its own server-streaming call on its own TCP connection, so
+encoding, the network and decoding overlap. Every stream delivers early
+layers first, which lets `on_layers` report complete layers while later
+ones are still on the way (or still being prefilled).
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from concurrent import futures
+
+import crc32c
+import grpc
+import torch
+
+from engine.kv_cache import KVCache
+from kv_transfer.chunks import ChunkSpec, plan_chunks, write_chunk
+from kv_transfer.client_base import KVClientBase, LayerProgress, OnLayers, transfer_error
+from kv_transfer.handle import KVChecksumError, KVHandle, KVTransferError, PullStats
+from kv_transfer.wire import SERVICE, decode_chunk
+from protos import kv_transfer_pb2 as pb
+
+# Payloads are read-only views of the received bytes; torch warns about that,
+# but we only ever copy out of them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+MIN_STREAM_BYTES = 8 << 20
+
+
+class GrpcKVClient(KVClientBase):
+    """Pulls leased KV blocks from prefill workers' KV servers over gRPC."""
+
+    def __init__(self, cache: KVCache, token: str, *, num_streams: int = 2, **options):
+        super().__init__(cache, token, **options)
+        self.num_streams = num_streams
+        self._pool = futures.ThreadPoolExecutor(4 * num_streams, "kv-pull")
+
+    def pull(self, handle: KVHandle, dst_block_ids: list[int], indices: list[int],
+             on_layers: OnLayers | None = None) -> PullStats:
+        """Copy blocks `indices` of the handle's request into our blocks `dst_block_ids` (same order).
+
+        Raises a KVTransferError subclass on any failure; the destination
+        blocks then hold partial data and must not be registered.
+        """
+        request = self.pull_request(handle, dst_block_ids, indices)
+        start = time.perf_counter()
+        layout = self.cache.layout
+        progress = LayerProgress(0, layout.num_layers, len(indices), on_layers)
+        total = 2 * layout.num_layers * len(indices) * layout.bytes_per_block_per_layer
+        streams = max(1, min(self.num_streams, len(indices), total // MIN_STREAM_BYTES))
+        bounds = [len(indices) * i // streams for i in range(streams + 1)]
+        calls, jobs = [], []
+        for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            part = pb.PullRequest()
+            part.CopyFrom(request)
+            del part.block_indices[:]
+            part.block_indices.extend(indices[lo:hi])
+            calls.append(self._pull_method(handle.address, s)(part, **self.call_options()))
+            jobs.append(self._pool.submit(self._consume, calls[-1], part, dst_block_ids[lo:hi], progress))
+        futures.wait(jobs, return_when=futures.FIRST_EXCEPTION)
+        for call in calls:  # a failed stream stops the others ...
+            call.cancel()
+        futures.wait(jobs)  # ... and none may still write into blocks the caller is about to free
+        errors = [job.exception() for job in jobs if job.exception() is not None]
+        first = next((e for e in errors if not _is_cancelled(e)), errors[0] if errors else None)
+        if isinstance(first, grpc.RpcError):
+            raise transfer_error(first, handle.request_id) from None
+        if first is not None:
+            raise first
+        received = [job.result() for job in jobs]
+        return PullStats(sum(b for b, _ in received), sum(c for _, c in received), time.perf_counter() - start)
+
+    def _pull_method(self, address: str, stream: int):
+        return self.channel(address, stream).unary_stream(
+            f"/{SERVICE}/Pull", request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=decode_chunk)
+
+    def _consume(self, call, request: pb.PullRequest, dst_block_ids: list[int],
+                 progress: LayerProgress) -> tuple[int, int]:
+        """Receive one stream's chunks in plan order, verify and write each; (bytes, chunks)."""
+        cache = self.cache
+        plan = plan_chunks(cache.layout, len(request.block_indices), request.layer_start,
+                           request.layer_end, request.max_chunk_bytes)
+        num_bytes = 0
+        for i, (header, payload) in enumerate(call):
+            spec = ChunkSpec(header.layer_start, header.layer_end, header.block_start, header.block_end)
+            if i >= len(plan) or spec != plan[i] or len(payload) != spec.num_bytes(cache.layout):
+                raise KVTransferError(f"KV pull of {request.request_id!r}: unexpected chunk {spec}")
+            if not header.HasField("crc32c") or crc32c.crc32c(payload) != header.crc32c:
+                raise KVChecksumError(f"KV pull of {request.request_id!r}: chunk {spec} failed its CRC32C")
+            write_chunk(cache, dst_block_ids[spec.block_start:spec.block_end], spec,
+                        torch.frombuffer(payload, dtype=cache.k[0].dtype))
+            num_bytes += len(payload)
+            progress.done(spec)
+        if num_bytes != sum(s.num_bytes(cache.layout) for s in plan):
+            raise KVTransferError(f"KV pull of {request.request_id!r} ended after {num_bytes} bytes")
+        return num_bytes, len(plan)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        super().close()
+
+
+def _is_cancelled(err: BaseException) -> bool:
+    return isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.CANCELLED

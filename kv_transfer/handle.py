@@ -1,0 +1,60 @@
+"""What a prefill worker hands to a decode worker so that it can pull a request's KV blocks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from engine.kv_cache import KVLayout
+
+Transport = Literal["grpc", "torch_dist"]
+
+
+@dataclass(frozen=True, slots=True)
+class KVHandle:
+    """A leased request's KV on a prefill worker; picklable, so it travels through Ray.
+
+    `block_hashes` covers the full blocks only: the last, partial block of a
+    prompt has no hash and is always pulled. The auth token is not part of it.
+    """
+    transport: Transport
+    address: str  # host:port of the prefill worker's KV transfer server
+    request_id: str
+    num_tokens: int
+    block_hashes: tuple[int, ...]
+    layout: KVLayout
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_tokens // self.layout.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class PullStats:
+    """What one pull moved: payload bytes (checksummed data, no framing), chunks and wall time."""
+    num_bytes: int
+    num_chunks: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class KVTransferError(RuntimeError):
+    """A pull failed; the destination blocks hold no usable data and must be freed by the caller."""
+
+
+class KVAuthError(KVTransferError):
+    """The server refused the shared token (UNAUTHENTICATED)."""
+
+
+class KVLayoutMismatchError(KVTransferError):
+    """The two peers' KV layouts differ (model, dtype, block size or shape)."""
+
+
+class KVLeaseNotFoundError(KVTransferError):
+    """The request's lease expired, was released, or never existed."""
+
+
+class KVChecksumError(KVTransferError):
+    """A chunk's payload did not match its CRC32C."""

@@ -1,0 +1,222 @@
+"""The KV export server in a prefill worker: a lease table behind an authenticated gRPC service.
+
+Pull streams chunks over gRPC; PullDist streams only their headers and sends
+the payloads over the pair's torch.distributed group (see dist_server.py).
+Handlers run on a bounded thread pool, and calls beyond its capacity are
+refused with RESOURCE_EXHAUSTED instead of queueing without limit.
+"""
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from engine.kv_cache import KVCache
+from kv_transfer.chunks import ChunkSpec, host_bytes, payload_crc, plan_chunks, read_chunk
+from kv_transfer.handle import KVHandle
+from kv_transfer.lease import Lease, LeaseTable, OnRelease
+from kv_transfer.malloc import keep_message_buffers_in_heap
+from kv_transfer.wire import SERVICE, encode_chunk, layout_from_proto, layout_to_proto
+from protos import kv_transfer_pb2 as pb
+
+@dataclass(slots=True)
+class KVServerConfig:
+    """Where the server listens and how much it accepts; `dist` adds the torch.distributed data plane."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_workers: int = 8
+    max_message_bytes: int = 16 << 20
+    lease_ttl_s: float = 30.0
+    dist: bool = False
+    dist_timeout_s: float = 30.0
+
+
+@dataclass(slots=True)
+class ServerStats:
+    """Payload bytes and chunks sent since start, over both data planes."""
+    bytes_sent: int = 0
+    chunks_sent: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, num_bytes: int) -> None:
+        with self._lock:
+            self.bytes_sent += num_bytes
+            self.chunks_sent += 1
+
+
+class _BearerTokenAuth(grpc.ServerInterceptor):
+    """Refuses every call whose `authorization` metadata is not `Bearer <token>` (constant-time compare)."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        given = dict(details.invocation_metadata).get("authorization", "")
+        if handler is None or hmac.compare_digest(given.encode(), self._expected):
+            return handler
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid KV transfer token")
+
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny, handler.request_deserializer)
+        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer)
+
+
+class KVTransferServer:
+    """Serves the leased KV blocks of `cache` to decode workers that present `token`."""
+
+    def __init__(self, cache: KVCache, token: str, config: KVServerConfig | None = None):
+        if not token:
+            raise ValueError("a KV transfer server needs a non-empty shared token")
+        self.cache = cache
+        self.config = config or KVServerConfig()
+        self.leases = LeaseTable(cache.layout.num_layers, self.config.lease_ttl_s)
+        self.stats = ServerStats()
+        self._layout_proto = layout_to_proto(cache.layout)
+        keep_message_buffers_in_heap(self.config.max_message_bytes)
+        limits = [("grpc.max_send_message_length", self.config.max_message_bytes),
+                  ("grpc.max_receive_message_length", self.config.max_message_bytes)]
+        self._server = grpc.server(futures.ThreadPoolExecutor(self.config.max_workers, "kv-export"),
+                                   interceptors=[_BearerTokenAuth(token)], options=limits,
+                                   maximum_concurrent_rpcs=self.config.max_workers)
+        self._server.add_generic_rpc_handlers([self._handlers()])
+        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.dist = None
+        if self.config.dist:
+            from kv_transfer.dist_server import DistSender
+            self.dist = DistSender(self, self.config.host, self.config.dist_timeout_s)
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def start(self) -> KVTransferServer:
+        self._server.start()
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving, then release every lease (running `on_release` for each)."""
+        self._server.stop(grace).wait()
+        if self.dist is not None:
+            self.dist.close()
+        self.leases.close()
+
+    def lease(self, request_id: str, block_ids: list[int], block_hashes: list[int], num_tokens: int,
+              on_release: OnRelease, ttl: float | None = None, layers_ready: int | None = None) -> KVHandle:
+        """Pin a prefilled request's blocks for decode to pull; returns the handle to pass to decode."""
+        if len(block_ids) != -(-num_tokens // self.cache.layout.block_size):
+            raise ValueError(f"{len(block_ids)} blocks do not hold exactly {num_tokens} tokens")
+        if len(block_hashes) > len(block_ids):
+            raise ValueError("more block hashes than blocks")
+        self.leases.add(request_id, block_ids, block_hashes, num_tokens, on_release, ttl, layers_ready)
+        return KVHandle("torch_dist" if self.dist else "grpc", self.address, request_id, num_tokens,
+                        tuple(block_hashes), self.cache.layout)
+
+    def mark_layers_ready(self, request_id: str, num_layers_ready: int) -> None:
+        """Layer-wise prefill: layers [0, num_layers_ready) may be streamed now."""
+        self.leases.mark_layers_ready(request_id, num_layers_ready)
+
+    def release(self, request_id: str) -> bool:
+        """End a lease from the prefill side (abort); False if it was already gone."""
+        return self.leases.release(request_id)
+
+    def export_chunk(self, block_ids: list[int], spec: ChunkSpec, to_host: bool) -> tuple[list[torch.Tensor], int | None]:
+        """A chunk's payload segments and their CRC32C (None for device tensors, which stay put)."""
+        segments = read_chunk(self.cache, block_ids, spec)
+        if to_host:
+            segments = [s.cpu() for s in segments]
+        on_host = segments[0].device.type == "cpu"
+        return segments, payload_crc(segments) if on_host else None
+
+    def open_pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> tuple[Lease, list[int]]:
+        """Check a pull and pin its lease; aborts the call with a precise status when it is refused."""
+        if layout_from_proto(request.layout) != self.cache.layout:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"KV layout mismatch: server has {self.cache.layout}, "
+                          f"client has {layout_from_proto(request.layout)}")
+        if not 0 <= request.layer_start < request.layer_end <= self.cache.layout.num_layers:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad layer range")
+        if not 0 < request.max_chunk_bytes <= self.config.max_message_bytes - (64 << 10):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"max_chunk_bytes must be in (0, {self.config.max_message_bytes - (64 << 10)}]")
+        lease = self.leases.begin_pull(request.request_id)
+        if lease is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no KV lease for request {request.request_id!r}")
+        if any(i >= len(lease.block_ids) for i in request.block_indices):
+            self.leases.end_pull(lease)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block index beyond the request's blocks")
+        return lease, [lease.block_ids[i] for i in request.block_indices]
+
+    def chunks(self, lease: Lease, block_ids: list[int], request: pb.PullRequest,
+               context: grpc.ServicerContext, to_host: bool) -> Iterator[tuple[pb.ChunkHeader, list[torch.Tensor]]]:
+        """Export the pull's chunks in plan order, each once the producer has marked its layers ready."""
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + (remaining if remaining is not None else self.config.lease_ttl_s)
+        context.add_callback(self.leases.wake)
+        for spec in plan_chunks(self.cache.layout, len(block_ids), request.layer_start,
+                                request.layer_end, request.max_chunk_bytes):
+            if not self.leases.wait_layers(lease, spec.layer_end, deadline, context.is_active):
+                if lease.released:
+                    context.abort(grpc.StatusCode.NOT_FOUND, f"lease of {request.request_id!r} was released")
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "KV layers were not ready in time")
+            segments, crc = self.export_chunk(block_ids[spec.block_start:spec.block_end], spec, to_host)
+            header = pb.ChunkHeader(layer_start=spec.layer_start, layer_end=spec.layer_end,
+                                    block_start=spec.block_start, block_end=spec.block_end,
+                                    num_bytes=spec.num_bytes(self.cache.layout), crc32c=crc)
+            self.stats.add(header.num_bytes)
+            yield header, segments
+
+    def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        lease, block_ids = self.open_pull(request, context)
+        try:
+            for header, segments in self.chunks(lease, block_ids, request, context, to_host=True):
+                yield encode_chunk(header, [host_bytes(s) for s in segments])
+        finally:
+            self.leases.end_pull(lease)
+
+    def _pull_dist(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.ChunkHeader]:
+        if self.dist is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server has no torch.distributed data plane")
+        yield from self.dist.serve_pull(request, context)
+
+    def _release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=self.leases.release(request.request_id))
+
+    def _health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
+        backend = self.dist.backend if self.dist else ""
+        return pb.HealthResponse(layout=self._layout_proto, num_leases=len(self.leases), dist_backend=backend)
+
+    def _connect(self, request: pb.ConnectRequest, context) -> pb.ConnectResponse:
+        if self.dist is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server has no torch.distributed data plane")
+        if layout_from_proto(request.layout) != self.cache.layout:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout mismatch: server has {self.cache.layout}")
+        return self.dist.connect(request.pair_id)
+
+    def _disconnect(self, request: pb.DisconnectRequest, context) -> pb.DisconnectResponse:
+        if self.dist is not None:
+            self.dist.disconnect(request.pair_id)
+        return pb.DisconnectResponse()
+
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        def unary(fn, request_type):
+            return grpc.unary_unary_rpc_method_handler(fn, request_type.FromString, lambda m: m.SerializeToString())
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            # Pull's handler yields pre-encoded KVChunk bytes (see wire.py), hence no serializer.
+            "Pull": grpc.unary_stream_rpc_method_handler(self._pull, pb.PullRequest.FromString, None),
+            "PullDist": grpc.unary_stream_rpc_method_handler(
+                self._pull_dist, pb.PullRequest.FromString, pb.ChunkHeader.SerializeToString),
+            "Release": unary(self._release, pb.ReleaseRequest),
+            "Health": unary(self._health, pb.HealthRequest),
+            "Connect": unary(self._connect, pb.ConnectRequest),
+            "Disconnect": unary(self._disconnect, pb.DisconnectRequest),
+        })
