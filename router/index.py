@@ -1,0 +1,187 @@
+"""Exact prefix index: which worker holds which KV block, fed by KV events.
+
+Every worker publishes `KVEventBatch`es (blocks stored / removed / all
+cleared), numbered per worker. The index keeps two views of the same facts:
+
+- per worker, the set of block hashes it holds, so a worker's entries can be
+  replaced (resync) or dropped (dead worker) in O(its blocks);
+- per block hash, a bitmask of the worker slots holding it (a Python int), so
+  one routing lookup walks the request's hash chain once for all workers at
+  a time, with one dict lookup and a few integer operations per block.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from engine.kv_events import KVEvent, KVEventBatch
+
+
+@dataclass(slots=True)
+class _WorkerEntry:
+    bit: int  # 1 << slot; the worker's bit in every block's owner mask
+    blocks: set[int] = field(default_factory=set)
+    seq: int = -1  # last applied batch sequence number
+    needs_resync: bool = False
+
+
+class PrefixIndex:
+    """Block hash -> workers holding it, exact as long as no event is lost.
+
+    Sequence numbers: a worker's first batch carries seq 0 and each next batch
+    seq + 1. A batch that skips ahead means events were lost; `apply` then
+    returns False, leaves the worker's entries as they were (still a good
+    guess for routing) and refuses further batches from it until `resync`
+    installs a snapshot. Batches at or below the last applied seq are
+    replays already reflected in the index and are ignored.
+    """
+
+    def __init__(self) -> None:
+        self._workers: dict[str, _WorkerEntry] = {}
+        self._owners: dict[int, int] = {}  # block hash -> bitmask of worker slots
+        self._slot_worker: list[str | None] = []  # slot -> worker id
+        self._free_slots: list[int] = []
+        self._pool_masks: dict[tuple[str, ...], int] = {}  # worker ids -> their bits
+
+    # ---- feeding -----------------------------------------------------------------
+
+    def apply(self, batch: KVEventBatch) -> bool:
+        """Apply one worker's batch; False when a gap was detected (resync that worker)."""
+        entry = self._workers.get(batch.worker_id) or self._add_worker(batch.worker_id)
+        if entry.needs_resync:
+            return False
+        if batch.seq <= entry.seq:
+            return True
+        if batch.seq != entry.seq + 1:
+            entry.needs_resync = True
+            return False
+        for event in batch.events:
+            self._apply_event(entry, event)
+        entry.seq = batch.seq
+        return True
+
+    def resync(self, worker_id: str, block_hashes: Iterable[int], seq: int) -> None:
+        """Replace a worker's entries with a snapshot taken after its batch `seq`."""
+        entry = self._workers.get(worker_id) or self._add_worker(worker_id)
+        self._drop_blocks(entry, entry.blocks)
+        entry.blocks = set()
+        self._store_blocks(entry, block_hashes)
+        entry.seq = seq
+        entry.needs_resync = False
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a dead or removed worker at once; cost is O(its blocks)."""
+        entry = self._workers.pop(worker_id, None)
+        if entry is None:
+            return
+        self._drop_blocks(entry, entry.blocks)
+        self._pool_masks.clear()
+        slot = entry.bit.bit_length() - 1
+        self._slot_worker[slot] = None
+        self._free_slots.append(slot)
+
+    # ---- querying ----------------------------------------------------------------
+
+    def overlap(self, block_hashes: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
+        """For each worker, how many leading blocks of the request's hash chain it holds.
+
+        Counting stops at a worker's first miss: a block is only reusable when
+        every block before it is cached on the same worker too.
+        """
+        pool = tuple(workers)
+        result = dict.fromkeys(pool, 0)
+        mask = self._pool_masks.get(pool)
+        if mask is None:
+            mask = self._pool_mask(pool)
+        owners = self._owners
+        slot_worker = self._slot_worker
+        depth = 0
+        for block_hash in block_hashes:
+            if not mask:
+                return result
+            held = owners.get(block_hash, 0) & mask
+            if depth:  # workers lost at depth 0 keep the default 0
+                lost = mask ^ held
+                while lost:
+                    low = lost & -lost
+                    result[slot_worker[low.bit_length() - 1]] = depth
+                    lost ^= low
+            mask = held
+            depth += 1
+        while mask:
+            low = mask & -mask
+            result[slot_worker[low.bit_length() - 1]] = depth
+            mask ^= low
+        return result
+
+    def needs_resync(self, worker_id: str) -> bool:
+        entry = self._workers.get(worker_id)
+        return entry is not None and entry.needs_resync
+
+    def num_blocks(self, worker_id: str) -> int:
+        entry = self._workers.get(worker_id)
+        return 0 if entry is None else len(entry.blocks)
+
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    def __len__(self) -> int:
+        """Number of distinct block hashes held by at least one worker."""
+        return len(self._owners)
+
+    # ---- internals ---------------------------------------------------------------
+
+    def _pool_mask(self, pool: tuple[str, ...]) -> int:
+        # Routing asks about the same few pools over and over; caching their
+        # masks saves a dict lookup per worker per decision.
+        mask = 0
+        for worker_id in pool:
+            entry = self._workers.get(worker_id)
+            if entry is not None:
+                mask |= entry.bit
+        if len(self._pool_masks) >= 64:
+            self._pool_masks.clear()
+        self._pool_masks[pool] = mask
+        return mask
+
+    def _add_worker(self, worker_id: str) -> _WorkerEntry:
+        self._pool_masks.clear()
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            self._slot_worker[slot] = worker_id
+        else:
+            slot = len(self._slot_worker)
+            self._slot_worker.append(worker_id)
+        entry = self._workers[worker_id] = _WorkerEntry(bit=1 << slot)
+        return entry
+
+    def _apply_event(self, entry: _WorkerEntry, event: KVEvent) -> None:
+        # `stored` events carry parent_hash for tree-shaped indexes; a flat
+        # index does not need it because `overlap` checks contiguity itself.
+        if event.kind == "stored":
+            self._store_blocks(entry, event.block_hashes)
+        elif event.kind == "removed":
+            held = entry.blocks.intersection(event.block_hashes)
+            entry.blocks -= held
+            self._drop_blocks(entry, held)
+        elif event.kind == "cleared":
+            self._drop_blocks(entry, entry.blocks)
+            entry.blocks = set()
+        else:
+            raise ValueError(f"unknown KV event kind {event.kind!r}")
+
+    def _store_blocks(self, entry: _WorkerEntry, block_hashes: Iterable[int]) -> None:
+        owners, blocks, bit = self._owners, entry.blocks, entry.bit
+        for block_hash in block_hashes:
+            if block_hash not in blocks:
+                blocks.add(block_hash)
+                owners[block_hash] = owners.get(block_hash, 0) | bit
+
+    def _drop_blocks(self, entry: _WorkerEntry, block_hashes: Iterable[int]) -> None:
+        owners, bit = self._owners, entry.bit
+        for block_hash in block_hashes:
+            remaining = owners[block_hash] & ~bit
+            if remaining:
+                owners[block_hash] = remaining
+            else:
+                del owners[block_hash]

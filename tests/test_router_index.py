@@ -1,0 +1,148 @@
+"""PrefixIndex: an exact block -> workers index fed by KV events."""
+from engine.hashing import block_hashes
+from engine.kv_events import KVEvent, KVEventBatch
+from router.index import PrefixIndex
+
+BLOCK = 16
+PROMPT = list(range(1000, 1000 + 8 * BLOCK))  # 8 full blocks
+HASHES = block_hashes(PROMPT, BLOCK)
+
+
+def stored(worker, seq, hashes):
+    return KVEventBatch(worker, seq, [KVEvent("stored", list(hashes))])
+
+
+def test_stored_blocks_count_as_overlap():
+    index = PrefixIndex()
+    assert index.apply(stored("w0", 0, HASHES[:5]))
+    assert index.overlap(HASHES, ["w0"]) == {"w0": 5}
+
+
+def test_overlap_reports_every_requested_worker_including_unknown_ones():
+    index = PrefixIndex()
+    index.apply(stored("w0", 0, HASHES))
+    assert index.overlap(HASHES, ["w0", "w1", "never-seen"]) == {"w0": 8, "w1": 0, "never-seen": 0}
+
+
+def test_overlap_stops_at_the_first_missing_block():
+    index = PrefixIndex()
+    index.apply(stored("w0", 0, HASHES[:2] + HASHES[3:]))  # block 2 missing
+    index.apply(stored("w1", 0, HASHES[1:]))  # block 0 missing
+    assert index.overlap(HASHES, ["w0", "w1"]) == {"w0": 2, "w1": 0}
+
+
+def test_overlap_is_computed_per_worker():
+    index = PrefixIndex()
+    for seq, worker in enumerate(["w0", "w1", "w2"]):
+        index.apply(stored(worker, 0, HASHES[:2 + 3 * seq]))
+    assert index.overlap(HASHES, ["w0", "w1", "w2"]) == {"w0": 2, "w1": 5, "w2": 8}
+
+
+def test_removed_blocks_leave_only_that_worker():
+    index = PrefixIndex()
+    index.apply(stored("w0", 0, HASHES))
+    index.apply(stored("w1", 0, HASHES))
+    index.apply(KVEventBatch("w0", 1, [KVEvent("removed", HASHES[4:])]))
+    assert index.overlap(HASHES, ["w0", "w1"]) == {"w0": 4, "w1": 8}
+
+
+def test_cleared_drops_all_blocks_of_that_worker():
+    index = PrefixIndex()
+    index.apply(stored("w0", 0, HASHES))
+    index.apply(stored("w1", 0, HASHES[:3]))
+    index.apply(KVEventBatch("w0", 1, [KVEvent("cleared")]))
+    assert index.overlap(HASHES, ["w0", "w1"]) == {"w0": 0, "w1": 3}
+    assert index.num_blocks("w0") == 0
+
+
+def test_events_in_one_batch_apply_in_order():
+    index = PrefixIndex()
+    batch = KVEventBatch("w0", 0, [KVEvent("stored", HASHES), KVEvent("cleared"), KVEvent("stored", HASHES[:1])])
+    index.apply(batch)
+    assert index.overlap(HASHES, ["w0"]) == {"w0": 1}
+
+
+def test_storing_a_block_twice_then_removing_it_once_forgets_it():
+    index = PrefixIndex()
+    index.apply(stored("w0", 0, HASHES[:2]))
+    index.apply(stored("w0", 1, HASHES[:2]))
+    index.apply(KVEventBatch("w0", 2, [KVEvent("removed", HASHES[1:2])]))
+    assert index.overlap(HASHES, ["w0"]) == {"w0": 1}
+    assert len(index) == 1
+
+
+def test_sequence_gap_is_reported_and_the_batch_is_not_applied():
+    index = PrefixIndex()
+    assert index.apply(stored("w0", 0, HASHES[:2]))
+    assert not index.apply(stored("w0", 2, HASHES))
+    assert index.needs_resync("w0")
+    assert index.overlap(HASHES, ["w0"]) == {"w0": 2}
+
+
+def test_batches_after_a_gap_are_refused_until_resync():
+    index = PrefixIndex()
+    index.apply(stored("w0", 0, HASHES[:2]))
+    index.apply(stored("w0", 2, HASHES[:4]))
+    assert not index.apply(stored("w0", 1, HASHES))
+    assert index.overlap(HASHES, ["w0"]) == {"w0": 2}
+
+
+def test_worker_first_seen_mid_stream_needs_a_resync():
+    index = PrefixIndex()
+    assert not index.apply(stored("w0", 7, HASHES))
+    assert index.needs_resync("w0")
+
+
+def test_replayed_batches_are_ignored():
+    index = PrefixIndex()
+    index.apply(stored("w0", 0, HASHES))
+    index.apply(KVEventBatch("w0", 1, [KVEvent("removed", HASHES[2:])]))
+    assert index.apply(stored("w0", 0, HASHES))
+    assert index.overlap(HASHES, ["w0"]) == {"w0": 2}
+
+
+def test_resync_replaces_a_workers_entries_and_resumes_after_the_snapshot_seq():
+    index = PrefixIndex()
+    index.apply(stored("w0", 0, HASHES))
+    index.apply(stored("w0", 5, HASHES))  # gap
+    index.resync("w0", HASHES[:3], seq=9)
+    assert not index.needs_resync("w0")
+    assert index.overlap(HASHES, ["w0"]) == {"w0": 3}
+    assert index.apply(stored("w0", 10, HASHES[3:5]))
+    assert index.overlap(HASHES, ["w0"]) == {"w0": 5}
+
+
+def test_resync_leaves_other_workers_alone():
+    index = PrefixIndex()
+    index.apply(stored("w0", 0, HASHES))
+    index.apply(stored("w1", 0, HASHES))
+    index.resync("w0", [], seq=3)
+    assert index.overlap(HASHES, ["w0", "w1"]) == {"w0": 0, "w1": 8}
+    assert len(index) == len(HASHES)
+
+
+def test_removed_worker_entries_vanish_at_once():
+    index = PrefixIndex()
+    index.apply(stored("w0", 0, HASHES))
+    index.apply(stored("w1", 0, HASHES[:4]))
+    index.remove_worker("w0")
+    assert index.workers() == ["w1"]
+    assert index.overlap(HASHES, ["w0", "w1"]) == {"w0": 0, "w1": 4}
+    assert len(index) == 4
+
+
+def test_a_new_worker_reusing_a_removed_workers_slot_starts_empty():
+    index = PrefixIndex()
+    index.apply(stored("w0", 0, HASHES))
+    index.overlap(HASHES, ["w0", "w1"])  # caches the pool's mask
+    index.remove_worker("w0")
+    index.apply(stored("w1", 0, HASHES[:1]))
+    assert index.overlap(HASHES, ["w0", "w1"]) == {"w0": 0, "w1": 1}
+
+
+def test_tenant_salt_gives_different_hashes_so_tenants_never_share_a_prefix():
+    index = PrefixIndex()
+    index.apply(stored("w0", 0, block_hashes(PROMPT, BLOCK, cache_salt="tenant-a")))
+    other = block_hashes(PROMPT, BLOCK, cache_salt="tenant-b")
+    assert index.overlap(other, ["w0"]) == {"w0": 0}
+    assert index.overlap(block_hashes(PROMPT, BLOCK, cache_salt="tenant-a"), ["w0"]) == {"w0": 8}
