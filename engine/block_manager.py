@@ -109,21 +109,19 @@ class BlockManager:
         self.update_block_hashes(req)
         bs = self.block_size
         num_full = min(req.num_computed_tokens // bs, len(req.block_hashes), len(req.block_table))
-        stored, parent = [], None
+        run: KVEvent | None = None
         for i in range(num_full):
             block = self.blocks[req.block_table[i]]
-            if block.block_hash is not None:
-                continue
             h = req.block_hashes[i]
-            if h in self.cached:
+            if block.block_hash is not None or h in self.cached:
+                run = None  # a skipped block breaks the chain: the next stored block starts a new event
                 continue
             block.block_hash, block.token_ids = h, tuple(req.all_token_ids[i * bs:(i + 1) * bs])
             self.cached[h] = block.block_id
-            if not stored:
-                parent = req.block_hashes[i - 1] if i else None
-            stored.append(h)
-        if stored:
-            self.events.append(KVEvent("stored", stored, parent))
+            if run is None:
+                run = KVEvent("stored", [], req.block_hashes[i - 1] if i else None)
+                self.events.append(run)
+            run.block_hashes.append(h)
 
     def register_block(self, block_id: int, block_hash: int, token_ids, parent_hash: int | None) -> bool:
         """Put an imported block into the prefix cache; False if that hash is already cached elsewhere."""

@@ -19,10 +19,18 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""
         self.emitted = 0
+        self.num_output_tokens = 0
         self.hold_back = max((len(s) for s in params.stop), default=1) - 1
 
     def append(self, token_id: int) -> str | None:
-        """Add one token; returns the stop string it completed, if any (the text is then cut before it)."""
+        """Add one token; returns the stop string it completed, if any (the text is then cut before it).
+
+        Like vLLM, stop strings and stop token ids count only once min_tokens are out, and a stop
+        token's own text stays out of the output unless include_stop_str_in_output."""
+        self.num_output_tokens += 1
+        stops_now = self.num_output_tokens >= self.params.min_tokens
+        if stops_now and token_id in self.params.stop_token_ids and not self.params.include_stop_str_in_output:
+            return None
         self.ids.append(token_id)
         skip = self.params.skip_special_tokens
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
@@ -32,14 +40,12 @@ class IncrementalDetokenizer:
         new_text = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += new_text
-        return self._check_stop(len(new_text))
+        return self._check_stop(len(new_text)) if stops_now else None
 
     def _check_stop(self, num_new_chars: int) -> str | None:
-        if not self.params.stop:
-            return None
-        start = max(0, len(self.text) - num_new_chars - self.hold_back)
         for stop in self.params.stop:
-            idx = self.text.find(stop, start)
+            # Only a match that ends in the new text is new; older text was searched already.
+            idx = self.text.find(stop, max(0, len(self.text) - num_new_chars - len(stop) + 1))
             if idx != -1:
                 end = idx + len(stop) if self.params.include_stop_str_in_output else idx
                 self.text = self.text[:end]

@@ -80,8 +80,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     # Drop a token when the mass before it already reaches top_p; the top token always stays.
+    # Rows with top_p=1 keep everything: rounding can push their cumulative mass to 1 early.
     mass_before = probs.cumsum(dim=-1) - probs
-    drop = mass_before >= top_p.unsqueeze(1)
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -31,8 +31,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
+        # vLLM and OpenAI clients send null or a bare string as well as a list.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.stop = self.stop or []
+        self.stop_token_ids = self.stop_token_ids or []
         self.validate()
 
     @property

@@ -15,6 +15,10 @@ from engine.protocol import GenerateRequest, KVEventsReply, TokenDelta, WorkerSt
 from engine.request import Request
 
 
+class WorkerDraining(RuntimeError):
+    """The worker is draining and takes no new requests; route elsewhere."""
+
+
 class EngineServer:
     """One engine behind an async interface, owned by one worker actor."""
 

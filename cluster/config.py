@@ -1,0 +1,140 @@
+"""The typed cluster configuration: from YAML, CLI flags or Serve args, validated at the edge."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.config import EngineConfig
+from engine.transfer_config import TransferConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PoolConfig(_Strict):
+    """One actor pool. `num_gpus=None` means one GPU per worker when CUDA is present, else none."""
+    replicas: int = Field(1, ge=0, le=256)
+    min_replicas: int = Field(0, ge=0)
+    max_replicas: int = Field(8, ge=1)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float | None = Field(None, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+    num_threads: int | None = Field(None, ge=1)
+    max_restarts: int = Field(3, ge=-1)
+
+
+class EngineOptions(_Strict):
+    block_size: int = Field(16, ge=1, le=256)
+    kv_cache_memory_gb: float = Field(1.0, gt=0)
+    num_kv_blocks: int | None = Field(None, ge=2)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True
+
+
+class TransferOptions(_Strict):
+    backend: Literal["grpc", "torch_dist"] = "grpc"
+    token: str | None = None
+    lease_ttl_s: float = Field(30.0, gt=0)
+    timeout_s: float = Field(30.0, gt=0)
+
+
+class RouterOptions(_Strict):
+    max_local_prefill_length: int = Field(2048, ge=0)
+    max_remote_prefill_cache_hit_ratio: float = Field(0.7, ge=0, le=1)
+    max_prefill_queue_size: int = Field(2, ge=1)
+    max_queued_requests: int = Field(256, ge=1)
+
+
+class ClusterConfig(_Strict):
+    """Everything `tandem serve` needs; every field has a working default for a laptop."""
+    model: str | None = None
+    served_model_name: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    seed: int = 0
+    prefill: PoolConfig = Field(default_factory=PoolConfig)
+    decode: PoolConfig = Field(default_factory=PoolConfig)
+    engine: EngineOptions = Field(default_factory=EngineOptions)
+    transfer: TransferOptions = Field(default_factory=TransferOptions)
+    router: RouterOptions = Field(default_factory=RouterOptions)
+    api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant")
+    admin_key: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    namespace: str = "tandem"
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_not_empty(cls, keys: dict[str, str]) -> dict[str, str]:
+        if any(not k or not t for k, t in keys.items()):
+            raise ValueError("API keys and tenant names must be non-empty")
+        return keys
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model or "smollm2-135m-instruct"
+
+    def engine_config(self, pool: PoolConfig) -> EngineConfig:
+        return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
+                            num_threads=pool.num_threads or max(1, int(pool.num_cpus)), **self.engine.model_dump())
+
+    def transfer_config(self) -> TransferConfig:
+        token = self.transfer.token or os.environ.get("TANDEM_KV_TOKEN", "")
+        return TransferConfig(backend=self.transfer.backend, token=token, lease_ttl_s=self.transfer.lease_ttl_s,
+                              timeout_s=self.transfer.timeout_s)
+
+    def with_env(self) -> ClusterConfig:
+        """Fill keys from the environment: TANDEM_API_KEYS ("key:tenant,key2:tenant2") and TANDEM_ADMIN_KEY."""
+        update = {}
+        if not self.api_keys and os.environ.get("TANDEM_API_KEYS"):
+            update["api_keys"] = parse_api_keys(os.environ["TANDEM_API_KEYS"])
+        if not self.admin_key and os.environ.get("TANDEM_ADMIN_KEY"):
+            update["admin_key"] = os.environ["TANDEM_ADMIN_KEY"]
+        return self.model_copy(update=update) if update else self
+
+
+def parse_api_keys(text: str) -> dict[str, str]:
+    """"key:tenant,key2:tenant2"; a bare key is its own tenant."""
+    keys = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, tenant = item.partition(":")
+        keys[key] = tenant or key
+    return keys
+
+
+class ConfigError(ValueError):
+    """A config file or flag that cannot be used; the message says which field and why."""
+
+
+def load_config(path: str | Path | None = None, **overrides) -> ClusterConfig:
+    """Read a YAML config (optional) and apply overrides; raises ConfigError with the bad field."""
+    data: dict = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {path} must be a YAML mapping")
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    try:
+        return ClusterConfig.model_validate(data).with_env()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"invalid config field {field!r}: {first['msg']}") from None

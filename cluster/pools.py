@@ -1,0 +1,130 @@
+"""Starting, watching and resizing the prefill and decode actor pools on Ray."""
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+from dataclasses import dataclass, replace
+
+import ray
+
+from cluster.config import ClusterConfig, PoolConfig
+from engine.transfer_config import TransferConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    worker_id: str
+    pool: str
+    actor: ray.actor.ActorHandle
+    healthy: bool = False
+    draining: bool = False
+
+
+def _actor_class(pool: str):
+    if pool == "prefill":
+        from prefill_workers.worker import PrefillWorker
+        return ray.remote(PrefillWorker)
+    from decode_workers.worker import DecodeWorker
+    return ray.remote(DecodeWorker)
+
+
+class WorkerPool:
+    """The actors of one pool. Worker ids are never reused, so a route to a removed worker cannot
+    silently land on its replacement."""
+
+    def __init__(self, pool: str, config: ClusterConfig, pool_config: PoolConfig, transfer: TransferConfig):
+        self.pool = pool
+        self.config = config
+        self.pool_config = pool_config
+        self.transfer = transfer
+        self.workers: dict[str, WorkerInfo] = {}
+        self._ids = itertools.count()
+        self._cls = _actor_class(pool)
+
+    def actor_options(self) -> dict:
+        pc = self.pool_config
+        num_gpus = pc.num_gpus
+        if num_gpus is None:
+            num_gpus = 1.0 if self.config.device in ("auto", "cuda") and _cluster_has_gpus() else 0.0
+        return {"num_cpus": pc.num_cpus, "num_gpus": num_gpus, "resources": dict(pc.resources),
+                "max_restarts": pc.max_restarts, "max_task_retries": 0, "max_concurrency": 1000,
+                "namespace": self.config.namespace}
+
+    def add_worker(self) -> WorkerInfo:
+        worker_id = f"{self.pool}-{next(self._ids)}"
+        engine_config = self.config.engine_config(self.pool_config)
+        actor = self._cls.options(name=f"tandem-{worker_id}", **self.actor_options()).remote(
+            worker_id, engine_config, self.transfer)
+        info = WorkerInfo(worker_id, self.pool, actor)
+        self.workers[worker_id] = info
+        return info
+
+    def scale_up(self, n: int) -> list[WorkerInfo]:
+        return [self.add_worker() for _ in range(n)]
+
+    def wait_ready(self, infos: list[WorkerInfo] | None = None, timeout_s: float = 600.0) -> None:
+        """Block until the given workers (default: all) answer a ping: their model is loaded."""
+        infos = list(self.workers.values()) if infos is None else infos
+        ray.get([info.actor.ping.remote() for info in infos], timeout=timeout_s)
+        for info in infos:
+            info.healthy = True
+
+    def check_health(self, timeout_s: float = 5.0) -> dict[str, bool]:
+        """Ping every worker; a worker that fails or times out is marked unhealthy."""
+        refs = {wid: info.actor.ping.remote() for wid, info in self.workers.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        ready = set(ready)
+        for wid, ref in refs.items():
+            ok = ref in ready
+            if ok:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError:
+                    ok = False
+            self.workers[wid].healthy = ok
+        return {wid: info.healthy for wid, info in self.workers.items()}
+
+    def remove(self, worker_id: str) -> None:
+        info = self.workers.pop(worker_id)
+        try:
+            ray.get(info.actor.shutdown.remote(), timeout=10)
+        except ray.exceptions.RayError:
+            pass
+        ray.kill(info.actor, no_restart=True)
+
+    def shutdown(self) -> None:
+        for worker_id in list(self.workers):
+            self.remove(worker_id)
+
+
+class Pools:
+    """Both pools of one cluster; in colocated mode only the decode pool exists and prefills locally."""
+
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        transfer = config.transfer_config()
+        transfer = replace(transfer, token=transfer.token or secrets.token_hex(16))
+        self.decode = WorkerPool("decode", config, config.decode, transfer)
+        self.prefill = WorkerPool("prefill", config, config.prefill, transfer) if config.mode == "disaggregated" \
+            else None
+
+    def start(self, timeout_s: float = 600.0) -> None:
+        started = self.decode.scale_up(self.config.decode.replicas)
+        if self.prefill is not None:
+            self.prefill.scale_up(self.config.prefill.replicas)
+            self.prefill.wait_ready(timeout_s=timeout_s)
+        self.decode.wait_ready(started, timeout_s=timeout_s)
+
+    def pools(self) -> list[WorkerPool]:
+        return [p for p in (self.prefill, self.decode) if p is not None]
+
+    def shutdown(self) -> None:
+        for pool in self.pools():
+            pool.shutdown()
+
+
+def _cluster_has_gpus() -> bool:
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0

@@ -1,0 +1,48 @@
+"""Runs one placed request across its workers: prefill on P (first token at once), then decode on D."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import ray
+
+from engine.protocol import GenerateRequest, PrefillResult, TokenDelta
+
+logger = logging.getLogger(__name__)
+
+
+async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIterator[TokenDelta]:
+    """Yield the request's token deltas. With a prefill worker, its first token is yielded before decode
+    starts. Closing the iterator (client gone) cancels the decode stream, which aborts the request and
+    frees its blocks on both workers."""
+    result: PrefillResult | None = None
+    if prefill is not None:
+        request.stamp("prefill_dispatched")
+        result = await prefill.prefill.remote(request)
+        yield result.first
+        if result.first.finished:
+            return
+    stream = decode.generate.options(num_returns="streaming").remote(request, result)
+    try:
+        async for ref in stream:
+            yield await ref
+    finally:
+        if not _exhausted(stream):
+            ray.cancel(stream)
+            if result is not None and result.kv_handle is not None:
+                await _release(prefill, request.request_id)
+
+
+def _exhausted(stream) -> bool:
+    try:
+        return stream.is_finished()
+    except Exception:
+        return False
+
+
+async def _release(prefill, request_id: str) -> None:
+    try:
+        await asyncio.wait_for(prefill.release.remote(request_id), timeout=5)
+    except Exception as exc:  # the lease also expires on its own
+        logger.info("releasing the lease of %s failed: %s", request_id, exc)
