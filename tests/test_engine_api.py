@@ -1,0 +1,127 @@
+"""The offline engine's public surface: generate() over strings or token ids, the step API
+(add_request / step / abort) with incremental outputs, and EngineConfig validation."""
+import pytest
+import torch
+
+import engine as engine_pkg
+from engine import Engine, EngineConfig, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+
+def test_the_package_exports_the_engine_api():
+    assert {"Engine", "EngineConfig", "SamplingParams", "InvalidRequestError", "RequestOutput",
+            "CompletionOutput"} <= set(engine_pkg.__all__)
+
+
+# ---- generate -----------------------------------------------------------------------------------
+
+def test_generate_accepts_strings_and_token_id_lists_and_answers_in_order(tiny_engine):
+    prompts = ["Hello there", [5, 6, 7]]
+    outs = tiny_engine.generate(prompts, GREEDY)
+    assert len(outs) == 2
+    assert [o.num_prompt_tokens for o in outs] == [len(tiny_engine.tokenize("Hello there")), 3]
+    for out in outs:
+        assert len(out.token_ids) == 5 and out.finish_reason == "length"
+        assert out.text == tiny_engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_generate_gives_the_same_tokens_for_a_string_and_its_token_ids(tiny_engine):
+    text = "Hello there"
+    by_text, by_ids = tiny_engine.generate([text, tiny_engine.tokenize(text)], GREEDY)
+    assert by_text.token_ids == by_ids.token_ids
+
+
+def test_generate_wraps_a_single_prompt_in_a_list(tiny_engine):
+    assert len(tiny_engine.generate("Hello", GREEDY)) == 1
+    assert len(tiny_engine.generate([5, 6, 7], GREEDY)) == 1
+
+
+def test_generate_takes_one_sampling_params_per_prompt(tiny_engine):
+    outs = tiny_engine.generate(["a", "b"], [SamplingParams(max_tokens=2, ignore_eos=True),
+                                             SamplingParams(max_tokens=4, ignore_eos=True)])
+    assert [len(o.token_ids) for o in outs] == [2, 4]
+
+
+def test_generate_defaults_to_sixteen_tokens(tiny_engine):
+    eos = min(tiny_engine.eos_token_ids)
+    out = tiny_engine.generate(["Hi"], SamplingParams(logit_bias={eos: -100.0}))[0]
+    assert len(out.token_ids) == 16
+
+
+# ---- step API -----------------------------------------------------------------------------------
+
+def test_step_outputs_add_up_to_the_final_text_and_ids(tiny_engine):
+    tiny_engine.add_request("inc-0", "The answer is", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    tiny_engine.add_request("inc-1", [9, 10, 11], SamplingParams(temperature=1.0, seed=3, max_tokens=6,
+                                                                   ignore_eos=True))
+    new_ids: dict[str, list[int]] = {}
+    new_text: dict[str, str] = {}
+    final = {}
+    while tiny_engine.has_unfinished_requests():
+        for out in tiny_engine.step():
+            assert out.request_id not in final, "no output after the finished one"
+            new_ids.setdefault(out.request_id, []).extend(out.new_token_ids)
+            new_text[out.request_id] = new_text.get(out.request_id, "") + out.new_text
+            assert out.token_ids == new_ids[out.request_id]
+            if out.finished:
+                final[out.request_id] = out
+    assert set(final) == {"inc-0", "inc-1"}
+    for rid, out in final.items():
+        assert out.token_ids == new_ids[rid]
+        assert out.text == new_text[rid]
+    assert len(final["inc-0"].token_ids) == 8 and len(final["inc-1"].token_ids) == 6
+
+
+def test_step_without_requests_returns_nothing(tiny_engine):
+    assert not tiny_engine.has_unfinished_requests()
+    assert tiny_engine.step() == []
+
+
+def test_abort_mid_flight_returns_true_frees_blocks_and_ends_outputs(tiny_engine):
+    bm = tiny_engine.block_manager
+    tiny_engine.add_request("abort-api", "Hello", SamplingParams(max_tokens=50, ignore_eos=True))
+    tiny_engine.add_request("keep-api", "Hello", SamplingParams(max_tokens=3, ignore_eos=True))
+    tiny_engine.step()
+    assert bm.num_free_blocks < bm.num_blocks
+    assert tiny_engine.abort("abort-api") is True
+    ids = set()
+    while tiny_engine.has_unfinished_requests():
+        ids.update(out.request_id for out in tiny_engine.step())
+    assert ids == {"keep-api"}
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_abort_of_an_unknown_or_finished_request_returns_false(tiny_engine):
+    assert tiny_engine.abort("never-added") is False
+    tiny_engine.add_request("done", "Hi", SamplingParams(max_tokens=1))
+    while tiny_engine.has_unfinished_requests():
+        tiny_engine.step()
+    assert tiny_engine.abort("done") is False
+
+
+# ---- EngineConfig -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs", [{"block_size": 12}, {"block_size": 0}, {"dtype": "int8"}, {"max_num_seqs": 0},
+                                    {"max_num_batched_tokens": 0}, {"num_kv_blocks": 1},
+                                    {"kv_cache_memory_gb": 0.0}],
+                         ids=lambda k: next(iter(k)))
+def test_engine_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        EngineConfig(**kwargs)
+
+
+def test_engine_refuses_a_model_path_without_a_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Engine(EngineConfig(model=str(tmp_path)))
+
+
+def test_engine_config_device_and_dtype_resolve_to_torch(tiny_engine):
+    config = EngineConfig(device="cpu", dtype="bfloat16")
+    assert (config.torch_device, config.torch_dtype) == (torch.device("cpu"), torch.bfloat16)
+    assert tiny_engine.kv_cache.k[0].device.type == tiny_engine.config.torch_device.type
+
+
+def test_max_model_len_is_capped_by_the_model(tiny_llama_dir):
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=4, max_model_len=100_000))
+    assert engine.max_model_len == engine.runner.max_position_embeddings == 512
