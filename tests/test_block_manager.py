@@ -248,7 +248,7 @@ def test_blocks_return_after_abort_mid_chunked_prefill(small_engine):
 def test_blocks_return_after_abort_of_a_preempted_request(small_engine):
     start = small_engine.scheduler.num_preemptions
     reqs = [small_engine.add_request(f"pre-{i}", prompt(30 + i), LONG) for i in range(2)]
-    while small_engine.scheduler.num_preemptions == start:
+    while small_engine.scheduler.num_preemptions == start and small_engine.has_unfinished_requests():
         small_engine.step()
     preempted = next(r for r in reqs if r.num_preemptions)
     small_engine.step()

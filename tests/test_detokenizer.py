@@ -127,7 +127,7 @@ def run_steps(engine: Engine, prompt, params: SamplingParams, request_id: str):
 
 @pytest.fixture(scope="module")
 def baseline(tiny_engine):
-    """A greedy continuation of the tiny model: its ids, its text, and the text of each id prefix."""
+    """A greedy continuation of the tiny model, to pick stop strings and stop ids from."""
     out = tiny_engine.generate(["The answer is"], GREEDY)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == GREEDY.max_tokens
     return out
