@@ -115,14 +115,17 @@ class PrefixIndex:
         return result
 
     def needs_resync(self, worker_id: str) -> bool:
+        """True after a gap in the worker's batches, until `resync`."""
         entry = self._workers.get(worker_id)
         return entry is not None and entry.needs_resync
 
     def num_blocks(self, worker_id: str) -> int:
+        """How many blocks the index holds for the worker."""
         entry = self._workers.get(worker_id)
         return 0 if entry is None else len(entry.blocks)
 
     def workers(self) -> list[str]:
+        """Workers the index has entries or a sequence position for."""
         return list(self._workers)
 
     def __len__(self) -> int:
