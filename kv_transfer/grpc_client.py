@@ -23,9 +23,11 @@ from kv_transfer.handle import KVChecksumError, KVHandle, KVTransferError, PullS
 from kv_transfer.wire import SERVICE, decode_chunk
 from protos import kv_transfer_pb2 as pb
 
-# Payloads are read-only views of the received bytes; torch warns about that,
-# but we only ever copy out of them.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+# Payloads are read-only views of the received bytes, which torch warns about
+# once per process; we only ever copy out of them, so spend that warning here.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0", dtype=torch.uint8)
 
 MIN_STREAM_BYTES = 8 << 20
 

@@ -51,6 +51,12 @@ class LeaseTable:
         with self._cond:
             return len(self._leases)
 
+    @property
+    def num_active_pulls(self) -> int:
+        """Pulls reading leased blocks right now (a load signal for metrics)."""
+        with self._cond:
+            return sum(lease.active_pulls for lease in self._leases.values())
+
     def add(self, request_id: str, block_ids: list[int], block_hashes: list[int], num_tokens: int,
             on_release: OnRelease, ttl: float | None = None, layers_ready: int | None = None) -> Lease:
         """Pin `block_ids` for `request_id`; `layers_ready` < num_layers means prefill is still writing."""

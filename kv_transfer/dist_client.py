@@ -1,0 +1,175 @@
+"""Pull KV blocks over torch.distributed: headers over gRPC, payloads by point-to-point recv.
+
+Both ends derive the same chunk plan from the request, so receives are
+posted before their data arrives, straight into the cache when the
+destination blocks are consecutive, else into a staging buffer that one
+`index_copy_` per layer scatters. Any failure discards the pair (aborting
+its pending receives), and the next pull connects a fresh one.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+import torch.distributed as dist
+
+from engine.kv_cache import KVCache
+from kv_transfer.chunks import (ChunkSpec, cache_views, payload_crc, plan_chunks, segments, staging_buffer,
+                                write_chunk)
+from kv_transfer.client_base import KVClientBase, LayerProgress, OnLayers, transfer_error
+from kv_transfer.dist_group import (RECEIVER_RANK, SENDER_RANK, abort_group, local_address_toward, open_store,
+                                    pair_group)
+from kv_transfer.handle import KVChecksumError, KVHandle, KVTransferError, PullStats
+from kv_transfer.wire import layout_to_proto
+from protos import kv_transfer_pb2 as pb
+
+RECV_WINDOW = 4  # chunks with receives posted ahead of their headers
+
+
+@dataclass(slots=True)
+class _Pair:
+    pair_id: str
+    group: dist.ProcessGroup
+    store: dist.TCPStore
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(slots=True)
+class _Posted:
+    spec: ChunkSpec
+    block_ids: list[int]
+    buffers: list[torch.Tensor]
+    staging: torch.Tensor | None
+    works: list[dist.Work]
+
+
+class DistKVClient(KVClientBase):
+    """Pulls leased KV blocks over a process group per prefill server (Gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, cache: KVCache, token: str, **options):
+        super().__init__(cache, token, **options)
+        self.device = cache.k[0].device
+        self._pairs: dict[str, _Pair] = {}
+
+    def pull(self, handle: KVHandle, dst_block_ids: list[int], indices: list[int],
+             on_layers: OnLayers | None = None) -> PullStats:
+        """Same contract as GrpcKVClient.pull."""
+        request = self.pull_request(handle, dst_block_ids, indices)
+        start = time.perf_counter()
+        pair = self._pair(handle)
+        with pair.lock:
+            request.pair_id = pair.pair_id
+            try:
+                num_bytes, num_chunks = self._pull_over(pair.group, handle, request, dst_block_ids, on_layers)
+            except BaseException:
+                self._drop(handle.address, pair)
+                raise
+        return PullStats(num_bytes, num_chunks, time.perf_counter() - start)
+
+    def _pull_over(self, group: dist.ProcessGroup, handle: KVHandle, request: pb.PullRequest,
+                   dst_block_ids: list[int], on_layers: OnLayers | None) -> tuple[int, int]:
+        cache, layout = self.cache, self.cache.layout
+        plan = deque(plan_chunks(layout, len(dst_block_ids), request.layer_start, request.layer_end,
+                                 request.max_chunk_bytes))
+        num_chunks = len(plan)
+        progress = LayerProgress(request.layer_start, request.layer_end, len(dst_block_ids), on_layers)
+        posted: deque[_Posted] = deque()
+        tag = 0
+
+        def post_next() -> None:
+            nonlocal tag
+            spec = plan.popleft()
+            ids = dst_block_ids[spec.block_start:spec.block_end]
+            views = cache_views(cache, ids, spec)
+            staging = None if views is not None else staging_buffer(cache, spec)
+            buffers = views if views is not None else segments(staging)
+            works = [group.recv([b], SENDER_RANK, tag + i) for i, b in enumerate(buffers)]
+            tag += len(buffers)
+            posted.append(_Posted(spec, ids, buffers, staging, works))
+
+        while plan and len(posted) < RECV_WINDOW:
+            post_next()
+        num_bytes = 0
+        try:
+            for header in self.stub(handle.address).PullDist(request, **self.call_options()):
+                chunk = posted.popleft() if posted else None
+                spec = ChunkSpec(header.layer_start, header.layer_end, header.block_start, header.block_end)
+                if chunk is None or spec != chunk.spec:
+                    raise KVTransferError(f"KV pull of {handle.request_id!r}: unexpected chunk {spec}")
+                for work in chunk.works:
+                    work.wait()
+                self._verify(header, chunk, handle.request_id)
+                if chunk.staging is not None:
+                    write_chunk(cache, chunk.block_ids, spec, chunk.staging)
+                num_bytes += header.num_bytes
+                progress.done(spec)
+                if plan:
+                    post_next()
+        except grpc.RpcError as err:
+            raise transfer_error(err, handle.request_id) from None
+        except RuntimeError as err:
+            if isinstance(err, KVTransferError):
+                raise
+            raise KVTransferError(f"KV pull of {handle.request_id!r}: receive failed: {err}") from None
+        if posted or not progress.complete:
+            raise KVTransferError(f"KV pull of {handle.request_id!r} ended after {num_bytes} bytes")
+        return num_bytes, num_chunks
+
+    def _verify(self, header: pb.ChunkHeader, chunk: _Posted, request_id: str) -> None:
+        if not header.HasField("crc32c"):
+            if self.device.type == "cpu":
+                raise KVChecksumError(f"KV pull of {request_id!r}: chunk {chunk.spec} came without a CRC32C")
+            return  # NCCL payloads stay on the device; the links check them
+        if payload_crc(chunk.buffers) != header.crc32c:
+            raise KVChecksumError(f"KV pull of {request_id!r}: chunk {chunk.spec} failed its CRC32C")
+
+    def _pair(self, handle: KVHandle) -> _Pair:
+        """The process group with `handle`'s server, connected on first use."""
+        with self._lock:
+            pair = self._pairs.get(handle.address)
+        if pair is not None:
+            return pair
+        pair_id = uuid.uuid4().hex
+        stub = self.stub(handle.address)
+        try:
+            reply = stub.Connect(pb.ConnectRequest(pair_id=pair_id, layout=layout_to_proto(self.cache.layout)),
+                                 **self.call_options())
+        except grpc.RpcError as err:
+            raise transfer_error(err, handle.request_id) from None
+        timeout_s = reply.timeout_ms / 1000
+        try:
+            store = open_store(reply.store_host, reply.store_port, False, timeout_s)
+            group = pair_group(reply.backend, store, pair_id, RECEIVER_RANK, timeout_s,
+                               local_address_toward(reply.store_host), self.device)
+        except (RuntimeError, OSError) as err:
+            self._disconnect(handle.address, pair_id)
+            raise KVTransferError(f"could not join a process group with {handle.address}: {err}") from None
+        pair = _Pair(pair_id, group, store)
+        with self._lock:
+            self._pairs[handle.address] = pair
+        return pair
+
+    def _drop(self, address: str, pair: _Pair) -> None:
+        abort_group(pair.group)
+        with self._lock:
+            if self._pairs.get(address) is pair:
+                del self._pairs[address]
+        self._disconnect(address, pair.pair_id)
+
+    def _disconnect(self, address: str, pair_id: str) -> None:
+        try:
+            self.stub(address).Disconnect(pb.DisconnectRequest(pair_id=pair_id), **self.call_options())
+        except grpc.RpcError:
+            pass  # the server may be gone, which is often why we disconnect
+
+    def close(self) -> None:
+        with self._lock:
+            pairs = list(self._pairs.items())
+        for address, pair in pairs:
+            self._drop(address, pair)
+        super().close()
