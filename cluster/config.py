@@ -70,6 +70,7 @@ class ClusterConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     namespace: str = "tandem"
+    name: str = Field("tandem", pattern=r"^[a-z0-9][a-z0-9-]{0,40}$")
 
     @field_validator("api_keys")
     @classmethod

@@ -56,7 +56,7 @@ class WorkerPool:
     def add_worker(self) -> WorkerInfo:
         worker_id = f"{self.pool}-{next(self._ids)}"
         engine_config = self.config.engine_config(self.pool_config)
-        actor = self._cls.options(name=f"tandem-{worker_id}", **self.actor_options()).remote(
+        actor = self._cls.options(name=f"{self.config.name}-{worker_id}", **self.actor_options()).remote(
             worker_id, engine_config, self.transfer)
         info = WorkerInfo(worker_id, self.pool, actor)
         self.workers[worker_id] = info

@@ -65,6 +65,9 @@ class Engine:
                      cache_salt: str | None = None) -> Request:
         """Validate and build a request without queueing it (workers use this for their own bookkeeping)."""
         params.validate(self.runner.vocab_size)
+        if params.n != 1:
+            raise InvalidRequestError("a request yields one sequence; expand n into n requests "
+                                      "(generate() and the ingress do)", field="n")
         prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
             raise InvalidRequestError("prompt must not be empty", field="prompt")
@@ -232,12 +235,16 @@ class Engine:
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        ids = []
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(params_list)} sampling params",
+                                      field="sampling_params")
+        ids, reqs = [], []
         for prompt, p in zip(prompts, params_list):
             base = f"gen-{next(self._ids)}"
             ids.append([f"{base}-{i}" for i in range(p.n)])
-            for i, rid in enumerate(ids[-1]):
-                self.add_request(rid, prompt, _candidate_params(p, i))
+            reqs.extend(self.make_request(rid, prompt, _candidate_params(p, i)) for i, rid in enumerate(ids[-1]))
+        for req in reqs:  # only once every prompt is valid, so a bad one leaves nothing queued
+            self.add(req)
         done: dict[str, CompletionOutput] = {}
         logprobs: dict[str, list[dict]] = {}
         while self.has_unfinished_requests():

@@ -20,11 +20,14 @@ async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIt
     if prefill is not None:
         request.stamp("prefill_dispatched")
         result = await prefill.prefill.remote(request)
-        yield result.first
         if result.first.finished:
+            yield result.first
             return
+    # Decode starts pulling KV before the first token reaches the client.
     stream = decode.generate.options(num_returns="streaming").remote(request, result)
     try:
+        if result is not None:
+            yield result.first
         async for ref in stream:
             yield await ref
     finally:

@@ -6,6 +6,9 @@ import os
 import pytest
 
 os.environ.setdefault("TANDEM_NUM_THREADS", "2")
+# Tests talk to 127.0.0.1 only: keep Ray on loopback too, and skip its token auth prompt.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +33,20 @@ def smollm2_dir():
 def tiny_engine(tiny_llama_dir):
     from engine import Engine, EngineConfig
     return Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=256))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One simulated two-node Ray cluster for the whole session: the head node offers the custom
+    resource `prefill_pool`, the second node `decode_pool`, so pools can be pinned to node groups."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 8, "resources": {"prefill_pool": 100}, "include_dashboard": False})
+    cluster.add_node(num_cpus=8, resources={"decode_pool": 100})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="tandem-tests", log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

@@ -1,0 +1,149 @@
+"""Disaggregated prefill/decode on a real (simulated two-node) Ray cluster with real actors and gRPC."""
+import asyncio
+import random
+import time
+
+import pytest
+import ray
+
+from cluster.config import ClusterConfig
+from cluster.pools import Pools
+from engine import SamplingParams
+from engine.protocol import GenerateRequest
+from router.dispatch import run_request
+from tests.hf_reference import hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pools(ray_cluster, tiny_llama_dir):
+    config = ClusterConfig(model=tiny_llama_dir, engine={"num_kv_blocks": 96, "max_num_batched_tokens": 64},
+                           prefill={"resources": {"prefill_pool": 1}, "num_cpus": 1},
+                           decode={"resources": {"decode_pool": 1}, "num_cpus": 1},
+                           transfer={"lease_ttl_s": 20})
+    pools = Pools(config)
+    pools.start()
+    yield pools
+    pools.shutdown()
+
+
+@pytest.fixture(scope="module")
+def colocated(ray_cluster, tiny_llama_dir):
+    pools = Pools(ClusterConfig(model=tiny_llama_dir, mode="colocated", name="coloc", engine={"num_kv_blocks": 96}))
+    pools.start()
+    yield pools
+    pools.shutdown()
+
+
+def only(pool):
+    return next(iter(pool.workers.values())).actor
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(rng.randrange(5, 60))] for _ in range(n)]
+
+
+async def collect(request, decode, prefill=None):
+    deltas = [d async for d in run_request(request, decode, prefill)]
+    return [t for d in deltas for t in d.token_ids], deltas
+
+
+def run_all(reqs, decode, prefill=None):
+    async def main():
+        return await asyncio.gather(*(collect(r, decode, prefill) for r in reqs))
+    return asyncio.run(main())
+
+
+def wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_disaggregated_equals_colocated_and_hf_for_concurrent_requests(pools, colocated, tiny_llama_dir):
+    batch = prompts(6, seed=0)
+    disagg = run_all([GenerateRequest(f"d{i}", p, GREEDY) for i, p in enumerate(batch)],
+                     only(pools.decode), only(pools.prefill))
+    coloc = run_all([GenerateRequest(f"c{i}", p, GREEDY) for i, p in enumerate(batch)], only(colocated.decode))
+    for prompt, (d_tokens, _), (c_tokens, _) in zip(batch, disagg, coloc):
+        assert d_tokens == c_tokens == hf_greedy(tiny_llama_dir, prompt, GREEDY.max_tokens)
+    assert ray.get(only(pools.decode).transfer_stats.remote())["remote_prefills"] >= 6
+
+
+def test_first_token_arrives_while_decode_is_still_running(pools):
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    decode = only(pools.decode)
+
+    async def main():
+        stream = run_request(GenerateRequest("stream-1", prompts(1, seed=1)[0], params), decode, only(pools.prefill))
+        first = await stream.__anext__()
+        first_received = time.time()
+        rest = [d async for d in stream]
+        return first, first_received, rest
+
+    first, first_received, rest = asyncio.run(main())
+    assert len(first.token_ids) == 1 and not first.finished
+    assert rest[-1].finished and sum(len(d.token_ids) for d in rest) == 199
+    assert first_received < rest[-1].times["finished"]
+    assert len(rest) > 10  # tokens arrive as they are made, not in one piece
+
+
+def test_abort_mid_stream_returns_blocks_to_baseline_on_both_workers(pools):
+    prefill, decode = only(pools.prefill), only(pools.decode)
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+
+    async def main():
+        stream = run_request(GenerateRequest("abort-1", prompts(1, seed=2)[0], params), decode, prefill)
+        got = 0
+        async for delta in stream:
+            got += len(delta.token_ids)
+            if got >= 5:
+                break
+        await stream.aclose()
+
+    asyncio.run(main())
+    assert wait_for(lambda: ray.get(decode.stats.remote()).num_active_blocks == 0)
+    assert wait_for(lambda: ray.get(prefill.stats.remote()).num_active_blocks == 0)
+    assert ray.get(prefill.num_leases.remote()) == 0
+    assert ray.get(decode.num_in_flight.remote()) == 0
+
+
+def test_pools_are_placed_on_their_own_nodes(pools):
+    def node_of(actor):
+        return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+
+    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    prefill_node, decode_node = node_of(only(pools.prefill)), node_of(only(pools.decode))
+    assert prefill_node != decode_node
+    assert "prefill_pool" in nodes[prefill_node] and "decode_pool" in nodes[decode_node]
+
+
+def test_decode_worker_with_warm_prefix_pulls_fewer_blocks(pools):
+    prefill, decode = only(pools.prefill), only(pools.decode)
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 1000) for _ in range(64)]
+    before = ray.get(decode.transfer_stats.remote())
+    run_all([GenerateRequest("warm-1", shared + [5, 6, 7], GREEDY)], decode, prefill)
+    middle = ray.get(decode.transfer_stats.remote())
+    run_all([GenerateRequest("warm-2", shared + [8, 9, 10, 11], GREEDY)], decode, prefill)
+    after = ray.get(decode.transfer_stats.remote())
+    cold_pulled = middle["blocks_pulled"] - before["blocks_pulled"]
+    warm_pulled = after["blocks_pulled"] - middle["blocks_pulled"]
+    assert cold_pulled == 5
+    assert warm_pulled == 1
+    assert after["blocks_reused"] - middle["blocks_reused"] == 4
+    assert after["bytes_pulled"] - middle["bytes_pulled"] < middle["bytes_pulled"] - before["bytes_pulled"]
+
+
+def test_decode_without_prefill_worker_prefills_locally(pools, tiny_llama_dir):
+    decode = only(pools.decode)
+    prompt = prompts(1, seed=9)[0]
+    before = ray.get(decode.transfer_stats.remote())["local_prefills"]
+    [(tokens, _)] = run_all([GenerateRequest("local-1", prompt, GREEDY)], decode, None)
+    assert tokens == hf_greedy(tiny_llama_dir, prompt, GREEDY.max_tokens)
+    assert ray.get(decode.transfer_stats.remote())["local_prefills"] == before + 1
