@@ -1,8 +1,10 @@
 """Paged attention over the packed batch, registered with transformers' AttentionInterface.
 
-The HF model sees one [1, T] sequence holding every scheduled token. Our attention
-writes the new K/V into the paged cache through `slot_mapping`, then attends
-decode tokens (query length 1) in one batched call and each prefill chunk on its own.
+The HF model sees one [1, T] sequence holding every scheduled token, decode tokens first. Our
+attention writes the new K/V into the paged cache through `slot_mapping`, then attends the decode
+tokens in a few batched calls (sequences of similar length grouped together) and each prefill
+chunk on its own. Everything that depends only on the batch (index tensors, masks, the gather
+workspace) is built once per step by the model runner, not once per layer.
 """
 from __future__ import annotations
 
@@ -19,21 +21,38 @@ ATTN_IMPLEMENTATION = "tandem_paged"
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Packed tokens [start, end) are decodes of sequences whose block tables, padded to one width,
+    are `block_ids` (flattened). `mask` hides the padding; None when every context is `context_len` long."""
+    start: int
+    end: int
+    block_ids: torch.Tensor
+    context_len: int
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
 class PrefillSegment:
+    """Packed tokens [start, end) are one sequence's prompt chunk. With a cached or earlier-computed
+    prefix, it attends the `block_ids` blocks under `mask`; without one (block_ids None) it is plain causal."""
     start: int
     end: int
     context_len: int
-    block_table: torch.Tensor
+    block_ids: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     kv_cache: KVCache
     slot_mapping: torch.Tensor
-    decode_token_idx: torch.Tensor | None
-    decode_block_tables: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSegment]
+    workspace: tuple[torch.Tensor, torch.Tensor] | None  # K and V gather buffers, reused by every layer
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.decodes[-1].end if self.decodes else 0
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -43,46 +62,47 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     k_cache, v_cache = md.kv_cache.k[layer], md.kv_cache.v[layer]
     _, num_kv_heads, num_tokens, head_dim = key.shape
     num_heads = query.shape[1]
-    k_new = key[0].transpose(0, 1)
-    v_new = value[0].transpose(0, 1)
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k_new)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v_new)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, key[0].transpose(0, 1))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, value[0].transpose(0, 1))
     q = query[0].transpose(0, 1)
+    if len(md.decodes) == 1 and not md.prefills:
+        return _decode(q, k_cache, v_cache, md.decodes[0], md.workspace, scaling).unsqueeze(0), None
     out = torch.empty_like(q)
-    if md.decode_token_idx is not None:
-        out[md.decode_token_idx] = _decode(q[md.decode_token_idx], k_cache, v_cache, md, scaling)
+    for group in md.decodes:
+        out[group.start:group.end] = _decode(q[group.start:group.end], k_cache, v_cache, group, md.workspace, scaling)
     for seg in md.prefills:
-        q_seg = q[seg.start:seg.end].transpose(0, 1)
-        if seg.context_len == seg.end - seg.start:
-            k_seg, v_seg = key[0, :, seg.start:seg.end], value[0, :, seg.start:seg.end]
-            o = F.scaled_dot_product_attention(q_seg, k_seg, v_seg, is_causal=True, scale=scaling,
-                                               enable_gqa=num_heads != num_kv_heads)
+        q_seg = q[seg.start:seg.end].transpose(0, 1).unsqueeze(0)
+        if seg.block_ids is None:
+            k_seg, v_seg = key[:, :, seg.start:seg.end], value[:, :, seg.start:seg.end]
         else:
-            k_seg = _gather(k_cache, seg.block_table, seg.context_len)
-            v_seg = _gather(v_cache, seg.block_table, seg.context_len)
-            q_len = seg.end - seg.start
-            offset = seg.context_len - q_len
-            mask = torch.ones(q_len, seg.context_len, dtype=torch.bool, device=q.device).tril(offset)
-            o = F.scaled_dot_product_attention(q_seg, k_seg, v_seg, attn_mask=mask, scale=scaling,
-                                               enable_gqa=num_heads != num_kv_heads)
-        out[seg.start:seg.end] = o.transpose(0, 1)
+            k_seg = _gather(k_cache, seg.block_ids, seg.context_len, md.workspace[0]).transpose(0, 1).unsqueeze(0)
+            v_seg = _gather(v_cache, seg.block_ids, seg.context_len, md.workspace[1]).transpose(0, 1).unsqueeze(0)
+        # 4-d inputs keep SDPA on its fused CPU kernel; 3-d ones with GQA fall back to the math path.
+        o = F.scaled_dot_product_attention(q_seg, k_seg, v_seg, attn_mask=seg.mask, is_causal=seg.block_ids is None,
+                                           scale=scaling, enable_gqa=num_heads != num_kv_heads)
+        out[seg.start:seg.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """[num_kv_heads, context_len, head_dim] for one sequence."""
-    return cache[block_table].flatten(0, 1)[:context_len].transpose(0, 1)
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int, buffer: torch.Tensor) -> torch.Tensor:
+    """[context_len, num_kv_heads, head_dim] of one sequence, copied into the workspace."""
+    blocks = torch.index_select(cache, 0, block_ids, out=buffer[:len(block_ids)])
+    return blocks.flatten(0, 1)[:context_len]
 
 
-def _decode(q, k_cache, v_cache, md: AttentionMetadata, scaling):
-    """Decode tokens of many sequences in one call: q [B, H, D] against each one's padded context."""
+def _decode(q, k_cache, v_cache, group: DecodeGroup, workspace, scaling):
+    """q [B, H, D], one token per sequence, against each sequence's context in one SDPA call.
+    The query heads sharing a KV head become that head's query rows, so K/V are never repeated."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    k = k_cache[md.decode_block_tables].flatten(1, 2).permute(0, 2, 1, 3)
-    v = v_cache[md.decode_block_tables].flatten(1, 2).permute(0, 2, 1, 3)
-    q = q.view(batch, num_kv_heads, group, head_dim)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=md.decode_mask, scale=scaling)
+    width = len(group.block_ids) // batch
+    shape = (batch, width * k_cache.shape[1], num_kv_heads, head_dim)
+    k = torch.index_select(k_cache, 0, group.block_ids, out=workspace[0][:len(group.block_ids)]).view(shape)
+    v = torch.index_select(v_cache, 0, group.block_ids, out=workspace[1][:len(group.block_ids)]).view(shape)
+    k = k[:, :group.context_len].transpose(1, 2)
+    v = v[:, :group.context_len].transpose(1, 2)
+    q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
     return o.reshape(batch, num_heads, head_dim)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, PrefillSegment
+from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeGroup, PrefillSegment
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVLayout
 from engine.model_loader import load_model
@@ -28,6 +28,8 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.model = load_model(model_dir, config.torch_dtype, self.device, ATTN_IMPLEMENTATION)
+        if self.device.type == "cpu" and config.torch_dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            use_onednn_linears(self.model)
         hf = self.model.config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.layout = KVLayout(model_id=config.model_id, dtype=config.dtype, block_size=config.block_size,
@@ -38,6 +40,7 @@ class ModelRunner:
         self.kv_cache = KVCache(self.layout, num_blocks, self.device)
         self.vocab_size = hf.vocab_size
         self.max_position_embeddings = getattr(hf, "max_position_embeddings", 2048)
+        self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], sample_mask: list[bool]) -> torch.Tensor:
@@ -47,27 +50,33 @@ class ModelRunner:
         return self.forward(batch, self._tensor(keep))
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> PackedBatch:
-        """Pack the scheduled tokens of all requests into one sequence with its attention metadata."""
-        input_ids, positions, slots, last_token_idx = [], [], [], []
-        decode_idx, decode_tables, decode_lens, prefills = [], [], [], []
+        """Pack the scheduled tokens of all requests into one sequence with its attention metadata.
+        Decode tokens come first, longest context first, so attention can take them in a few slices."""
+        decodes = sorted((i for i, (req, n) in enumerate(scheduled) if n == 1 and req.num_computed_tokens > 0),
+                         key=lambda i: -scheduled[i][0].num_computed_tokens)
+        is_decode = set(decodes)
+        input_ids, positions, slots = [], [], []
+        last_token_idx = [0] * len(scheduled)
+        tables, lens, prefills = [], [], []
         bs = self.config.block_size
-        for req, num_new in scheduled:
+        for i in decodes + [i for i in range(len(scheduled)) if i not in is_decode]:
+            req, num_new = scheduled[i]
             start, end, offset = req.num_computed_tokens, req.num_computed_tokens + num_new, len(input_ids)
             input_ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
             table = req.block_table[:-(-end // bs)]
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if num_new == 1 and start > 0:
-                decode_idx.append(offset)
-                decode_tables.append(table)
-                decode_lens.append(end)
+            last_token_idx[i] = offset + num_new - 1
+            if i in is_decode:
+                tables.append(table)
+                lens.append(end)
             else:
-                prefills.append(PrefillSegment(offset, offset + num_new, end, self._tensor(table)))
-            last_token_idx.append(offset + num_new - 1)
-        md = AttentionMetadata(self.kv_cache, self._tensor(slots), None, None, None, prefills)
-        if decode_idx:
-            md.decode_token_idx = self._tensor(decode_idx)
-            md.decode_block_tables, md.decode_mask = self._pad_tables(decode_tables, decode_lens)
+                prefills.append(self._prefill_segment(offset, num_new, end, table))
+        decode_groups = self._decode_groups(tables, lens)
+        gathered = [len(g.block_ids) for g in decode_groups]
+        gathered += [len(seg.block_ids) for seg in prefills if seg.block_ids is not None]
+        workspace = self._workspace(max(gathered)) if gathered else None
+        md = AttentionMetadata(self.kv_cache, self._tensor(slots), decode_groups, prefills, workspace)
         return PackedBatch(self._tensor(input_ids), self._tensor(positions), md, last_token_idx)
 
     @torch.inference_mode()
@@ -77,13 +86,62 @@ class ModelRunner:
                          use_cache=False, logits_to_keep=keep, tandem_attn=batch.attn_metadata)
         return out.logits[0].float()
 
-    def _pad_tables(self, tables: list[list[int]], lens: list[int]):
-        width = max(len(t) for t in tables)
-        padded = self._tensor([t + [0] * (width - len(t)) for t in tables])
-        lens_t = self._tensor(lens)
-        span = torch.arange(width * self.config.block_size, device=self.device)
-        mask = (span.unsqueeze(0) < lens_t.unsqueeze(1))[:, None, None, :]
-        return padded, mask
+    def _prefill_segment(self, offset: int, num_new: int, context_len: int, table: list[int]) -> PrefillSegment:
+        seg = PrefillSegment(offset, offset + num_new, context_len)
+        if context_len > num_new:  # a cached or earlier-computed prefix: attend it through the block table
+            seg.block_ids = self._tensor(table)
+            seg.mask = torch.ones(num_new, context_len, dtype=torch.bool, device=self.device).tril(context_len - num_new)
+        return seg
+
+    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Split decodes (sorted longest first) where a table is under half the group's widest, so
+        padding never more than doubles the KV a group gathers."""
+        groups, first = [], 0
+        for i in range(1, len(tables) + 1):
+            if i == len(tables) or 2 * len(tables[i]) < len(tables[first]):
+                groups.append(self._decode_group(first, tables[first:i], lens[first:i]))
+                first = i
+        return groups
+
+    def _decode_group(self, start: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+        width = len(tables[0])
+        block_ids = self._tensor([b for t in tables for b in t + [0] * (width - len(t))])
+        mask = None
+        if lens[-1] != lens[0]:
+            span = torch.arange(lens[0], device=self.device)
+            mask = (span.unsqueeze(0) < self._tensor(lens).unsqueeze(1))[:, None, None, :]
+        return DecodeGroup(start, start + len(tables), block_ids, lens[0], mask)
+
+    def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V buffers for gathering `num_blocks` blocks, kept across steps so attention never allocates them."""
+        if self._gather_buffers is None or len(self._gather_buffers[0]) < num_blocks:
+            k = self.kv_cache.k[0]
+            shape = (num_blocks, *k.shape[1:])
+            self._gather_buffers = (torch.empty(shape, dtype=k.dtype, device=k.device),
+                                    torch.empty(shape, dtype=k.dtype, device=k.device))
+        return self._gather_buffers
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+class OneDNNLinear(torch.nn.Module):
+    """An nn.Linear computed by oneDNN with its weight packed once at load time. On this project's
+    x86 CPUs it runs 1.2-2x faster than torch's default BLAS call (vLLM's CPU backend does the same)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def use_onednn_linears(model: torch.nn.Module) -> None:
+    """Swap every nn.Linear of a CPU fp32 model for a OneDNNLinear holding the same weights."""
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear]
+    for name, linear in linears:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, OneDNNLinear(linear))

@@ -1,0 +1,155 @@
+"""Offline throughput and decode latency of the engine against HF transformers `generate`, in one run.
+
+Workload (issue 2): N requests of random prompt ids, greedy, ignore_eos, a fixed number of output
+tokens. The engine runs them as one continuous batch; HF runs them as one static left-padded batch
+(`generate` with max_new_tokens = min_new_tokens, do_sample=False, its default sdpa attention).
+Single-request decode latency is the mean gap between tokens of one request on an otherwise idle
+engine, and the same gap in HF (timed with a streamer). Both sides use every core unless told.
+
+Run: .venv/bin/python bench/offline.py
+     .venv/bin/python bench/offline.py --num-requests 32 --prompt-len 128 --output-len 128 --skip-hf
+     .venv/bin/python bench/offline.py --profile /tmp/engine.json   (torch.profiler trace of the engine batch)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from engine.model_loader import resolve_model_dir  # noqa: E402
+
+
+def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(num)]
+
+
+# ---- engine -------------------------------------------------------------------------------------
+
+def engine_batch(engine: Engine, prompts, output_len: int, profile: str | None) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            start = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+        prof.export_chrome_trace(profile)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    else:
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+    return elapsed, [o.token_ids for o in outs]
+
+
+def engine_single_decode_ms(engine: Engine, prompt: list[int], output_len: int) -> float:
+    """Mean time between consecutive tokens of one request (TPOT), in ms."""
+    engine.add_request("single", prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
+    stamps = []
+    while engine.has_unfinished_requests():
+        if engine.step():
+            stamps.append(time.perf_counter())
+    return 1000 * (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+# ---- HF transformers ----------------------------------------------------------------------------
+
+class _TokenClock:
+    """A generate() streamer that only records when each new token arrives (the first put is the prompt)."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def put(self, value):
+        self.stamps.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def hf_generate(model, prompts, output_len: int, streamer=None) -> torch.Tensor:
+    width = max(len(p) for p in prompts)
+    pad = model.generation_config.pad_token_id or 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                         do_sample=False, pad_token_id=pad, streamer=streamer)
+    return out[:, width:]
+
+
+@torch.inference_mode()
+def hf_batch(model, prompts, output_len: int) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    out = hf_generate(model, prompts, output_len)
+    return time.perf_counter() - start, out.tolist()
+
+
+@torch.inference_mode()
+def hf_single_decode_ms(model, prompt: list[int], output_len: int) -> float:
+    clock = _TokenClock()
+    hf_generate(model, [prompt], output_len, streamer=clock)
+    tokens = clock.stamps[1:]
+    return 1000 * (tokens[-1] - tokens[0]) / (len(tokens) - 1)
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-hf", action="store_true", help="only run the engine")
+    ap.add_argument("--skip-single", action="store_true", help="skip single-request decode latency")
+    ap.add_argument("--profile", metavar="TRACE.json", help="profile the engine batch with torch.profiler")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    engine = Engine(EngineConfig(model=args.model, num_threads=args.threads))
+    vocab = engine.runner.vocab_size
+    prompts = make_prompts(args.num_requests, args.prompt_len, vocab, args.seed)
+    warmup = make_prompts(4, args.prompt_len, vocab, args.seed + 1)
+    single = make_prompts(1, args.prompt_len, vocab, args.seed + 2)[0]
+    num_out = args.num_requests * args.output_len
+
+    engine.generate(warmup, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    eng_s, eng_tokens = engine_batch(engine, prompts, args.output_len, args.profile)
+    eng_single = None if args.skip_single else engine_single_decode_ms(engine, single, args.output_len)
+
+    rows = [("engine", num_out / eng_s, eng_s, eng_single)]
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=torch.float32).eval()
+        hf_batch(model, warmup, 8)
+        hf_s, hf_tokens = hf_batch(model, prompts, args.output_len)
+        hf_single = None if args.skip_single else hf_single_decode_ms(model, single, args.output_len)
+        rows.append(("hf generate", num_out / hf_s, hf_s, hf_single))
+        same = sum(a == b for a, b in zip(eng_tokens, hf_tokens))
+
+    print(f"\n{args.num_requests} requests x {args.prompt_len} prompt x {args.output_len} output tokens, "
+          f"greedy fp32, {args.threads} threads, torch {torch.__version__}")
+    print(f"{'':<12} {'output tok/s':>12} {'batch s':>9} {'1-req decode ms/tok':>20}")
+    for name, tps, secs, ms in rows:
+        print(f"{name:<12} {tps:>12.1f} {secs:>9.2f} {'-' if ms is None else f'{ms:.2f}':>20}")
+    if not args.skip_hf:
+        ratio = rows[0][1] / rows[1][1]
+        line = f"engine / hf throughput: {ratio:.2f}x"
+        if not args.skip_single:
+            line += f"; hf / engine single-request ms per token: {rows[1][3] / rows[0][3]:.2f}x"
+        print(line)
+        print(f"greedy outputs identical to hf: {same}/{len(prompts)} requests")
+
+
+if __name__ == "__main__":
+    main()
