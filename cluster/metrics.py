@@ -1,0 +1,125 @@
+"""Prometheus metrics, with vLLM's names where the meaning is the same and `tandem:` names otherwise.
+
+Request-level histograms are observed by the ingress as token deltas arrive. Per-worker gauges and
+counters come from the workers' own stats, which the ingress polls anyway for routing; a collector
+turns the latest snapshot into series labelled with pool and worker.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class Metrics:
+    """All of tandem's series in one registry (one per ingress replica)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r, labels = self.registry, ["pool", "worker"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", labels,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Gap between consecutive tokens.", labels,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", labels,
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "Prefill start to first token.",
+                                      labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_time = Histogram("tandem:kv_transfer_seconds", "Time to pull one request's KV.", labels,
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=r)
+        self.routing = Counter("tandem:routing_decisions", "Placement decisions.", ["pool", "worker", "reason"],
+                               registry=r)
+        self.routing_hits = Counter("tandem:routing_prefix_hit_blocks", "Prompt blocks cached on the chosen worker.",
+                                    ["pool", "worker"], registry=r)
+        self.rejected = Counter("tandem:requests_rejected", "Requests refused at admission.", ["reason"],
+                                registry=r)
+        self.scaling = Counter("tandem:scaling_events", "Workers added, drained, removed.", ["pool", "action"],
+                               registry=r)
+        self.replicas = Gauge("tandem:pool_replicas", "Workers per pool.", ["pool"], registry=r)
+        self.workers = WorkerStatsCollector()
+        r.register(self.workers)
+
+    def observe_finished(self, pool: str, worker: str, times: dict[str, float], token_times: list[float],
+                         finish_reason: str | None) -> None:
+        """Request-level latencies from stage timestamps and the arrival time of each token."""
+        arrival = times.get("arrival")
+        if arrival is None or not token_times:
+            return
+        self.ttft.labels(pool, worker).observe(token_times[0] - arrival)
+        self.e2e.labels(pool, worker).observe(token_times[-1] - arrival)
+        for a, b in zip(token_times, token_times[1:]):
+            self.itl.labels(pool, worker).observe(b - a)
+        if "prefill_queued" in times and "prefill_done" in times:
+            self.prefill_time.labels("prefill", worker).observe(times["prefill_done"] - times["prefill_queued"])
+        if "transfer_started" in times and "transfer_done" in times:
+            self.transfer_time.labels(pool, worker).observe(times["transfer_done"] - times["transfer_started"])
+        if "decode_admitted" in times:
+            self.queue.labels(pool, worker).observe(max(times["decode_admitted"] - arrival, 0.0))
+        self.requests.labels(pool, worker, finish_reason or "unknown").inc()
+
+
+class WorkerStatsCollector:
+    """Exports each worker's last reported stats (engine.protocol.WorkerStats) and transfer counters."""
+
+    def __init__(self):
+        self.stats: dict[str, object] = {}
+        self.transfer: dict[str, dict] = {}
+
+    def update(self, stats, transfer: dict | None = None) -> None:
+        self.stats[stats.worker_id] = stats
+        if transfer is not None:
+            self.transfer[stats.worker_id] = transfer
+
+    def forget(self, worker_id: str) -> None:
+        self.stats.pop(worker_id, None)
+        self.transfer.pop(worker_id, None)
+
+    def collect(self):
+        labels = ["pool", "worker"]
+        gauges = {
+            "vllm:num_requests_running": ("Sequences in the running batch.", lambda s: s.num_running),
+            "vllm:num_requests_waiting": ("Requests waiting to be scheduled.", lambda s: s.num_waiting),
+            "vllm:kv_cache_usage_perc": ("Fraction of KV blocks in use.", lambda s: s.kv_usage),
+            "tandem:queued_prefill_tokens": ("Prompt tokens accepted but not computed.",
+                                             lambda s: s.queued_prefill_tokens),
+        }
+        counters = {
+            "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
+                                          lambda s: s.prefix_cache_queries),
+            "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits),
+            "vllm:prompt_tokens": ("Prompt tokens processed.", lambda s: s.prompt_tokens),
+            "vllm:generation_tokens": ("Tokens generated.", lambda s: s.generation_tokens),
+            "vllm:num_preemptions": ("Requests preempted for lack of KV blocks.", lambda s: s.num_preemptions),
+        }
+        stats = list(self.stats.values())
+        for name, (doc, get) in gauges.items():
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            for s in stats:
+                family.add_metric([s.pool, s.worker_id], float(get(s)))
+            yield family
+        for name, (doc, get) in counters.items():
+            family = CounterMetricFamily(name, doc, labels=labels)
+            for s in stats:
+                family.add_metric([s.pool, s.worker_id], float(get(s)))
+            yield family
+        transfer_bytes = CounterMetricFamily("tandem:kv_transfer_bytes", "KV bytes pulled by decode workers.",
+                                             labels=labels)
+        for worker_id, t in self.transfer.items():
+            if "bytes_pulled" in t:
+                transfer_bytes.add_metric(["decode", worker_id], float(t["bytes_pulled"]))
+        yield transfer_bytes
+        remote = CounterMetricFamily("tandem:prefills", "Prefills by where they ran (remote or local).",
+                                     labels=labels + ["where"])
+        for worker_id, t in self.transfer.items():
+            if "remote_prefills" in t:
+                remote.add_metric(["decode", worker_id, "remote"], float(t["remote_prefills"]))
+                remote.add_metric(["decode", worker_id, "local"], float(t["local_prefills"]))
+        yield remote
