@@ -6,6 +6,7 @@ bumps it, and ingress replicas refresh their view when it changes.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -14,7 +15,8 @@ from dataclasses import dataclass, field
 import ray
 
 from cluster.config import ClusterConfig
-from cluster.pools import Pools, WorkerInfo, WorkerPool
+from cluster.pools import Pools, WorkerInfo, WorkerPool, stop_worker
+from cluster.scaling_policy import LatencyWindow
 
 logger = logging.getLogger(__name__)
 
@@ -40,21 +42,49 @@ class Membership:
 class ScalingEvent:
     time: float
     pool: str
-    action: str  # "add", "drain", "remove", "unhealthy", "recovered"
+    action: str  # "scale_up", "scale_down" (decisions); "add", "drain", "remove", "unhealthy", "recovered"
     worker_id: str
     reason: str = ""
 
 
+@dataclass(slots=True)
+class ScaleResult:
+    """What one `scale` call did; it returns once added workers are registered and drained ones are gone."""
+    pool: str
+    replicas_before: int
+    replicas: int
+    added: list[str] = field(default_factory=list)
+    drained: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ScalingReport:
+    """What /metrics exports about scaling: event counts since start, current and desired replicas."""
+    events: dict[tuple[str, str], int]
+    replicas: dict[str, int]
+    desired: dict[str, int]
+
+
 class ClusterController:
     """Owns both pools. Scale-up registers a worker only once its model is loaded; scale-down drains:
-    the worker takes no new requests, its in-flight ones finish, then it leaves."""
+    the worker takes no new requests, its in-flight ones finish, then it leaves. Scaling operations on
+    one pool run one at a time, in call order.
 
-    def __init__(self, config: ClusterConfig, health_interval_s: float = 2.0):
+    A drain first takes the worker out of membership routing and only after `drain_grace_s` makes the
+    worker itself refuse new requests: requests routed to it just before (still in their prefill on
+    another worker) are accepted, as a load balancer deregisters a target before stopping it."""
+
+    def __init__(self, config: ClusterConfig, health_interval_s: float = 2.0, drain_grace_s: float = 2.0):
         self.config = config
+        self.drain_grace_s = drain_grace_s
         self.pools = Pools(config)
         self.version = 0
         self.events: list[ScalingEvent] = []
+        self.event_counts: collections.Counter[tuple[str, str]] = collections.Counter()
         self.lock = threading.RLock()
+        self.pool_locks = {pool.pool: threading.Lock() for pool in self.pools.pools()}
+        self.desired = {pool.pool: pool.pool_config.replicas for pool in self.pools.pools()}
+        self.latency = LatencyWindow()
         self.health_interval_s = health_interval_s
         self._stop = threading.Event()
         self.pools.start()
@@ -64,13 +94,13 @@ class ClusterController:
     # ---- membership -----------------------------------------------------------------------------
 
     def membership(self, known_version: int = -1, wait_s: float = 0.0) -> Membership:
-        """The current workers; waits up to `wait_s` for a version newer than `known_version`."""
+        """The ready workers; waits up to `wait_s` for a version newer than `known_version`."""
         deadline = time.monotonic() + wait_s
         while self.version == known_version and time.monotonic() < deadline:
             time.sleep(0.05)
         with self.lock:
             entries = [WorkerEntry(w.worker_id, w.pool, w.actor, w.healthy, w.draining)
-                       for pool in self.pools.pools() for w in pool.workers.values()]
+                       for pool in self.pools.pools() for w in list(pool.workers.values()) if w.ready]
             return Membership(self.version, entries)
 
     def config_dict(self) -> dict:
@@ -78,65 +108,88 @@ class ClusterController:
 
     # ---- operator actions ---------------------------------------------------------------------
 
-    def scale(self, pool: str, replicas: int, reason: str = "operator") -> list[str]:
-        """Grow or shrink `pool` to `replicas` workers (draining not counted); returns affected ids."""
+    def scale(self, pool: str, replicas: int, reason: str = "operator") -> ScaleResult:
+        """Grow or shrink `pool` to `replicas` workers (draining ones not counted). Returns when the new
+        workers are ready and registered, or when the drained ones have finished their requests and left."""
         target = self._pool(pool)
-        limits = self.config.prefill if pool == "prefill" else self.config.decode
-        if not 0 <= replicas <= max(limits.max_replicas, 0) or replicas > 256:
-            raise ValueError(f"{pool} replicas must be in [0, {limits.max_replicas}], got {replicas}")
+        limit = target.pool_config.max_replicas
+        if not 0 <= replicas <= limit:
+            raise ValueError(f"{pool} replicas must be in [0, {limit}] (max_replicas), got {replicas}")
         if pool == "decode" and replicas == 0:
             raise ValueError("the decode pool needs at least one worker")
-        with self.lock:
-            active = [w for w in target.workers.values() if not w.draining]
-        if replicas > len(active):
-            return self._add(target, replicas - len(active), reason)
-        victims = sorted(active, key=lambda w: self._load(w))[: len(active) - replicas]
-        for w in victims:
-            self.drain(w.worker_id, reason)
-        return [w.worker_id for w in victims]
+        with self.pool_locks[pool]:
+            active = self._active(target)
+            result = ScaleResult(pool, len(active), replicas)
+            self.desired[pool] = replicas
+            if replicas == len(active):
+                return result
+            self._record(pool, "scale_up" if replicas > len(active) else "scale_down", "",
+                         f"{reason}: {len(active)} -> {replicas}")
+            if replicas > len(active):
+                result.added = self._add(target, replicas - len(active), reason)
+            else:
+                victims = sorted(active, key=self._in_flight)[: len(active) - replicas]
+                self._drain(target, victims, reason)
+                result.drained = [w.worker_id for w in victims]
+            return result
 
-    def drain(self, worker_id: str, reason: str = "operator", timeout_s: float = 600.0) -> bool:
-        """Stop routing to a worker, let its in-flight requests finish, then remove it."""
-        pool, info = self._find(worker_id)
-        with self.lock:
-            info.draining = True
-            self._record(pool.pool, "drain", worker_id, reason)
-            self._bump()
-        ray.get(info.actor.drain.remote())
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if ray.get(info.actor.num_in_flight.remote(), timeout=10) == 0:
-                    break
-            except ray.exceptions.RayError:
-                break
-            time.sleep(0.1)
-        with self.lock:
-            pool.remove(worker_id)
-            self._record(pool.pool, "remove", worker_id, reason)
-            self._bump()
-        return True
+    def drain(self, worker_id: str, reason: str = "operator", timeout_s: float = 600.0) -> str:
+        """Stop routing to a worker, let its in-flight requests finish, then remove it; returns its pool.
+        The last decode worker cannot be drained: nothing could serve the requests that follow."""
+        pool = self._find(worker_id)[0]
+        with self.pool_locks[pool.pool]:
+            info = self._find(worker_id)[1]
+            if pool.pool == "decode" and self._active(pool) == [info]:
+                raise ValueError(f"{worker_id} is the last decode worker; scale the decode pool up first")
+            self._drain(pool, [info], reason, timeout_s)
+        return pool.pool
 
     def status(self) -> dict:
         """Pools and workers with health, load, KV usage and prefix hit rates, for `tandem status`."""
         out = {"version": self.version, "mode": self.config.mode, "model": self.config.model_name, "pools": {}}
         for pool in self.pools.pools():
+            workers = list(pool.workers.values())
+            refs = [w.actor.stats.remote() if w.ready else None for w in workers]
             rows = []
-            for w in list(pool.workers.values()):
-                row = {"worker_id": w.worker_id, "healthy": w.healthy, "draining": w.draining}
-                try:
-                    stats = ray.get(w.actor.stats.remote(), timeout=5)
-                    row.update(running=stats.num_running, waiting=stats.num_waiting,
-                               kv_usage=round(stats.kv_usage, 4),
-                               prefix_hit_rate=round(stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1), 4))
-                except ray.exceptions.RayError as exc:
-                    row["error"] = type(exc).__name__
+            for w, ref in zip(workers, refs):
+                state = "starting" if not w.ready else "draining" if w.draining else \
+                    "healthy" if w.healthy else "unhealthy"
+                row = {"worker_id": w.worker_id, "state": state}
+                if ref is not None:
+                    try:
+                        s = ray.get(ref, timeout=5)
+                        row.update(running=s.num_running, waiting=s.num_waiting,
+                                   queued_prefill_tokens=s.queued_prefill_tokens, kv_usage=round(s.kv_usage, 4),
+                                   prefix_cache_queries=s.prefix_cache_queries,
+                                   prefix_cache_hits=s.prefix_cache_hits,
+                                   prefix_hit_rate=round(s.prefix_cache_hits / max(s.prefix_cache_queries, 1), 4))
+                    except ray.exceptions.RayError as exc:
+                        row["error"] = type(exc).__name__
                 rows.append(row)
-            out["pools"][pool.pool] = rows
+            out["pools"][pool.pool] = {"replicas": len(self._active(pool)), "desired": self.desired[pool.pool],
+                                       "min_replicas": pool.pool_config.min_replicas,
+                                       "max_replicas": pool.pool_config.max_replicas, "workers": rows}
         return out
 
     def scaling_events(self, since: float = 0.0) -> list[ScalingEvent]:
         return [e for e in self.events if e.time > since]
+
+    def scaling_report(self) -> ScalingReport:
+        with self.lock:
+            return ScalingReport(dict(self.event_counts),
+                                 {p.pool: len(self._active(p)) for p in self.pools.pools()}, dict(self.desired))
+
+    # ---- latencies the ingress observed, for the autoscaler ------------------------------------
+
+    def report_latencies(self, ttft_s: list[float] = (), itl_s: list[float] = ()) -> None:
+        """Ingress replicas send the TTFTs and inter-token gaps of finished requests (batched)."""
+        now = time.monotonic()
+        self.latency.add("ttft_s", list(ttft_s), now)
+        self.latency.add("itl_s", list(itl_s), now)
+
+    def latency_quantiles(self, window_s: float = 60.0, q: float = 0.9) -> dict[str, float | None]:
+        since = time.monotonic() - window_s
+        return {name: self.latency.quantile(name, q, since) for name in ("ttft_s", "itl_s")}
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -147,20 +200,51 @@ class ClusterController:
     def _add(self, pool: WorkerPool, n: int, reason: str) -> list[str]:
         with self.lock:
             infos = pool.scale_up(n)
-        pool.wait_ready(infos)
+        try:
+            pool.wait_ready(infos)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            raise RuntimeError(f"{n} new {pool.pool} worker(s) did not start: {exc}") from None
         with self.lock:
             for info in infos:
                 self._record(pool.pool, "add", info.worker_id, reason)
             self._bump()
         return [i.worker_id for i in infos]
 
+    def _drain(self, pool: WorkerPool, infos: list[WorkerInfo], reason: str, timeout_s: float = 600.0) -> None:
+        with self.lock:
+            for info in infos:
+                info.draining = True
+                self._record(pool.pool, "drain", info.worker_id, reason)
+            self._bump()
+        time.sleep(self.drain_grace_s)
+        for info in infos:
+            try:
+                ray.get(info.actor.drain.remote(), timeout=10)
+            except ray.exceptions.RayError:
+                pass  # a dead worker has nothing in flight; a stuck one is waited for below
+        deadline = time.monotonic() + timeout_s
+        pending = list(infos)
+        while pending and time.monotonic() < deadline:
+            pending = [info for info in pending if self._in_flight(info) > 0]
+            if pending:
+                time.sleep(0.1)
+        if pending:
+            logger.warning("drain timed out after %.0f s; removing %s with requests in flight", timeout_s,
+                           [info.worker_id for info in pending])
+        with self.lock:
+            for info in infos:
+                pool.workers.pop(info.worker_id, None)
+                self._record(pool.pool, "remove", info.worker_id, reason)
+            self._bump()
+        for info in infos:
+            stop_worker(info)
+
     def _health_loop(self) -> None:
         while not self._stop.wait(self.health_interval_s):
             for pool in self.pools.pools():
-                with self.lock:
-                    before = {wid: w.healthy for wid, w in pool.workers.items()}
+                before = {wid: w.healthy for wid, w in list(pool.workers.items())}
                 after = pool.check_health(timeout_s=max(self.health_interval_s, 2.0))
-                changed = {wid for wid, ok in after.items() if before.get(wid) is not None and before[wid] != ok}
+                changed = {wid for wid, ok in after.items() if wid in before and before[wid] != ok}
                 if changed:
                     with self.lock:
                         for wid in changed:
@@ -175,32 +259,43 @@ class ClusterController:
 
     def _find(self, worker_id: str) -> tuple[WorkerPool, WorkerInfo]:
         for pool in self.pools.pools():
-            if worker_id in pool.workers:
-                return pool, pool.workers[worker_id]
+            info = pool.workers.get(worker_id)
+            if info is not None and info.ready:
+                return pool, info
         raise KeyError(f"no worker {worker_id!r}; `tandem status` lists them")
 
-    def _load(self, info: WorkerInfo) -> int:
+    @staticmethod
+    def _active(pool: WorkerPool) -> list[WorkerInfo]:
+        return [w for w in list(pool.workers.values()) if not w.draining]
+
+    @staticmethod
+    def _in_flight(info: WorkerInfo) -> int:
         try:
-            return ray.get(info.actor.num_in_flight.remote(), timeout=5)
+            return ray.get(info.actor.num_in_flight.remote(), timeout=10)
+        except ray.exceptions.GetTimeoutError:
+            return 1  # too busy to answer is not idle
         except ray.exceptions.RayError:
-            return -1
+            return 0  # a dead worker has nothing left to finish
 
     def _record(self, pool: str, action: str, worker_id: str, reason: str) -> None:
-        self.events.append(ScalingEvent(time.time(), pool, action, worker_id, reason))
-        del self.events[:-1000]
+        with self.lock:
+            self.events.append(ScalingEvent(time.time(), pool, action, worker_id, reason))
+            del self.events[:-1000]
+            self.event_counts[(pool, action)] += 1
         logger.info("scaling: %s %s %s (%s)", pool, action, worker_id, reason)
 
     def _bump(self) -> None:
         self.version += 1
 
 
-def start_controller(config: ClusterConfig, detached: bool = False):
-    """Create the named controller actor (which starts the pools) and wait until it is up."""
-    options = {"name": f"{config.name}-{CONTROLLER_NAME}", "namespace": config.namespace, "num_cpus": 0,
-               "max_concurrency": 32}
+def start_controller(config: ClusterConfig, detached: bool = False, **options):
+    """Create the named controller actor (which starts the pools) and wait until it is up. `options` go to
+    ClusterController (health_interval_s, drain_grace_s)."""
+    actor_options = {"name": f"{config.name}-{CONTROLLER_NAME}", "namespace": config.namespace, "num_cpus": 0,
+                     "max_concurrency": 32}
     if detached:
-        options["lifetime"] = "detached"
-    actor = ray.remote(ClusterController).options(**options).remote(config)
+        actor_options["lifetime"] = "detached"
+    actor = ray.remote(ClusterController).options(**actor_options).remote(config, **options)
     ray.get(actor.membership.remote())
     return actor
 

@@ -41,9 +41,14 @@ class Metrics:
                                     ["pool", "worker"], registry=r)
         self.rejected = Counter("tandem:requests_rejected", "Requests refused at admission.", ["reason"],
                                 registry=r)
-        self.scaling = Counter("tandem:scaling_events", "Workers added, drained, removed.", ["pool", "action"],
-                               registry=r)
+        self.scaling = Counter("tandem:scaling_events",
+                               "Scaling decisions (scale_up, scale_down) and worker changes (add, drain, remove, "
+                               "unhealthy, recovered).", ["pool", "action"], registry=r)
         self.replicas = Gauge("tandem:pool_replicas", "Workers per pool.", ["pool"], registry=r)
+        self.desired_replicas = Gauge("tandem:autoscaler_desired_replicas",
+                                      "Workers the last scaling decision (autoscaler or operator) asked for.",
+                                      ["pool"], registry=r)
+        self._scaling_seen: dict[tuple[str, str], int] = {}
         self.workers = WorkerStatsCollector()
         r.register(self.workers)
 
@@ -64,6 +69,19 @@ class Metrics:
         if "decode_admitted" in times:
             self.queue.labels(pool, worker).observe(max(times["decode_admitted"] - arrival, 0.0))
         self.requests.labels(pool, worker, finish_reason or "unknown").inc()
+
+    def observe_scaling(self, report) -> None:
+        """Mirror the controller's `scaling_report()` (cluster.controller.ScalingReport). Its event counts are
+        totals since the controller started, so only the growth since the previous report is added."""
+        for (pool, action), count in report.events.items():
+            grown = count - self._scaling_seen.get((pool, action), 0)
+            if grown > 0:
+                self.scaling.labels(pool, action).inc(grown)
+            self._scaling_seen[(pool, action)] = count
+        for pool, n in report.replicas.items():
+            self.replicas.labels(pool).set(n)
+        for pool, n in report.desired.items():
+            self.desired_replicas.labels(pool).set(n)
 
 
 class WorkerStatsCollector:

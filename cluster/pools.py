@@ -19,6 +19,7 @@ class WorkerInfo:
     worker_id: str
     pool: str
     actor: ray.actor.ActorHandle
+    ready: bool = False  # model loaded; only ready workers are routed to or health-checked
     healthy: bool = False
     draining: bool = False
 
@@ -66,17 +67,25 @@ class WorkerPool:
         return [self.add_worker() for _ in range(n)]
 
     def wait_ready(self, infos: list[WorkerInfo] | None = None, timeout_s: float = 600.0) -> None:
-        """Block until the given workers (default: all) answer a ping: their model is loaded."""
+        """Block until the given workers (default: all) answer a ping: their model is loaded. Workers that
+        fail to start are removed and the error is raised."""
         infos = list(self.workers.values()) if infos is None else infos
-        ray.get([info.actor.ping.remote() for info in infos], timeout=timeout_s)
+        try:
+            ray.get([info.actor.ping.remote() for info in infos], timeout=timeout_s)
+        except (ray.exceptions.RayError, TimeoutError):
+            for info in infos:
+                self.remove(info.worker_id)
+            raise
         for info in infos:
-            info.healthy = True
+            info.ready = info.healthy = True
 
     def check_health(self, timeout_s: float = 5.0) -> dict[str, bool]:
-        """Ping every worker; a worker that fails or times out is marked unhealthy."""
-        refs = {wid: info.actor.ping.remote() for wid, info in self.workers.items()}
+        """Ping every ready worker; a worker that fails or times out is marked unhealthy."""
+        # A snapshot: the controller may add or remove workers while the pings are out.
+        refs = {wid: info.actor.ping.remote() for wid, info in list(self.workers.items()) if info.ready}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         ready = set(ready)
+        health = {}
         for wid, ref in refs.items():
             ok = ref in ready
             if ok:
@@ -84,16 +93,15 @@ class WorkerPool:
                     ray.get(ref)
                 except ray.exceptions.RayError:
                     ok = False
-            self.workers[wid].healthy = ok
-        return {wid: info.healthy for wid, info in self.workers.items()}
+            health[wid] = ok
+            if (info := self.workers.get(wid)) is not None:
+                info.healthy = ok
+        return health
 
     def remove(self, worker_id: str) -> None:
-        info = self.workers.pop(worker_id)
-        try:
-            ray.get(info.actor.shutdown.remote(), timeout=10)
-        except ray.exceptions.RayError:
-            pass
-        ray.kill(info.actor, no_restart=True)
+        info = self.workers.pop(worker_id, None)
+        if info is not None:
+            stop_worker(info)
 
     def shutdown(self) -> None:
         for worker_id in list(self.workers):
@@ -124,6 +132,15 @@ class Pools:
     def shutdown(self) -> None:
         for pool in self.pools():
             pool.shutdown()
+
+
+def stop_worker(info: WorkerInfo) -> None:
+    """Let the worker close its transfer endpoints, then end its actor (also when it does not answer)."""
+    try:
+        ray.get(info.actor.shutdown.remote(), timeout=10)
+    except ray.exceptions.RayError:
+        pass
+    ray.kill(info.actor, no_restart=True)
 
 
 def _cluster_has_gpus() -> bool:

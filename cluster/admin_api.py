@@ -1,0 +1,141 @@
+"""The admin API behind `tandem status / scale / drain`: routes under /admin with their own key.
+
+    GET  /admin/status                          pools, workers, health, load, KV usage, prefix hit rates
+    POST /admin/scale  {"pool": "decode", "replicas": 2}   or   {"prefill": 1, "decode": 2}
+    POST /admin/drain  {"worker_id": "decode-1"}
+    GET  /admin/events?since=<unix time>        scaling decisions and worker changes
+
+Calls are synchronous: scale returns once new workers are ready and registered with the router and
+drained workers have finished their requests and left; drain returns once the worker is gone.
+Clients should allow minutes (a model load, a long generation finishing). Errors are OpenAI-style
+JSON bodies: 400 bad body (naming the field), 401 wrong or missing key, 403 admin API disabled,
+404 unknown worker, 503 controller unreachable.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Literal
+
+import ray
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class AdminError(Exception):
+    """An admin request that cannot be served; becomes an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def response(self) -> JSONResponse:
+        kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error"}.get(self.status, "server_error")
+        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
+                                       "code": self.status}}, status_code=self.status)
+
+
+class ScaleRequest(BaseModel):
+    """Either one pool (`pool` + `replicas`) or both at once (`prefill` and/or `decode`)."""
+    model_config = ConfigDict(extra="forbid")
+    pool: Literal["prefill", "decode"] | None = None
+    replicas: int | None = Field(None, ge=0, le=256)
+    prefill: int | None = Field(None, ge=0, le=256)
+    decode: int | None = Field(None, ge=0, le=256)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> ScaleRequest:
+        if (self.pool is None) != (self.replicas is None):
+            raise ValueError("give `pool` and `replicas` together")
+        if self.pool is not None and (self.prefill is not None or self.decode is not None):
+            raise ValueError("give either `pool` + `replicas` or `prefill` / `decode`, not both")
+        if self.pool is None and self.prefill is None and self.decode is None:
+            raise ValueError("nothing to scale: give `prefill` and/or `decode` replicas")
+        return self
+
+    def targets(self) -> dict[str, int]:
+        if self.pool is not None:
+            return {self.pool: self.replicas}
+        return {pool: n for pool, n in (("prefill", self.prefill), ("decode", self.decode)) if n is not None}
+
+
+class DrainRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    worker_id: str = Field(min_length=1, max_length=128)
+
+
+class _AdminRoute(APIRoute):
+    """Turns AdminError and body validation errors into error bodies here, so the admin API answers
+    the same way whatever exception handlers the app around it installs."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request):
+            try:
+                return await handler(request)
+            except AdminError as exc:
+                return exc.response()
+            except RequestValidationError as exc:
+                first = exc.errors()[0]
+                param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+                return AdminError(400, f"invalid admin request: {first['msg']}", param).response()
+
+        return guarded
+
+
+def build_admin_router(get_controller: Callable[[], object], admin_key: str | None) -> APIRouter:
+    """The /admin routes. `get_controller` returns the controller actor handle (looked up per call, so a
+    restarted controller is found again); without an `admin_key` every route answers 403."""
+
+    def authorize(request: Request) -> None:
+        if not admin_key:
+            raise AdminError(403, "admin API disabled: set TANDEM_ADMIN_KEY (or `tandem serve --admin-key`)")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_key.encode()):
+            raise AdminError(401, "missing or wrong admin key: send `Authorization: Bearer <admin key>`")
+
+    router = APIRouter(prefix="/admin", dependencies=[Depends(authorize)], route_class=_AdminRoute,
+                       tags=["admin"])
+
+    async def call(method: str, *args):
+        try:
+            controller = get_controller()
+            return await getattr(controller, method).remote(*args)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, KeyError):
+                raise AdminError(404, str(cause.args[0]) if cause.args else "not found") from None
+            if isinstance(cause, ValueError):
+                raise AdminError(400, str(cause)) from None
+            raise AdminError(500, f"{method} failed: {cause}") from None
+        except (ray.exceptions.RayError, ValueError) as exc:  # ValueError: no such named actor
+            raise AdminError(503, f"cluster controller unavailable: {exc}") from None
+
+    @router.get("/status")
+    async def status() -> dict:
+        return await call("status")
+
+    @router.post("/scale")
+    async def scale(body: ScaleRequest) -> dict:
+        # Both pools at once: their scaling runs concurrently in the controller (one lock per pool).
+        targets = body.targets()
+        results = await asyncio.gather(*(call("scale", pool, n, "operator") for pool, n in targets.items()))
+        return {"pools": {r.pool: asdict(r) for r in results}}
+
+    @router.post("/drain")
+    async def drain(body: DrainRequest) -> dict:
+        pool = await call("drain", body.worker_id, "operator")
+        return {"worker_id": body.worker_id, "pool": pool, "removed": True}
+
+    @router.get("/events")
+    async def events(since: float = 0.0) -> dict:
+        return {"events": [asdict(e) for e in await call("scaling_events", since)]}
+
+    return router

@@ -1,0 +1,155 @@
+"""Scaling and draining through the cluster controller while requests keep coming: nothing in flight is
+dropped, new workers take traffic only once registered, drained workers leave membership and Ray."""
+import asyncio
+import time
+
+import pytest
+import ray
+
+from cluster.config import ClusterConfig
+from cluster.controller import start_controller
+from tests.cluster_load import LoadClient, failures
+
+
+@pytest.fixture(scope="module")
+def controller(ray_cluster, tiny_llama_dir):
+    config = ClusterConfig(model=tiny_llama_dir, name="ctl", namespace="tandem-tests",
+                           engine={"num_kv_blocks": 128, "max_num_batched_tokens": 256},
+                           prefill={"max_replicas": 3}, decode={"max_replicas": 3},
+                           transfer={"lease_ttl_s": 5})
+    actor = start_controller(config)
+    yield actor
+    ray.get(actor.shutdown.remote())
+    ray.kill(actor)
+
+
+def members(controller, pool):
+    return sorted(w.worker_id for w in ray.get(controller.membership.remote()).workers if w.pool == pool)
+
+
+def assert_actor_gone(actor):
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.ping.remote(), timeout=30)
+
+
+async def wait_until(predicate, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+def served(client, worker_id):
+    return sum(worker_id in (o.decode, o.prefill) and o.finished > 0 for o in client.outcomes)
+
+
+def in_flight_at(client, worker_id, moment):
+    return [o for o in client.outcomes if worker_id in (o.decode, o.prefill) and o.started < moment < o.finished]
+
+
+def under_load(controller, operations, seed, max_requests=200, interval_s=0.08):
+    """Run `operations(client)` while a LoadClient sends a request every `interval_s`; let the load run
+    on for a second afterwards, stop it and wait for every request to end."""
+    client = LoadClient(controller, seed=seed)
+
+    async def main():
+        stop = asyncio.Event()
+        load = asyncio.create_task(client.run(stop, max_requests, interval_s))
+        await wait_until(lambda: len(client.outcomes) >= 5)
+        await operations(client)
+        await asyncio.sleep(1.0)
+        stop.set()
+        await load
+
+    asyncio.run(main())
+    return client
+
+
+def test_decode_scales_up_then_down_under_load_without_failed_requests(controller):
+    steps = {}
+
+    async def operations(client):
+        steps["up"] = await controller.scale.remote("decode", 2)
+        new = steps["up"].added[0]
+        await wait_until(lambda: served(client, new) >= 3)  # registered workers take traffic
+        steps["drain_started"] = time.time()
+        steps["down"] = await controller.scale.remote("decode", 1)
+
+    client = under_load(controller, operations, seed=1)
+    up, down = steps["up"], steps["down"]
+    assert (up.replicas_before, up.replicas, len(up.added)) == (1, 2, 1)
+    assert (down.replicas_before, down.replicas, len(down.drained)) == (2, 1, 1)
+    assert failures(client.outcomes) == []
+    assert len(client.outcomes) >= 20
+    victim = down.drained[0]
+    assert in_flight_at(client, victim, steps["drain_started"]), "the drained worker had nothing in flight"
+    assert victim not in members(controller, "decode")
+    assert_actor_gone(client.actors[victim])
+
+
+def test_prefill_scales_up_then_down_under_load_without_failed_requests(controller):
+    steps = {}
+
+    async def operations(client):
+        steps["up"] = await controller.scale.remote("prefill", 2)
+        await wait_until(lambda: served(client, steps["up"].added[0]) >= 3)
+        steps["drain_started"] = time.time()
+        steps["down"] = await controller.scale.remote("prefill", 1)
+
+    client = under_load(controller, operations, seed=2)
+    assert failures(client.outcomes) == []
+    victim = steps["down"].drained[0]
+    assert in_flight_at(client, victim, steps["drain_started"]), "the drained worker had nothing in flight"
+    assert victim not in members(controller, "prefill") and len(members(controller, "prefill")) == 1
+    assert_actor_gone(client.actors[victim])
+
+
+def test_draining_a_busy_worker_mid_load_lets_its_requests_finish(controller):
+    steps = {}
+
+    async def operations(client):
+        steps["added"] = (await controller.scale.remote("decode", 2)).added[0]
+        await wait_until(lambda: client.outstanding.get(steps["added"], 0) >= 2)
+        steps["drain_started"] = time.time()
+        steps["pool"] = await controller.drain.remote(steps["added"], "test")
+
+    before = ray.get(controller.membership.remote()).version
+    client = under_load(controller, operations, seed=3)
+    victim = steps["added"]
+    assert steps["pool"] == "decode"
+    assert failures(client.outcomes) == []
+    assert len(in_flight_at(client, victim, steps["drain_started"])) >= 2
+    assert victim not in members(controller, "decode")
+    assert ray.get(controller.membership.remote()).version > before
+    assert_actor_gone(client.actors[victim])
+    events = [(e.action, e.worker_id) for e in ray.get(controller.scaling_events.remote())]
+    assert events[-2:] == [("drain", victim), ("remove", victim)]
+
+
+def test_surviving_workers_hold_no_blocks_once_the_load_is_over(controller):
+    def idle(w):
+        stats = ray.get(w.actor.stats.remote())
+        return (stats.num_active_blocks, stats.num_running, stats.num_waiting) == (0, 0, 0)
+
+    for w in ray.get(controller.membership.remote()).workers:
+        # A prefill lease nobody pulled (its decode worker refused the request) holds blocks until its TTL.
+        asyncio.run(wait_until(lambda: idle(w), timeout_s=15))
+
+
+def test_the_last_decode_worker_cannot_be_drained(controller):
+    [last] = members(controller, "decode")
+    with pytest.raises(ValueError, match="last decode worker"):
+        ray.get(controller.drain.remote(last))
+    with pytest.raises(ValueError, match="at least one"):
+        ray.get(controller.scale.remote("decode", 0))
+    assert members(controller, "decode") == [last]
+
+
+def test_scaling_beyond_max_replicas_is_refused_with_the_limit(controller):
+    with pytest.raises(ValueError, match=r"\[0, 3\]"):
+        ray.get(controller.scale.remote("prefill", 4))
+
+
+def test_draining_an_unknown_worker_names_the_command_that_lists_workers(controller):
+    with pytest.raises(KeyError, match="tandem status"):
+        ray.get(controller.drain.remote("decode-99"))
