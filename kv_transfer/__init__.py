@@ -1,9 +1,10 @@
 """KV cache transfer between prefill and decode workers: leases, gRPC and torch.distributed transports.
 
 Prefill side: `KVTransferServer.lease(...)` pins a request's blocks and returns
-a `KVHandle`. Decode side: `plan_import` decides which blocks to pull, a
-client (`make_client(handle.transport, ...)`) pulls them into the local cache,
-then `release(handle)` lets the prefill worker free them.
+a `KVHandle`. Decode side: `plan_import` (or the engine's own prefix lookup)
+decides which blocks to pull, a `GrpcKVClient` or `DistKVClient` (as
+`handle.transport` says) pulls them into the local cache, and
+`client.release(handle)` lets the prefill worker free them.
 """
 from kv_transfer.handle import (KVAuthError, KVChecksumError, KVHandle, KVLayoutMismatchError,
                                 KVLeaseNotFoundError, KVTransferError, PullStats)

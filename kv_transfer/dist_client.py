@@ -28,7 +28,9 @@ from kv_transfer.handle import KVChecksumError, KVHandle, KVTransferError, PullS
 from kv_transfer.wire import layout_to_proto
 from protos import kv_transfer_pb2 as pb
 
-RECV_WINDOW = 4  # chunks with receives posted ahead of their headers
+# Receives are posted ahead of their headers up to this much staging memory;
+# receives straight into the cache cost none, so consecutive blocks post all at once.
+STAGING_WINDOW_BYTES = 64 << 20
 
 
 @dataclass(slots=True)
@@ -46,6 +48,50 @@ class _Posted:
     buffers: list[torch.Tensor]
     staging: torch.Tensor | None
     works: list[dist.Work]
+
+
+class _Receives:
+    """Posts the receives of a pull's chunks in plan order, ahead of their headers."""
+
+    def __init__(self, group: dist.ProcessGroup, cache: KVCache, plan: list[ChunkSpec], dst_block_ids: list[int]):
+        self.group, self.cache = group, cache
+        self.plan = deque(plan)
+        self.dst_block_ids = dst_block_ids
+        self.posted: deque[_Posted] = deque()
+        self.tag = self.staged = 0
+        self.post_ahead()
+
+    def post_ahead(self) -> None:
+        while self.plan and (not self.posted or self.staged < STAGING_WINDOW_BYTES):
+            spec = self.plan.popleft()
+            ids = self.dst_block_ids[spec.block_start:spec.block_end]
+            views = cache_views(self.cache, ids, spec)
+            staging = None if views is not None else staging_buffer(self.cache, spec)
+            buffers = views if views is not None else segments(staging)
+            works = [self.group.recv([b], SENDER_RANK, self.tag + i) for i, b in enumerate(buffers)]
+            self.tag += len(buffers)
+            self.staged += 0 if staging is None else spec.num_bytes(self.cache.layout)
+            self.posted.append(_Posted(spec, ids, buffers, staging, works))
+
+    def take(self, spec: ChunkSpec) -> _Posted:
+        """The next chunk once its data is in, which must be `spec`."""
+        chunk = self.posted.popleft() if self.posted else None
+        if chunk is None or chunk.spec != spec:
+            raise KVTransferError(f"unexpected chunk {spec}")
+        for work in chunk.works:
+            work.wait()
+        return chunk
+
+    def land(self, chunk: _Posted) -> None:
+        """Move a verified chunk into the cache (if it went through staging) and post more receives."""
+        if chunk.staging is not None:
+            write_chunk(self.cache, chunk.block_ids, chunk.spec, chunk.staging)
+            self.staged -= chunk.spec.num_bytes(self.cache.layout)
+        self.post_ahead()
+
+    @property
+    def done(self) -> bool:
+        return not self.plan and not self.posted
 
 
 class DistKVClient(KVClientBase):
@@ -73,60 +119,36 @@ class DistKVClient(KVClientBase):
 
     def _pull_over(self, group: dist.ProcessGroup, handle: KVHandle, request: pb.PullRequest,
                    dst_block_ids: list[int], on_layers: OnLayers | None) -> tuple[int, int]:
-        cache, layout = self.cache, self.cache.layout
-        plan = deque(plan_chunks(layout, len(dst_block_ids), request.layer_start, request.layer_end,
-                                 request.max_chunk_bytes))
-        num_chunks = len(plan)
+        plan = plan_chunks(self.cache.layout, len(dst_block_ids), request.layer_start, request.layer_end,
+                           request.max_chunk_bytes)
         progress = LayerProgress(request.layer_start, request.layer_end, len(dst_block_ids), on_layers)
-        posted: deque[_Posted] = deque()
-        tag = 0
-
-        def post_next() -> None:
-            nonlocal tag
-            spec = plan.popleft()
-            ids = dst_block_ids[spec.block_start:spec.block_end]
-            views = cache_views(cache, ids, spec)
-            staging = None if views is not None else staging_buffer(cache, spec)
-            buffers = views if views is not None else segments(staging)
-            works = [group.recv([b], SENDER_RANK, tag + i) for i, b in enumerate(buffers)]
-            tag += len(buffers)
-            posted.append(_Posted(spec, ids, buffers, staging, works))
-
-        while plan and len(posted) < RECV_WINDOW:
-            post_next()
+        receives = _Receives(group, self.cache, plan, dst_block_ids)
         num_bytes = 0
         try:
             for header in self.stub(handle.address).PullDist(request, **self.call_options()):
-                chunk = posted.popleft() if posted else None
-                spec = ChunkSpec(header.layer_start, header.layer_end, header.block_start, header.block_end)
-                if chunk is None or spec != chunk.spec:
-                    raise KVTransferError(f"KV pull of {handle.request_id!r}: unexpected chunk {spec}")
-                for work in chunk.works:
-                    work.wait()
-                self._verify(header, chunk, handle.request_id)
-                if chunk.staging is not None:
-                    write_chunk(cache, chunk.block_ids, spec, chunk.staging)
+                chunk = receives.take(ChunkSpec(header.layer_start, header.layer_end,
+                                                header.block_start, header.block_end))
+                self._verify(header, chunk)
+                receives.land(chunk)
                 num_bytes += header.num_bytes
-                progress.done(spec)
-                if plan:
-                    post_next()
+                progress.done(chunk.spec)
         except grpc.RpcError as err:
             raise transfer_error(err, handle.request_id) from None
-        except RuntimeError as err:
-            if isinstance(err, KVTransferError):
-                raise
+        except KVTransferError as err:
+            raise type(err)(f"KV pull of {handle.request_id!r}: {err}") from None
+        except RuntimeError as err:  # from the process group: the peer is gone or timed out
             raise KVTransferError(f"KV pull of {handle.request_id!r}: receive failed: {err}") from None
-        if posted or not progress.complete:
+        if not receives.done or not progress.complete:
             raise KVTransferError(f"KV pull of {handle.request_id!r} ended after {num_bytes} bytes")
-        return num_bytes, num_chunks
+        return num_bytes, len(plan)
 
-    def _verify(self, header: pb.ChunkHeader, chunk: _Posted, request_id: str) -> None:
+    def _verify(self, header: pb.ChunkHeader, chunk: _Posted) -> None:
         if not header.HasField("crc32c"):
             if self.device.type == "cpu":
-                raise KVChecksumError(f"KV pull of {request_id!r}: chunk {chunk.spec} came without a CRC32C")
+                raise KVChecksumError(f"chunk {chunk.spec} came without a CRC32C")
             return  # NCCL payloads stay on the device; the links check them
         if payload_crc(chunk.buffers) != header.crc32c:
-            raise KVChecksumError(f"KV pull of {request_id!r}: chunk {chunk.spec} failed its CRC32C")
+            raise KVChecksumError(f"chunk {chunk.spec} failed its CRC32C")
 
     def _pair(self, handle: KVHandle) -> _Pair:
         """The process group with `handle`'s server, connected on first use."""

@@ -54,5 +54,5 @@ def abort_group(group: dist.ProcessGroup) -> None:
     """Fail the group's pending sends/recvs so that no buffer is touched after we give it up."""
     try:
         group.abort()
-    except RuntimeError:
+    except RuntimeError:  # a group that already failed may refuse to abort; it is unusable either way
         pass

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SEND_WINDOW = 8  # K/V segments in flight per pull
+SEND_WINDOW_BYTES = 64 << 20  # payload in flight per pull (it may sit in staging buffers)
 
 
 @dataclass(slots=True)
@@ -86,19 +86,22 @@ class DistSender:
             self.disconnect(request.pair_id)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"pair {request.pair_id!r} never joined: {err}")
         lease, block_ids = self.server.open_pull(request, context)
-        pending: deque[dist.Work] = deque()
+        pending: deque[tuple[dist.Work, int]] = deque()
         with pair.lock:
             try:
-                tag = 0
+                tag = in_flight = 0
                 for header, segments in self.server.chunks(lease, block_ids, request, context, to_host=False):
                     yield header
                     for segment in segments:
-                        pending.append(group.send([segment], RECEIVER_RANK, tag))
-                        tag += 1
-                    while len(pending) > SEND_WINDOW:
-                        pending.popleft().wait()
+                        size = segment.numel() * segment.element_size()
+                        pending.append((group.send([segment], RECEIVER_RANK, tag), size))
+                        tag, in_flight = tag + 1, in_flight + size
+                    while in_flight > SEND_WINDOW_BYTES:
+                        work, size = pending.popleft()
+                        work.wait()
+                        in_flight -= size
                 while pending:
-                    pending.popleft().wait()
+                    pending.popleft()[0].wait()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # the blocks may be reused once the lease ends
             except RuntimeError as err:

@@ -30,7 +30,7 @@ class KVServerConfig:
     """Where the server listens and how much it accepts; `dist` adds the torch.distributed data plane."""
     host: str = "127.0.0.1"
     port: int = 0
-    max_workers: int = 8
+    max_workers: int = 16
     max_message_bytes: int = 16 << 20
     lease_ttl_s: float = 30.0
     dist: bool = False
@@ -42,7 +42,7 @@ class ServerStats:
     """Payload bytes and chunks sent since start, over both data planes."""
     bytes_sent: int = 0
     chunks_sent: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, num_bytes: int) -> None:
         with self._lock:
@@ -121,7 +121,10 @@ class KVTransferServer:
                         tuple(block_hashes), self.cache.layout)
 
     def mark_layers_ready(self, request_id: str, num_layers_ready: int) -> None:
-        """Layer-wise prefill: layers [0, num_layers_ready) may be streamed now."""
+        """Layer-wise prefill: layers [0, num_layers_ready) may be streamed now.
+
+        On CUDA, call it once those layers' writes have completed (their stream synchronized).
+        """
         self.leases.mark_layers_ready(request_id, num_layers_ready)
 
     def release(self, request_id: str) -> bool:

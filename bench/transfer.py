@@ -1,0 +1,283 @@
+"""KV transfer throughput: a 2,048-token SmolLM2 prompt's KV between two processes, against baselines.
+
+Each case runs in a fresh pair of processes (sender, receiver), so allocator
+and thread settings never leak from one case into another:
+
+  tandem gRPC / tandem torch.distributed   KVTransferServer -> GrpcKVClient / DistKVClient
+  ... scattered blocks                      same, with shuffled block ids on both sides (gather + scatter)
+  bare gRPC byte stream                     one server-streaming call of raw 4 MiB bytes messages
+  bare Gloo send/recv                       one send/recv of the whole buffer on a two-rank Gloo group
+  raw TCP                                   sendall / recv_into on one loopback socket
+  NCCL cases                                only with two visible GPUs (NCCL refuses two ranks on one GPU)
+
+Then layer-wise pipelining: the sender "prefills" (busy compute, --layer-ms per
+layer) and marks layers ready one by one while the receiver already pulls,
+against prefill-then-transfer. Run: .venv/bin/python bench/transfer.py
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from engine.kv_cache import KVCache, KVLayout  # noqa: E402
+from kv_transfer.dist_client import DistKVClient  # noqa: E402
+from kv_transfer.dist_group import open_store  # noqa: E402
+from kv_transfer.grpc_client import GrpcKVClient  # noqa: E402
+from kv_transfer.malloc import keep_message_buffers_in_heap  # noqa: E402
+from kv_transfer.server import KVServerConfig, KVTransferServer  # noqa: E402
+
+TOKEN = "bench"
+BARE_CHUNK = 4 << 20
+
+
+def layout_for(device: str) -> KVLayout:
+    return KVLayout("smollm2-135m-instruct", "float32", 16, 30, 3, 64)
+
+
+def block_ids(num_blocks: int, scattered: bool, seed: int) -> list[int]:
+    ids = list(range(num_blocks))
+    if scattered:
+        random.Random(seed).shuffle(ids)
+    return ids
+
+
+def busy(seconds: float) -> None:
+    """Keep one core busy with real tensor work for `seconds` (a stand-in for a layer's prefill)."""
+    a = torch.randn(64, 64)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)
+
+
+# ---- senders (process 1) ----------------------------------------------------------------------
+
+def send_tandem(args, case, conn) -> None:
+    layout, device = layout_for(case["device"]), case["device"]
+    cache = KVCache(layout, args.blocks + 8, device)
+    for t in cache.k + cache.v:
+        t.normal_()
+    server = KVTransferServer(cache, TOKEN, KVServerConfig(dist=case["dist"], max_message_bytes=16 << 20)).start()
+    ids = block_ids(args.blocks, case.get("scattered", False), seed=1)
+    conn.send(server.lease("bench", ids, [], args.blocks * layout.block_size, lambda _: None, ttl=3600))
+    while True:  # pipelining rounds: ("prefill", request_id, layer_ms, layer_wise)
+        _, request_id, layer_ms, layer_wise = conn.recv()
+        n = args.blocks * layout.block_size
+        if not layer_wise:
+            for _ in range(layout.num_layers):
+                busy(layer_ms / 1000)
+        handle = server.lease(request_id, ids, [], n, lambda _: None, ttl=3600,
+                              layers_ready=0 if layer_wise else None)
+        conn.send(handle)
+        if layer_wise:
+            for layer in range(layout.num_layers):
+                busy(layer_ms / 1000)
+                server.mark_layers_ready(request_id, layer + 1)
+
+
+def send_bare_grpc(args, case, conn) -> None:
+    if case.get("heap_tuning"):
+        keep_message_buffers_in_heap(16 << 20)
+    payload = torch.randn(case["nbytes"] // 4).numpy().view("uint8")
+
+    def stream(request, context):
+        for off in range(0, len(payload), BARE_CHUNK):
+            yield payload[off:off + BARE_CHUNK].tobytes()
+
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_send_message_length", 16 << 20)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "bench.Bytes", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    conn.send(f"127.0.0.1:{port}")
+    threading.Event().wait()
+
+
+def send_bare_gloo(args, case, conn) -> None:
+    store = open_store("127.0.0.1", 0, True, 60)
+    conn.send(store.port)
+    group = _bare_group(store, 0)
+    buf = torch.randn(case["nbytes"] // 4)
+    while True:
+        group.recv([torch.empty(1)], 1, 0).wait()  # the receiver asks for the next round
+        group.send([buf], 1, 1).wait()
+
+
+def send_raw_tcp(args, case, conn) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    conn.send(listener.getsockname()[1])
+    peer, _ = listener.accept()
+    payload = torch.randn(case["nbytes"] // 4).numpy().view("uint8")
+    while peer.recv(1):
+        peer.sendall(payload)
+
+
+def _bare_group(store, rank: int) -> dist.ProcessGroup:
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=60)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(dist.PrefixStore("bare/", store), rank, 2, options)
+
+
+# ---- receivers (process 2): return per-round seconds ------------------------------------------
+
+def timed(rounds: int, fn) -> list[float]:
+    fn()  # warm-up: connections, page faults, allocator
+    out = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def recv_tandem(args, case, handle, sender) -> dict:
+    layout = layout_for(case["device"])
+    cache = KVCache(layout, args.blocks + 8, case["device"])
+    client = (DistKVClient if case["dist"] else GrpcKVClient)(cache, TOKEN, max_message_bytes=16 << 20)
+    dst = block_ids(args.blocks, case.get("scattered", False), seed=2)
+    everything = list(range(args.blocks))
+    result = {"seconds": timed(args.repeats, lambda: client.pull(handle, dst, everything))}
+    if case.get("pipelining"):
+        result["pipelining"] = {}
+        for layer_wise in (False, True):
+            runs = []
+            for r in range(args.repeats):
+                start = time.perf_counter()
+                sender.send(("prefill", f"p{layer_wise}{r}", args.layer_ms, layer_wise))
+                client.pull(sender.recv(), dst, everything)
+                runs.append(time.perf_counter() - start)
+            result["pipelining"][layer_wise] = runs
+    return result
+
+
+def recv_bare_grpc(args, case, address, sender) -> dict:
+    if case.get("heap_tuning"):
+        keep_message_buffers_in_heap(16 << 20)
+    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 16 << 20)])
+    call = channel.unary_stream("/bench.Bytes/Stream")
+
+    def pull():
+        assert sum(len(m) for m in call(b"", timeout=60)) == case["nbytes"]
+    return {"seconds": timed(args.repeats, pull)}
+
+
+def recv_bare_gloo(args, case, port, sender) -> dict:
+    group = _bare_group(open_store("127.0.0.1", port, False, 60), 1)
+    buf = torch.empty(case["nbytes"] // 4)
+
+    def pull():
+        group.send([torch.empty(1)], 0, 0).wait()
+        group.recv([buf], 0, 1).wait()
+    return {"seconds": timed(args.repeats, pull)}
+
+
+def recv_raw_tcp(args, case, port, sender) -> dict:
+    peer = socket.create_connection(("127.0.0.1", port))
+    view = memoryview(bytearray(case["nbytes"]))
+
+    def pull():
+        peer.sendall(b"x")
+        got = 0
+        while got < len(view):
+            got += peer.recv_into(view[got:])
+    return {"seconds": timed(args.repeats, pull)}
+
+
+# ---- driver -----------------------------------------------------------------------------------
+
+def _sender_main(args, case, conn) -> None:
+    torch.set_num_threads(1)
+    case["send"](args, case, conn)
+
+
+def _receiver_main(args, case, info, sender, out) -> None:
+    torch.set_num_threads(1)
+    out.send(case["recv"](args, case, info, sender))
+
+
+def run_case(args, case) -> dict:
+    ctx = mp.get_context("spawn")
+    to_sender, sender_end = ctx.Pipe()
+    sender = ctx.Process(target=_sender_main, args=(args, case, sender_end), daemon=True)
+    sender.start()
+    info = to_sender.recv()
+    results, results_end = ctx.Pipe()
+    receiver = ctx.Process(target=_receiver_main, args=(args, case, info, to_sender, results_end), daemon=True)
+    receiver.start()
+    try:
+        return results.recv()
+    finally:
+        receiver.kill()
+        sender.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layer-ms", type=float, default=3.0, help="simulated prefill time per layer")
+    args = parser.parse_args()
+    args.blocks = args.tokens // 16
+    layout = layout_for("cpu")
+    nbytes = 2 * layout.num_layers * args.blocks * layout.bytes_per_block_per_layer
+    devices = ["cpu"] + (["cuda"] if torch.cuda.device_count() >= 2 else [])
+    cases = {
+        "tandem gRPC": dict(send=send_tandem, recv=recv_tandem, dist=False, device="cpu", pipelining=True),
+        "tandem gRPC, scattered blocks": dict(send=send_tandem, recv=recv_tandem, dist=False, device="cpu",
+                                              scattered=True),
+        "bare gRPC byte stream": dict(send=send_bare_grpc, recv=recv_bare_grpc),
+        "bare gRPC byte stream + heap tuning": dict(send=send_bare_grpc, recv=recv_bare_grpc, heap_tuning=True),
+        "tandem torch.distributed (gloo)": dict(send=send_tandem, recv=recv_tandem, dist=True, device="cpu",
+                                                pipelining=True),
+        "tandem torch.distributed (gloo), scattered blocks": dict(send=send_tandem, recv=recv_tandem, dist=True,
+                                                                  device="cpu", scattered=True),
+        "bare Gloo send/recv": dict(send=send_bare_gloo, recv=recv_bare_gloo),
+        "raw TCP": dict(send=send_raw_tcp, recv=recv_raw_tcp),
+    }
+    if "cuda" in devices:
+        cases["tandem torch.distributed (nccl)"] = dict(send=send_tandem, recv=recv_tandem, dist=True,
+                                                         device="cuda", pipelining=True)
+    print(f"KV of {args.tokens} tokens: {nbytes / 1e6:.1f} MB ({layout}); {args.repeats} rounds after a warm-up; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    if "cuda" not in devices:
+        print("NCCL cases skipped: they need two visible GPUs")
+    print(f"{'case':52s} {'median GB/s':>12s} {'best GB/s':>10s}")
+    pipelining = {}
+    for name, case in cases.items():
+        case["nbytes"] = nbytes
+        result = run_case(args, case)
+        secs = result["seconds"]
+        print(f"{name:52s} {nbytes / statistics.median(secs) / 1e9:12.2f} {nbytes / min(secs) / 1e9:10.2f}",
+              flush=True)
+        if "pipelining" in result:
+            pipelining[name] = (statistics.median(secs), result["pipelining"])
+    compute = layout.num_layers * args.layer_ms / 1000
+    print(f"\nLayer-wise pipelining: prefill = {layout.num_layers} layers x {args.layer_ms} ms busy compute "
+          f"= {compute * 1000:.0f} ms; medians in ms")
+    print(f"{'transport':36s} {'transfer':>9s} {'prefill, then pull':>19s} {'layer-wise':>11s} {'hidden':>8s}")
+    for name, (transfer, runs) in pipelining.items():
+        sequential, layered = statistics.median(runs[False]), statistics.median(runs[True])
+        hidden = (sequential - layered) / transfer
+        print(f"{name:36s} {transfer * 1e3:9.1f} {sequential * 1e3:19.1f} {layered * 1e3:11.1f} "
+              f"{hidden:7.0%}")
+    print(f"(hidden = (prefill-then-pull - layer-wise) / transfer time; load average now {os.getloadavg()[0]:.1f})")
+
+
+if __name__ == "__main__":
+    main()
