@@ -71,13 +71,19 @@ class EngineServer:
         return WorkerStats(self.worker_id, self.pool, draining=self.draining, **counters)
 
     async def kv_events(self, after_seq: int, timeout_s: float = 1.0) -> KVEventsReply:
-        """New KV event batches after `after_seq`, waiting up to `timeout_s` for some to appear."""
+        """New KV event batches after `after_seq`, waiting up to `timeout_s` for some to appear.
+
+        A consumer starts with `after_seq=-1` and gets a snapshot of the cached block hashes and the seq
+        it reflects; so does one that fell behind the retained history or is ahead of it (restart)."""
         deadline = time.monotonic() + timeout_s
         while True:
             batches = self.events.since(after_seq)
             if batches is None or after_seq > self.events.seq:
+                # Read seq before the snapshot: batches up to it are then in the snapshot, and a batch
+                # published meanwhile is applied again on top, which set-like events tolerate.
+                seq = self.events.seq
                 snapshot = self.loop.call(self.engine.block_manager.snapshot)
-                return KVEventsReply(self.worker_id, [], snapshot, self.events.seq)
+                return KVEventsReply(self.worker_id, [], snapshot, seq)
             remaining = deadline - time.monotonic()
             if batches or remaining <= 0:
                 return KVEventsReply(self.worker_id, batches, None, self.events.seq)

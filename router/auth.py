@@ -1,0 +1,49 @@
+"""API keys -> tenants. The tenant is the prefix-cache salt, so two tenants never share cached blocks."""
+from __future__ import annotations
+
+import hmac
+
+from router.openai_api import APIError
+
+
+class Authenticator:
+    """Checks `Authorization: Bearer <key>`. With no keys configured every request is tenant-less."""
+
+    def __init__(self, api_keys: dict[str, str]):
+        self.api_keys = dict(api_keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.api_keys)
+
+    def tenant(self, authorization: str | None) -> str | None:
+        """The caller's tenant; raises a 401 APIError for a missing or unknown key."""
+        if not self.enabled:
+            return None
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise _unauthorized("missing API key: send `Authorization: Bearer <key>`")
+        key = key.strip()
+        # Compare against every key in constant time so timing does not reveal a key's prefix.
+        tenant = None
+        for known, name in self.api_keys.items():
+            if hmac.compare_digest(known.encode(), key.encode()):
+                tenant = name
+        if tenant is None:
+            raise _unauthorized("invalid API key")
+        return tenant
+
+
+def cache_salt(tenant: str | None, request_salt: str | None) -> str | None:
+    """The salt of the request's first KV block: the tenant, then the request's own `cache_salt`.
+
+    The tenant is length-prefixed, so no choice of `cache_salt` by one tenant can produce another
+    tenant's salt."""
+    if tenant is None:
+        return request_salt
+    salt = f"tenant:{len(tenant)}:{tenant}"
+    return f"{salt}/{request_salt}" if request_salt else salt
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -1,0 +1,273 @@
+"""The OpenAI endpoints' logic, independent of Serve and HTTP framing.
+
+Per request: auth -> validate the body -> model -> tokenize (chat template) -> context check ->
+block hashes with the tenant's salt -> admission -> n candidates placed and run by the RequestRouter
+-> one response, or server-sent events.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.errors import InvalidRequestError
+from engine.hashing import block_hashes
+from engine.protocol import GenerateRequest, TokenDelta
+from router.admission import Admission, Ticket
+from router.auth import Authenticator, cache_salt
+from router.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, error_event, parse_body,
+                               sse)
+from router.openai_responses import (ChatFormatter, Choice, CompletionFormatter, Formatter, ModelCard, ModelList,
+                                     usage)
+from router.policy import NoDecodeWorker
+from router.request_router import RequestRouter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the ingress must know of the served model to validate requests as the workers would."""
+    name: str
+    vocab_size: int
+    max_model_len: int
+    created: int
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One of the n candidates of one prompt, ready to run."""
+    choice: Choice
+    request: GenerateRequest
+    block_hashes: list[int]
+
+
+class OpenAIService:
+    """Serves /v1/completions, /v1/chat/completions and /v1/models on top of a RequestRouter."""
+
+    def __init__(self, model: ModelInfo, tokenizer, auth: Authenticator, admission: Admission,
+                 requests: RequestRouter, block_size: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.auth = auth
+        self.admission = admission
+        self.requests = requests
+        self.block_size = block_size
+
+    def models(self, authorization: str | None) -> ModelList:
+        self.auth.tenant(authorization)
+        return ModelList(data=[ModelCard(id=self.model.name, created=self.model.created,
+                                         max_model_len=self.model.max_model_len)])
+
+    async def completions(self, body: bytes, authorization: str | None) -> Response:
+        tenant = self.auth.tenant(authorization)
+        req = parse_body(CompletionRequest, body)
+        self._check_model(req.model)
+        prompts = [self._prompt_ids(p) for p in req.prompts()]
+        fmt = CompletionFormatter(self.model.name, self.tokenizer)
+        return await self._generate(req, prompts, "prompt", req.max_tokens, tenant, fmt)
+
+    async def chat(self, body: bytes, authorization: str | None) -> Response:
+        tenant = self.auth.tenant(authorization)
+        req = parse_body(ChatCompletionRequest, body)
+        self._check_model(req.model)
+        messages = [m.template_dict() for m in req.messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+        except Exception as exc:  # a template that rejects the conversation (roles, order)
+            raise APIError.bad_request(f"the chat template cannot render these messages: {exc}", "messages") from None
+        fmt = ChatFormatter(self.model.name, self.tokenizer)
+        return await self._generate(req, [list(ids)], "messages", req.requested_max_tokens, tenant, fmt)
+
+    # ---- shared pipeline --------------------------------------------------------------------------
+
+    async def _generate(self, req, prompts: list[list[int]], prompt_field: str, max_tokens: int | None,
+                        tenant: str | None, fmt: Formatter) -> Response:
+        params = req.sampling_params(max_tokens, self.model.vocab_size)
+        for ids in prompts:
+            self._check_context(ids, max_tokens, prompt_field, req.max_tokens_param)
+        salt = cache_salt(tenant, req.cache_salt)
+        candidates = []
+        for p, ids in enumerate(prompts):
+            hashes = block_hashes(ids, self.block_size, salt)
+            for i in range(params.n):
+                # Unseeded candidates get a seed of their own here: workers seed their generators alike,
+                # so letting each worker pick would give equal samples on different workers.
+                seed = secrets.randbits(62) if params.seed is None else params.seed + i
+                request = GenerateRequest(f"{fmt.id}-{p}-{i}", ids, replace(params, n=1, seed=seed), salt)
+                candidates.append(Candidate(Choice(p * params.n + i, p), request, hashes))
+        logger.debug("%s: %d candidates for tenant %r user %r", fmt.id, len(candidates), tenant, req.user)
+        prompt_lengths = [len(ids) for ids in prompts]
+        ticket = self.admission.acquire(len(candidates))
+        if not req.stream:
+            try:
+                return JSONResponse((await self._complete(candidates, prompt_lengths, fmt)).model_dump())
+            finally:
+                ticket.release()
+        try:
+            return await self._stream(candidates, prompt_lengths, req.include_usage, fmt, ticket)
+        except BaseException:
+            ticket.release()
+            raise
+
+    async def _complete(self, candidates: list[Candidate], prompt_lengths: list[int], fmt: Formatter):
+        async def collect(cand: Candidate) -> None:
+            async with aclosing(self.requests.stream(cand.request, cand.block_hashes)) as deltas:
+                async for delta in deltas:
+                    cand.choice.add(delta)
+
+        tasks = [asyncio.ensure_future(collect(cand)) for cand in candidates]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # one failure (or a client gone) stops the others
+            await _cancel(tasks)
+        choices = [cand.choice for cand in candidates]
+        return fmt.response(choices, usage(choices, prompt_lengths))
+
+    async def _stream(self, candidates: list[Candidate], prompt_lengths: list[int], include_usage: bool,
+                      fmt: Formatter, ticket: Ticket) -> Response:
+        streams = [self.requests.stream(cand.request, cand.block_hashes) for cand in candidates]
+        # Wait for every first delta before answering, so a request no worker takes gets a real status code.
+        first = [asyncio.ensure_future(anext(s)) for s in streams]
+        try:
+            firsts = await asyncio.gather(*first)
+        except BaseException:
+            await _cancel(first)
+            await _close(streams)
+            raise
+        events = self._events(candidates, streams, firsts, prompt_lengths, include_usage, fmt)
+
+        async def close() -> None:
+            await events.aclose()
+            await _close(streams)
+            ticket.release()
+
+        return EventStream(events, on_close=close)
+
+    async def _events(self, candidates: list[Candidate], streams, firsts: list[TokenDelta], prompt_lengths: list[int],
+                      include_usage: bool, fmt: Formatter) -> AsyncIterator[str]:
+        choices = [cand.choice for cand in candidates]
+        try:
+            for choice in choices:
+                if (chunk := fmt.first_chunk(choice)) is not None:
+                    yield sse(chunk)
+            async with aclosing(_merge(streams, firsts)) as merged:
+                async for i, delta in merged:
+                    choice = choices[i]
+                    chunk = fmt.chunk(choice, delta, len(choice.text))
+                    choice.add(delta)
+                    if chunk is not None:
+                        yield sse(chunk)
+            if include_usage:
+                yield sse(fmt.usage_chunk(usage(choices, prompt_lengths)))
+        except Exception as exc:  # headers are out: the error goes into the stream
+            yield error_event(to_api_error(exc))
+        yield "data: [DONE]\n\n"
+
+    # ---- validation -------------------------------------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model.name:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model.name}`",
+                           param="model", code="model_not_found")
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if not all(0 <= t < self.model.vocab_size for t in ids):
+                raise APIError.bad_request(f"prompt token ids must be in [0, {self.model.vocab_size})", "prompt")
+        if not ids:
+            raise APIError.bad_request("prompt must not be empty", "prompt")
+        return ids
+
+    def _check_context(self, ids: list[int], max_tokens: int | None, prompt_field: str, max_field: str) -> None:
+        limit = self.model.max_model_len
+        if len(ids) >= limit:
+            raise APIError.bad_request(f"the prompt has {len(ids)} tokens; the context window is {limit}, leaving "
+                                       f"no room to generate", prompt_field)
+        if max_tokens is not None and len(ids) + max_tokens > limit:
+            raise APIError.bad_request(f"{max_field}={max_tokens} does not fit: the prompt has {len(ids)} tokens "
+                                       f"and the context window is {limit}", max_field)
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that runs `on_close` however it ends: finished, client gone, or never started."""
+
+    def __init__(self, events: AsyncIterator[str], on_close):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Any failure of the request path as an OpenAI error; unexpected ones are logged with their traceback."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):  # a worker refused it (Ray keeps the class of the cause)
+        cause = getattr(exc, "cause", exc)
+        return APIError.bad_request(str(cause), getattr(cause, "field", None))
+    if isinstance(exc, NoDecodeWorker):
+        return APIError(503, f"no decode worker can take the request right now: {exc}", type="service_unavailable",
+                        headers={"Retry-After": "1"})
+    logger.error("request failed", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}", type="internal_error")
+
+
+async def _merge(streams: list, firsts: list[TokenDelta]) -> AsyncIterator[tuple[int, TokenDelta]]:
+    """The already received first deltas, then every stream's deltas as they come, tagged by index."""
+    for i, delta in enumerate(firsts):
+        yield i, delta
+    live = [i for i, delta in enumerate(firsts) if not delta.finished]
+    if len(live) == 1:
+        async for delta in streams[live[0]]:
+            yield live[0], delta
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(live))
+
+    async def pump(i: int) -> None:
+        try:
+            async for delta in streams[i]:
+                await queue.put((i, delta, None))
+            await queue.put((i, None, None))
+        except Exception as exc:
+            await queue.put((i, None, exc))
+        finally:
+            await streams[i].aclose()
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in live]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, delta, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if delta is None:
+                remaining -= 1
+            else:
+                yield i, delta
+    finally:
+        await _cancel(tasks)
+
+
+async def _cancel(tasks: list[asyncio.Future]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close(streams: list) -> None:
+    for stream in streams:
+        await stream.aclose()

@@ -1,0 +1,225 @@
+"""One ingress replica's view of the cluster: who the workers are, what they cache, how loaded they are.
+
+Each replica follows the controller's membership (long-poll on its version), and for every worker
+follows its KV events into a `PrefixIndex` (a long-poll starting from a snapshot) and polls its stats
+into a `WorkerLoad`. Replicas do all of this independently, so each holds an exact index of its own.
+
+A worker whose calls fail is dropped from the index at once and not chosen again until a call to it
+succeeds (a restarted actor resyncs from a fresh snapshot); one that leaves the membership is forgotten.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import ray
+
+from cluster.metrics import Metrics
+from engine.protocol import WorkerStats
+from router.index import PrefixIndex
+from router.policy import RouteDecision, Router, WorkerLoad
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """What this replica knows of one worker."""
+    worker_id: str
+    pool: str
+    actor: object
+    healthy: bool  # the controller's health check
+    draining: bool
+    reachable: bool = True  # False from a failed call until one succeeds
+    stats: WorkerStats | None = None
+    stats_asked_at: float = 0.0  # monotonic time the current stats were asked for
+    pending: dict[str, tuple[float, int]] = field(default_factory=dict)  # request id -> (routed at, prefill tokens)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def schedulable(self) -> bool:
+        draining = self.draining or (self.stats is not None and self.stats.draining)
+        return self.healthy and self.reachable and not draining
+
+    def load(self) -> WorkerLoad:
+        """The last reported load plus what this replica routed here since that report was asked for,
+        so a burst does not pile onto one worker between two stats polls."""
+        s = self.stats
+        load = WorkerLoad(self.worker_id, healthy=self.schedulable)
+        if s is not None:
+            load.queued_prefill_tokens, load.num_waiting, load.num_running = (
+                s.queued_prefill_tokens, s.num_waiting, s.num_running)
+            load.num_active_blocks, load.num_total_blocks = s.num_active_blocks, s.num_total_blocks
+        for routed_at, prefill_tokens in self.pending.values():
+            if routed_at >= self.stats_asked_at:
+                load.queued_prefill_tokens += prefill_tokens
+                if self.pool == "decode":
+                    load.num_running += 1
+                else:
+                    load.num_waiting += 1
+        return load
+
+
+class WorkerView:
+    """Membership, prefix index and loads for one ingress replica; `route` places a request on them."""
+
+    def __init__(self, controller, router: Router, metrics: Metrics, *, colocated: bool,
+                 stats_interval_s: float = 0.2, events_timeout_s: float = 1.0, membership_wait_s: float = 5.0,
+                 retry_s: float = 0.5):
+        self.controller = controller
+        self.router = router
+        self.index: PrefixIndex = router.index
+        self.block_size = router.decode_policy.block_size
+        self.metrics = metrics
+        self.colocated = colocated
+        self.stats_interval_s = stats_interval_s
+        self.events_timeout_s = events_timeout_s
+        self.membership_wait_s = membership_wait_s
+        self.retry_s = retry_s
+        self.workers: dict[str, WorkerState] = {}
+        self.version = -1
+        self._membership_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Read the membership once, then follow it (and every worker) in the background."""
+        self._apply(await self.controller.membership.remote(-1, 0.0))
+        self._membership_task = asyncio.create_task(self._follow_membership())
+
+    async def close(self) -> None:
+        tasks = [t for w in self.workers.values() for t in w.tasks]
+        if self._membership_task is not None:
+            tasks.append(self._membership_task)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- the request path ---------------------------------------------------------------------
+
+    def route(self, block_hashes: Sequence[int], prompt_tokens: int, exclude: Collection[str] = ()) -> RouteDecision:
+        """Place a request; raises NoDecodeWorker when no decode worker is schedulable."""
+        loads = {"prefill": [], "decode": []}
+        for w in self.workers.values():
+            if w.worker_id not in exclude and not (self.colocated and w.pool == "prefill"):
+                loads[w.pool].append(w.load())
+        decision = self.router.route(block_hashes, prompt_tokens, loads["prefill"], loads["decode"])
+        if self.colocated:
+            decision.reason = "colocated"
+        for pool, placement in (("decode", decision.decode), ("prefill", decision.prefill)):
+            if placement is not None:
+                self.metrics.routing.labels(pool, placement.worker_id, decision.reason).inc()
+                self.metrics.routing_hits.labels(pool, placement.worker_id).inc(
+                    placement.cached_tokens // self.block_size)
+        return decision
+
+    def begin(self, decision: RouteDecision, request_id: str, prompt_tokens: int) -> None:
+        """Count a routed request against its workers until `end`."""
+        now = time.monotonic()
+        computes_prompt = decision.prefill or decision.decode
+        for placement in (decision.decode, decision.prefill):
+            if placement is not None and placement.worker_id in self.workers:
+                tokens = prompt_tokens - placement.cached_tokens if placement is computes_prompt else 0
+                self.workers[placement.worker_id].pending[request_id] = (now, tokens)
+
+    def end(self, decision: RouteDecision, request_id: str) -> None:
+        for placement in (decision.decode, decision.prefill):
+            if placement is not None and placement.worker_id in self.workers:
+                self.workers[placement.worker_id].pending.pop(request_id, None)
+
+    def actor(self, worker_id: str):
+        return self.workers[worker_id].actor
+
+    def lost(self, worker_id: str, reason: object = "") -> None:
+        """A call to the worker failed: drop its index entries now and route around it."""
+        w = self.workers.get(worker_id)
+        if w is None:
+            return
+        if w.reachable:
+            logger.warning("worker %s is unreachable (%s); routing around it", worker_id, reason)
+        w.reachable = False
+        w.stats = None
+        self.index.remove_worker(worker_id)
+        self.metrics.workers.forget(worker_id)
+
+    def num_schedulable(self, pool: str) -> int:
+        return sum(1 for w in self.workers.values() if w.pool == pool and w.schedulable)
+
+    # ---- following the cluster ----------------------------------------------------------------
+
+    def _apply(self, membership) -> None:
+        self.version = membership.version
+        current = set()
+        for entry in membership.workers:
+            current.add(entry.worker_id)
+            w = self.workers.get(entry.worker_id)
+            if w is None:
+                w = self.workers[entry.worker_id] = WorkerState(entry.worker_id, entry.pool, entry.actor,
+                                                                entry.healthy, entry.draining)
+                w.tasks = [asyncio.create_task(self._follow_events(w)), asyncio.create_task(self._poll_stats(w))]
+            else:
+                w.healthy, w.draining = entry.healthy, entry.draining
+        for worker_id in set(self.workers) - current:
+            self._forget(worker_id)
+        for pool in ("prefill", "decode"):
+            self.metrics.replicas.labels(pool).set(sum(1 for w in self.workers.values() if w.pool == pool))
+
+    def _forget(self, worker_id: str) -> None:
+        w = self.workers.pop(worker_id)
+        for task in w.tasks:
+            task.cancel()
+        self.index.remove_worker(worker_id)
+        self.metrics.workers.forget(worker_id)
+
+    async def _follow_membership(self) -> None:
+        while True:
+            try:
+                membership = await self.controller.membership.remote(self.version, self.membership_wait_s)
+            except ray.exceptions.RayActorError as exc:
+                logger.warning("the cluster controller is unreachable (%s); retrying", exc)
+                await asyncio.sleep(1.0)
+                continue
+            self._apply(membership)
+
+    async def _follow_events(self, w: WorkerState) -> None:
+        """Snapshot first (after_seq=-1), then every batch in order; a gap or a restart resyncs."""
+        after = -1
+        while True:
+            try:
+                reply = await w.actor.kv_events.remote(after, self.events_timeout_s)
+            except Exception as exc:
+                self._failed(w, exc)
+                after = -1
+                await asyncio.sleep(self.retry_s)
+                continue
+            w.reachable = True
+            if reply.snapshot is not None:
+                self.index.resync(w.worker_id, reply.snapshot, reply.seq)
+                after = reply.seq
+                continue
+            for batch in reply.batches:
+                if not self.index.apply(batch):  # also after `lost` dropped the worker's entries
+                    after = -1
+                    break
+                after = batch.seq
+
+    async def _poll_stats(self, w: WorkerState) -> None:
+        while True:
+            asked = time.monotonic()
+            try:
+                stats, transfer = await asyncio.gather(w.actor.stats.remote(), w.actor.transfer_stats.remote())
+            except Exception as exc:
+                self._failed(w, exc)
+                await asyncio.sleep(self.retry_s)
+                continue
+            w.reachable = True
+            w.stats, w.stats_asked_at = stats, asked
+            self.metrics.workers.update(stats, transfer)
+            await asyncio.sleep(self.stats_interval_s)
+
+    def _failed(self, w: WorkerState, exc: Exception) -> None:
+        if isinstance(exc, ray.exceptions.RayActorError):
+            self.lost(w.worker_id, type(exc).__name__)
+        else:  # a bug, not a dead worker: keep its entries, say so, retry
+            logger.exception("polling worker %s failed", w.worker_id, exc_info=exc)

@@ -1,0 +1,107 @@
+"""Two tandem applications on one real Serve instance (loopback, ephemeral port), shared by the ingress
+tests: `main` (disaggregated, two tenants' keys, one prefill and two decode workers) and `aux` (colocated,
+no keys, two decode workers, an admission bound of two sequences)."""
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+
+import openai
+import pytest
+import ray
+import requests
+
+KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
+MODEL = "tiny-llama"
+
+
+@dataclass
+class App:
+    """One deployed application, reached over HTTP like any client would."""
+    name: str
+    base_url: str
+    config: object
+
+    def client(self, key: str | None = "key-a") -> openai.OpenAI:
+        # No retries: the tests look at every status code the server sends.
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=key or "unused", max_retries=0, timeout=60)
+
+    def post(self, path: str, body: dict, key: str | None = "key-a", **kwargs) -> requests.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return requests.post(f"{self.base_url}{path}", json=body, headers=headers, timeout=60, **kwargs)
+
+    def get(self, path: str) -> requests.Response:
+        return requests.get(f"{self.base_url}{path}", timeout=30)
+
+    def ingress(self):
+        """The app's ingress replica, for what only its own view knows (index, schedulable workers)."""
+        from ray import serve
+        return serve.get_app_handle(self.name)
+
+    def actors(self) -> dict[str, object]:
+        from cluster.controller import get_controller
+        membership = ray.get(get_controller(self.config.name, self.config.namespace).membership.remote())
+        return {w.worker_id: w.actor for w in membership.workers}
+
+    def stats(self) -> dict[str, object]:
+        actors = self.actors()
+        return dict(zip(actors, ray.get([a.stats.remote() for a in actors.values()])))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+@pytest.fixture(scope="package")
+def apps(ray_cluster, tiny_llama_dir):
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    from cluster.config import ClusterConfig
+    from router.app import build_app, shutdown_cluster
+
+    engine = {"num_kv_blocks": 128, "max_num_batched_tokens": 256}
+    main = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-main", api_keys=KEYS,
+                         engine=engine, router={"max_local_prefill_length": 48},
+                         prefill={"num_cpus": 0.5}, decode={"replicas": 2, "num_cpus": 0.5})
+    aux = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-aux", mode="colocated",
+                        engine=engine, router={"max_queued_requests": 2}, decode={"replicas": 2, "num_cpus": 0.5})
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run_many([RunTarget(build_app(main.model_dump()), name="main", route_prefix="/main"),
+                        RunTarget(build_app(aux.model_dump()), name="aux", route_prefix="/aux")])
+        yield {name: App(name, f"http://127.0.0.1:{port}/{name}", config)
+               for name, config in (("main", main), ("aux", aux))}
+    finally:
+        serve.shutdown()
+        for config in (main, aux):
+            shutdown_cluster(config.name, config.namespace)
+
+
+@pytest.fixture(scope="package")
+def main_app(apps) -> App:
+    return apps["main"]
+
+
+@pytest.fixture(scope="package")
+def aux_app(apps) -> App:
+    return apps["aux"]
+
+
+@pytest.fixture(scope="package")
+def tokenizer(tiny_llama_dir):
+    from engine.model_loader import load_tokenizer
+    return load_tokenizer(tiny_llama_dir)

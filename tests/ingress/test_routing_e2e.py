@@ -1,0 +1,145 @@
+"""Placement through the real ingress: prefixes go where they are cached, unrelated requests spread,
+tenants never share blocks, every view of the cluster keeps an exact index, dead workers drop out."""
+import asyncio
+import random
+import threading
+
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.controller import get_controller
+from cluster.metrics import Metrics
+from engine.hashing import block_hashes
+from router.auth import cache_salt
+from router.index import PrefixIndex
+from router.policy import Router
+from router.worker_view import WorkerView
+from tests.ingress.conftest import MODEL, wait_for
+
+BLOCK = 16
+
+
+def token_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def complete(client, prompt: list[int], **kwargs):
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, **kwargs)
+
+
+def decode_overlap(app, hashes: list[int]) -> dict[str, int]:
+    overlap = app.ingress().overlap.remote(hashes).result()
+    return {w: n for w, n in overlap.items() if w.startswith("decode")}
+
+
+def routed_to(app) -> dict[str, float]:
+    """Decode placements so far per worker, from the app's /metrics."""
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(app.get("/metrics").text):
+        for s in family.samples:
+            if s.name == "tandem:routing_decisions_total" and s.labels["pool"] == "decode":
+                counts[s.labels["worker"]] = counts.get(s.labels["worker"], 0) + s.value
+    return counts
+
+
+def test_requests_sharing_a_long_prefix_land_on_the_worker_that_caches_it(main_app):
+    client, prefix = main_app.client("key-a"), token_prompt(64, seed=10)
+    hashes = block_hashes(prefix, BLOCK, cache_salt("tenant-a", None))
+    complete(client, prefix + [7, 8, 9])
+    assert wait_for(lambda: sorted(decode_overlap(main_app, hashes).values()) == [0, 4])
+    holder = max(overlap := decode_overlap(main_app, hashes), key=overlap.get)
+    before = main_app.stats()
+    out = complete(client, prefix + [11, 12, 13, 14])
+    after = main_app.stats()
+    hits = {w: after[w].prefix_cache_hits - before[w].prefix_cache_hits for w in overlap}
+    assert hits.pop(holder) == 64 and set(hits.values()) == {0}
+    assert out.usage.prompt_tokens_details.cached_tokens == 64
+
+
+def test_unrelated_requests_spread_over_the_decode_workers(main_app):
+    client, before = main_app.client("key-a"), routed_to(main_app)
+    threads = [threading.Thread(target=complete, args=(client, token_prompt(24, seed=100 + i)),
+                                kwargs={"extra_body": {"ignore_eos": True}}) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    after = routed_to(main_app)
+    placed = {w: after[w] - before.get(w, 0) for w in after}
+    assert sum(placed.values()) == 8
+    assert len(placed) == 2 and min(placed.values()) >= 2
+
+
+def test_tenant_b_gets_no_hits_on_tenant_a_blocks(main_app):
+    prompt = token_prompt(80, seed=11)
+    tenant_a, tenant_b = main_app.client("key-a"), main_app.client("key-b")
+    complete(tenant_a, prompt)
+    hashes_a = block_hashes(prompt, BLOCK, cache_salt("tenant-a", None))
+    assert wait_for(lambda: max(decode_overlap(main_app, hashes_a).values()) == 5)
+    before = main_app.stats()
+    out_b = complete(tenant_b, prompt)
+    after = main_app.stats()
+    assert out_b.usage.prompt_tokens_details.cached_tokens == 0
+    assert sum(after[w].prefix_cache_hits - before[w].prefix_cache_hits for w in after) == 0
+    assert complete(tenant_a, prompt).usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_request_cache_salt_separates_blocks_within_a_tenant(main_app):
+    client, prompt = main_app.client("key-a"), token_prompt(40, seed=12)
+    complete(client, prompt)
+    assert complete(client, prompt).usage.prompt_tokens_details.cached_tokens == 32
+    salted = complete(client, prompt, extra_body={"cache_salt": "conversation-1"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_every_view_of_the_cluster_rebuilds_the_exact_index_of_each_worker(main_app):
+    """What lets several ingress replicas agree: each follows every worker's events on its own."""
+    config = main_app.config
+    actors = main_app.actors()
+
+    async def main():
+        controller = get_controller(config.name, config.namespace)
+        views = [WorkerView(controller, Router(PrefixIndex(), BLOCK), Metrics(), colocated=False)
+                 for _ in range(2)]
+        for view in views:
+            await view.start()
+        await asyncio.to_thread(complete, main_app.client("key-a"), token_prompt(90, seed=14))
+        snapshots = {w: set((await a.kv_events.remote(-1, 0.0)).snapshot) for w, a in actors.items()}
+
+        def exact(view) -> bool:
+            return all(view.index.num_blocks(w) == len(held)
+                       and all(view.index.overlap([h], [w])[w] == 1 for h in held) for w, held in snapshots.items())
+
+        for _ in range(100):
+            if all(exact(view) for view in views):
+                break
+            await asyncio.sleep(0.1)
+        for view in views:
+            await view.close()
+        return [exact(view) for view in views], snapshots
+
+    exact, snapshots = asyncio.run(main())
+    assert exact == [True, True]
+    assert sum(map(len, snapshots.values())) >= 6  # the comparison is not vacuous
+    indexed = main_app.ingress().workers.remote().result()
+    assert {w: info["indexed_blocks"] for w, info in indexed.items()} == {w: len(h) for w, h in snapshots.items()}
+
+
+def test_a_killed_worker_is_never_chosen_again_and_its_index_entries_vanish(aux_app):
+    client, prefix = aux_app.client(key=None), token_prompt(64, seed=13)
+    hashes = block_hashes(prefix, BLOCK, None)
+    complete(client, prefix + [1])
+    assert wait_for(lambda: max(decode_overlap(aux_app, hashes).values()) == 4)
+    victim = max(overlap := decode_overlap(aux_app, hashes), key=overlap.get)
+    ray.kill(aux_app.actors()[victim], no_restart=True)
+
+    # Placed on the victim for its cached prefix, the request fails there and is placed again.
+    assert complete(client, prefix + [2]).choices[0].finish_reason == "length"
+    assert wait_for(lambda: aux_app.ingress().workers.remote().result()[victim] == {
+        "pool": "decode", "schedulable": False, "indexed_blocks": 0})
+    before = routed_to(aux_app).get(victim, 0)
+    for i in range(6):
+        assert complete(client, prefix + [3 + i] if i % 2 else token_prompt(30, seed=200 + i)).choices
+    assert routed_to(aux_app).get(victim, 0) == before
+    assert aux_app.get("/health").json()["decode_workers"] == 1
