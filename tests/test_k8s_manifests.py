@@ -304,7 +304,7 @@ def test_each_pool_actor_fits_only_its_own_worker_group(name):
     assert set(node_types) == {"headgroup", "prefill", "decode"}
     args = serve_app(rayservice)["args"]
     for pool in ("prefill", "decode"):
-        options = args[pool]["ray_actor_options"]
+        options = args[pool]
         demand = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], **options["resources"]}
         fits = {group for group, node in node_types.items()
                 if all(node["resources"].get(resource, 0) >= amount for resource, amount in demand.items() if amount)}
@@ -336,7 +336,7 @@ def test_cpu_overlay_drops_every_gpu_and_runs_one_pod_per_pool():
     assert all(not node["resources"].get("GPU") for node in ray_node_types(rayservice).values())
     args = serve_app(rayservice)["args"]
     assert args["device"] == "cpu"
-    assert args["prefill"]["ray_actor_options"]["num_gpus"] == args["decode"]["ray_actor_options"]["num_gpus"] == 0
+    assert args["prefill"]["num_gpus"] == args["decode"]["num_gpus"] == 0
     for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
         assert group["replicas"] == group["minReplicas"] == 1
     assert {c["image"] for c in containers(rayservice)} == {"tandem-serve:0.1.0-cpu"}
@@ -348,7 +348,7 @@ def test_cpu_overlay_changes_only_device_and_gpu_counts_in_serve_args():
     for app in (base, cpu):
         app["args"]["device"] = "any"
         for pool in ("prefill", "decode"):
-            app["args"][pool]["ray_actor_options"].update(num_cpus=0, num_gpus=0)
+            app["args"][pool].update(num_cpus=0, num_gpus=0)
     assert cpu == base
 
 
