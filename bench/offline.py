@@ -6,7 +6,7 @@ tokens. The engine runs them as one continuous batch; HF runs them as one static
 Single-request decode latency is the mean gap between tokens of one request on an otherwise idle
 engine, and the same gap in HF (timed with a streamer). Both sides use every core unless told.
 
-Run: .venv/bin/python bench/offline.py
+Run: .venv/bin/python bench/offline.py --repeat 3
      .venv/bin/python bench/offline.py --num-requests 32 --prompt-len 128 --output-len 128 --skip-hf
      .venv/bin/python bench/offline.py --profile /tmp/engine.json   (torch.profiler trace of the engine batch)
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -110,45 +111,59 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1, help="rounds, engine and HF alternating (new prompts each)")
     ap.add_argument("--skip-hf", action="store_true", help="only run the engine")
     ap.add_argument("--skip-single", action="store_true", help="skip single-request decode latency")
-    ap.add_argument("--profile", metavar="TRACE.json", help="profile the engine batch with torch.profiler")
+    ap.add_argument("--profile", metavar="TRACE.json", help="profile the engine batch of round 1 with torch.profiler")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     engine = Engine(EngineConfig(model=args.model, num_threads=args.threads))
     vocab = engine.runner.vocab_size
-    prompts = make_prompts(args.num_requests, args.prompt_len, vocab, args.seed)
-    warmup = make_prompts(4, args.prompt_len, vocab, args.seed + 1)
-    single = make_prompts(1, args.prompt_len, vocab, args.seed + 2)[0]
-    num_out = args.num_requests * args.output_len
-
+    warmup = make_prompts(4, args.prompt_len, vocab, args.seed + 1000)
     engine.generate(warmup, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    eng_s, eng_tokens = engine_batch(engine, prompts, args.output_len, args.profile)
-    eng_single = None if args.skip_single else engine_single_decode_ms(engine, single, args.output_len)
-
-    rows = [("engine", num_out / eng_s, eng_s, eng_single)]
+    model = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=torch.float32).eval()
         hf_batch(model, warmup, 8)
-        hf_s, hf_tokens = hf_batch(model, prompts, args.output_len)
-        hf_single = None if args.skip_single else hf_single_decode_ms(model, single, args.output_len)
-        rows.append(("hf generate", num_out / hf_s, hf_s, hf_single))
-        same = sum(a == b for a, b in zip(eng_tokens, hf_tokens))
 
-    print(f"\n{args.num_requests} requests x {args.prompt_len} prompt x {args.output_len} output tokens, "
+    print(f"{args.num_requests} requests x {args.prompt_len} prompt x {args.output_len} output tokens, "
           f"greedy fp32, {args.threads} threads, torch {torch.__version__}")
-    print(f"{'':<12} {'output tok/s':>12} {'batch s':>9} {'1-req decode ms/tok':>20}")
-    for name, tps, secs, ms in rows:
-        print(f"{name:<12} {tps:>12.1f} {secs:>9.2f} {'-' if ms is None else f'{ms:.2f}':>20}")
-    if not args.skip_hf:
-        ratio = rows[0][1] / rows[1][1]
-        line = f"engine / hf throughput: {ratio:.2f}x"
-        if not args.skip_single:
-            line += f"; hf / engine single-request ms per token: {rows[1][3] / rows[0][3]:.2f}x"
-        print(line)
-        print(f"greedy outputs identical to hf: {same}/{len(prompts)} requests")
+    print(f"{'round':<6} {'':<12} {'output tok/s':>12} {'batch s':>9} {'1-req decode ms/tok':>20}")
+    ratios = []
+    for r in range(args.repeat):
+        # Fresh prompts every round, so the engine's prefix cache never helps it.
+        prompts = make_prompts(args.num_requests, args.prompt_len, vocab, args.seed + 2 * r)
+        single = make_prompts(1, args.prompt_len, vocab, args.seed + 2 * r + 1)[0]
+        rows = [run_engine(engine, prompts, single, args, profile=args.profile if r == 0 else None)]
+        if model is not None:
+            rows.append(run_hf(model, prompts, single, args))
+        for name, tps, secs, ms, _ in rows:
+            print(f"{r + 1:<6} {name:<12} {tps:>12.1f} {secs:>9.2f} {'-' if ms is None else f'{ms:.2f}':>20}")
+        if model is not None:
+            (_, eng_tps, _, eng_ms, eng_tokens), (_, hf_tps, _, hf_ms, hf_tokens) = rows
+            same = sum(a == b for a, b in zip(eng_tokens, hf_tokens))
+            ratios.append(eng_tps / hf_tps)
+            line = f"       engine/hf throughput {eng_tps / hf_tps:.2f}x"
+            if eng_ms is not None:
+                line += f", hf/engine 1-req ms/token {hf_ms / eng_ms:.2f}x"
+            print(line + f", greedy outputs identical to hf: {same}/{len(prompts)}")
+    if len(ratios) > 1:
+        print(f"engine/hf throughput over {len(ratios)} rounds: median {statistics.median(ratios):.2f}x, "
+              f"min {min(ratios):.2f}x, max {max(ratios):.2f}x")
+
+
+def run_engine(engine: Engine, prompts, single, args, profile: str | None):
+    secs, tokens = engine_batch(engine, prompts, args.output_len, profile)
+    ms = None if args.skip_single else engine_single_decode_ms(engine, single, args.output_len)
+    return "engine", len(prompts) * args.output_len / secs, secs, ms, tokens
+
+
+def run_hf(model, prompts, single, args):
+    secs, tokens = hf_batch(model, prompts, args.output_len)
+    ms = None if args.skip_single else hf_single_decode_ms(model, single, args.output_len)
+    return "hf generate", len(prompts) * args.output_len / secs, secs, ms, tokens
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ class Sampler:
         tokens = [0] * len(reqs)
         greedy = [i for i, r in enumerate(reqs) if r.sampling_params.greedy]
         if greedy:
-            for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+            rows = logits if len(greedy) == len(reqs) else logits[greedy]
+            for i, t in zip(greedy, rows.argmax(dim=-1).tolist()):
                 tokens[i] = t
         random = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
         if random:
