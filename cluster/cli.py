@@ -1,0 +1,235 @@
+"""The `tandem` command.
+
+    tandem serve [--config FILE] [--model DIR] [--prefill N] [--decode M] [--colocated] [--device D]
+                 [--host H] [--port P] [--api-key KEY[:TENANT]]... [--admin-key KEY] [--address RAY]
+                 [--autoscale]
+    tandem status [--json]
+    tandem scale [--prefill N] [--decode M]
+    tandem drain WORKER
+
+`serve` runs the cluster in the foreground until Ctrl-C or SIGTERM. `status`, `scale` and `drain` talk
+to a running server's admin API (--url, default http://127.0.0.1:8000) with its admin key (--admin-key
+or TANDEM_ADMIN_KEY). Every failure prints what to do next, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from urllib.parse import urlparse
+
+from cluster.admin_client import AdminClient, CLIError
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+WORKER_ID = re.compile(r"^(prefill|decode)-\d+$")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.command(args, parser)
+    except CLIError as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 1
+
+
+# ---- commands ---------------------------------------------------------------------------------------
+
+def serve_command(args, parser) -> int:
+    from cluster.config import ConfigError, load_config
+
+    if args.colocated and args.prefill is not None:
+        parser.error("--prefill does not apply with --colocated (there is no prefill pool)")
+    overrides = {"model": args.model, "device": args.device, "dtype": args.dtype,
+                 "mode": "colocated" if args.colocated else None, "prefill.replicas": args.prefill,
+                 "decode.replicas": args.decode, "host": args.host, "port": args.port, "admin_key": args.admin_key,
+                 "api_keys": dict(args.api_key) if args.api_key else None}
+    try:
+        config = load_config(args.config, **overrides)
+    except ConfigError as exc:
+        raise CLIError(f"{exc}; fix the flag or the config file") from None
+    for name, pool in (("prefill", config.prefill), ("decode", config.decode)):
+        if pool.replicas > pool.max_replicas:
+            raise CLIError(f"{name}: {pool.replicas} replicas is above its max_replicas={pool.max_replicas}; "
+                           f"lower --{name} or raise {name}.max_replicas in the config file")
+    if config.decode.replicas < 1:
+        raise CLIError("the decode pool needs at least one worker: --decode 1 or more")
+    address = args.address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        # A purely local instance: Ray on loopback only, no token prompt.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from cluster.launcher import serve_until_stopped
+
+    try:
+        serve_until_stopped(config, address, args.autoscale, say)
+    except CLIError:
+        raise
+    except Exception as exc:  # a failed start is reported, not dumped; Ray's logs have the details
+        raise CLIError(f"the server failed: {type(exc).__name__}: {exc}; Ray's logs are under "
+                       f"/tmp/ray/session_latest/logs") from None
+    return 0
+
+
+def status_command(args, parser) -> int:
+    status = _client(args).status()
+    print(json.dumps(status, indent=2) if args.json else format_status(status, args.url))
+    return 0
+
+
+def scale_command(args, parser) -> int:
+    if args.prefill is None and args.decode is None:
+        parser.error("give --prefill N and/or --decode M")
+    if args.decode == 0:
+        parser.error("--decode must be at least 1: the decode pool serves every request")
+    targets = {pool: n for pool, n in (("prefill", args.prefill), ("decode", args.decode)) if n is not None}
+    result = _client(args).scale(targets)
+    for pool, r in result["pools"].items():
+        change = f"added {', '.join(r['added'])}" if r["added"] else \
+            f"drained and removed {', '.join(r['drained'])}" if r["drained"] else "unchanged"
+        print(f"{pool}: {r['replicas_before']} -> {r['replicas']} workers ({change})")
+    return 0
+
+
+def drain_command(args, parser) -> int:
+    result = _client(args).drain(args.worker)
+    print(f"{result['worker_id']} drained: its requests finished and it left the {result['pool']} pool")
+    return 0
+
+
+def say(message: str) -> None:
+    print(f"tandem: {message}", flush=True)
+
+
+def _client(args) -> AdminClient:
+    return AdminClient(args.url, args.admin_key or os.environ.get("TANDEM_ADMIN_KEY"))
+
+
+def format_status(status: dict, url: str) -> str:
+    """The readable form of GET /admin/status: a pools table and a workers table."""
+    lines = [f"tandem at {url}: model {status['model']}, {status['mode']}, membership version {status['version']}",
+             ""]
+    pools = [["POOL", "WORKERS", "DESIRED", "MIN..MAX"]]
+    workers = [["WORKER", "POOL", "STATE", "RUNNING", "WAITING", "QUEUED TOKENS", "KV USAGE", "PREFIX HITS"]]
+    for name, pool in status["pools"].items():
+        pools.append([name, str(pool["replicas"]), str(pool["desired"]),
+                      f"{pool['min_replicas']}..{pool['max_replicas']}"])
+        for w in pool["workers"]:
+            if "running" not in w:
+                workers.append([w["worker_id"], name, w["state"], *["-"] * 5])
+                continue
+            hits = f"{w['prefix_hit_rate']:.1%} ({w['prefix_cache_hits']}/{w['prefix_cache_queries']} tokens)"
+            workers.append([w["worker_id"], name, w["state"], str(w["running"]), str(w["waiting"]),
+                            str(w["queued_prefill_tokens"]), f"{w['kv_usage']:.1%}", hits])
+    return "\n".join(lines + _table(pools) + [""] + _table(workers))
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+# ---- flags ------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM inference on Ray.")
+    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the cluster and its OpenAI API until Ctrl-C",
+                                description="Start Ray (local unless --address or RAY_ADDRESS), the prefill and "
+                                            "decode pools and the OpenAI API; flags override --config.")
+    serve.add_argument("--config", type=_existing_file, help="YAML file with ClusterConfig fields")
+    serve.add_argument("--model", type=_non_empty, help="HF model directory (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--prefill", type=_count, metavar="N", help="prefill workers at start (default 1)")
+    serve.add_argument("--decode", type=_count, metavar="M", help="decode workers at start (default 1)")
+    serve.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers prefill too")
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    serve.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    serve.add_argument("--host", type=_non_empty, help="API address (default 127.0.0.1)")
+    serve.add_argument("--port", type=_port, help="API port (default 8000)")
+    serve.add_argument("--api-key", type=_api_key, action="append", metavar="KEY[:TENANT]",
+                       help="accept this API key (repeat for more; the tenant isolates prefix caches)")
+    serve.add_argument("--admin-key", type=_secret, help="enable the admin API with this key (or TANDEM_ADMIN_KEY)")
+    serve.add_argument("--address", type=_non_empty, help="join this Ray cluster (or RAY_ADDRESS) instead of "
+                                                          "starting a local one")
+    serve.add_argument("--autoscale", action="store_true",
+                       help="resize the pools from their load within min_replicas..max_replicas")
+    serve.set_defaults(command=serve_command)
+
+    def admin_command(name: str, help: str, run) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help)
+        sub.add_argument("--url", type=_url, default=os.environ.get("TANDEM_URL", DEFAULT_URL),
+                         help=f"the server (default {DEFAULT_URL}, or TANDEM_URL)")
+        sub.add_argument("--admin-key", type=_secret, help="the server's admin key (default TANDEM_ADMIN_KEY)")
+        sub.set_defaults(command=run)
+        return sub
+
+    admin_command("status", "show pools, workers, health, load, KV usage and prefix hit rates",
+                  status_command).add_argument("--json", action="store_true", help="print the raw JSON")
+    scale = admin_command("scale", "resize the pools; returns once new workers serve or drained ones left",
+                          scale_command)
+    scale.add_argument("--prefill", type=_count, metavar="N", help="prefill workers wanted")
+    scale.add_argument("--decode", type=_count, metavar="M", help="decode workers wanted")
+    admin_command("drain", "stop routing to a worker, let its requests finish, then remove it",
+                  drain_command).add_argument("worker", type=_worker_id, metavar="WORKER",
+                                              help="worker id, e.g. decode-1 (see `tandem status`)")
+    return parser
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) > 256:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a worker count: give a whole number from 0 to 256")
+    return int(text)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give a number from 1 to 65535")
+    return int(text)
+
+
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def _secret(text: str) -> str:
+    if not text or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError("a key must be non-empty and without spaces")
+    return text
+
+
+def _api_key(text: str) -> tuple[str, str]:
+    key, sep, tenant = text.partition(":")
+    if not key or any(c.isspace() or c == "," for c in text) or (sep and not tenant):
+        raise argparse.ArgumentTypeError(f"{text!r}: give KEY or KEY:TENANT, both non-empty, without spaces "
+                                         f"or commas")
+    return key, tenant or key
+
+
+def _url(text: str) -> str:
+    parsed = urlparse(text)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a server URL: give e.g. {DEFAULT_URL}")
+    return text.rstrip("/")
+
+
+def _existing_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
+def _worker_id(text: str) -> str:
+    if not WORKER_ID.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a worker id: give e.g. decode-1 "
+                                         f"(`tandem status` lists them)")
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())

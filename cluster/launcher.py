@@ -1,0 +1,151 @@
+"""`tandem serve`: Ray (a local instance, or an existing cluster), the tandem Serve application on it, and
+a clean stop on Ctrl-C or SIGTERM. Ray is imported only here, after the CLI has set Ray's environment."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from cluster.admin_client import CLIError
+from cluster.config import ClusterConfig
+
+# Logical CPUs beyond the pools' own for the Serve controller, HTTP proxy, ingress replica and autoscaler.
+SERVE_CPUS = 4
+
+
+def serve_until_stopped(config: ClusterConfig, address: str | None, autoscale: bool,
+                        say: Callable[[str], None]) -> None:
+    """Start everything, print where the API is, block until a signal, then stop everything."""
+    if address is None:
+        check_port_free(config.host, config.port)
+        prepare_model(config, say)
+    import ray
+
+    started = time.monotonic()
+    try:
+        if address is None:
+            num_cpus = max(os.cpu_count() or 1, local_cpus(config))
+            say(f"starting a local Ray instance on 127.0.0.1 ({num_cpus} logical CPUs)")
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=config.namespace,
+                     logging_level=logging.WARNING)
+        else:
+            say(f"joining the Ray cluster at {address}")
+            ray.init(address=address, namespace=config.namespace, logging_level=logging.WARNING)
+        # After ray.init, which installs its own SIGTERM handler: ours stops everything cleanly.
+        signal.signal(signal.SIGTERM, _interrupt)
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        _run_app(config, autoscale, say)
+        say(f"ready in {time.monotonic() - started:.0f} s: OpenAI API at http://{config.host}:{config.port}/v1, "
+            f"metrics at /metrics, admin API at /admin ({'on' if config.admin_key else 'off: no admin key'}); "
+            f"Ctrl-C stops")
+        while True:
+            # Short sleeps: a signal delivered to one of Ray's threads runs our handler only once the
+            # main thread wakes up.
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        say("stopping")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _stop(config, say)
+
+
+def _run_app(config: ClusterConfig, autoscale: bool, say: Callable[[str], None]) -> None:
+    from ray import serve
+
+    from router.app import build_app
+
+    serve.start(http_options={"host": config.host, "port": config.port}, proxy_location="HeadOnly",
+                logging_config={"log_level": "WARNING"})
+    pools = f"{config.decode.replicas} decode" if config.mode == "colocated" else \
+        f"{config.prefill.replicas} prefill + {config.decode.replicas} decode"
+    say(f"starting the API and {pools} worker(s) on {config.model_name} (device {config.device})")
+    with _Ticker("still starting: loading the model in the workers", say):
+        serve.run(build_app(config), name=config.name, route_prefix="/",
+                  logging_config={"log_level": "WARNING", "enable_access_log": False})
+    if autoscale:
+        from cluster.autoscaler import AutoscalerConfig, start_autoscaler
+        start_autoscaler(AutoscalerConfig(), config.name, config.namespace)
+        say(f"autoscaler on: prefill {config.prefill.min_replicas}..{config.prefill.max_replicas}, "
+            f"decode {max(config.decode.min_replicas, 1)}..{config.decode.max_replicas} workers")
+
+
+def _stop(config: ClusterConfig, say: Callable[[str], None]) -> None:
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        return
+    try:
+        ray.kill(ray.get_actor(f"{config.name}-autoscaler", namespace=config.namespace))
+    except ValueError:
+        pass  # no autoscaler was started
+    serve.shutdown()  # lets the ingress finish the requests it is serving
+    from router.app import shutdown_cluster
+    shutdown_cluster(config.name, config.namespace)
+    ray.shutdown()
+    say("stopped")
+
+
+def prepare_model(config: ClusterConfig, say: Callable[[str], None]) -> None:
+    """Convert the default model once (before any worker starts, so they do not all convert it), or check
+    that a model directory exists; also that CUDA is there when asked for."""
+    from engine.config import DEFAULT_MODEL
+    from engine.model_loader import cache_dir, resolve_model_dir
+
+    if config.model in (None, DEFAULT_MODEL) and not (cache_dir() / "models" / DEFAULT_MODEL).exists():
+        say("converting the default model from GGUF to safetensors (once, about 20 s)")
+    try:
+        path = resolve_model_dir(config.model)
+    except FileNotFoundError as exc:
+        raise CLIError(f"{exc}; pass --model DIR with a Hugging Face model directory") from None
+    say(f"model {config.model_name} from {path}")
+    if config.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise CLIError("--device cuda, but torch sees no CUDA device here; use --device cpu (or auto)")
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise CLIError(f"cannot listen on {host}:{port} ({exc.strerror}); is a tandem server already "
+                           f"running there (`tandem status --url http://{host}:{port}`)? Otherwise pick "
+                           f"another --port") from None
+
+
+def local_cpus(config: ClusterConfig) -> int:
+    """Logical CPUs a local Ray needs so that both pools can grow to max_replicas."""
+    pools = [config.decode] if config.mode == "colocated" else [config.prefill, config.decode]
+    return int(sum(p.max_replicas * p.num_cpus for p in pools)) + SERVE_CPUS
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+class _Ticker:
+    """Says `message` with the elapsed time every `every_s` while a slow step runs."""
+
+    def __init__(self, message: str, say: Callable[[str], None], every_s: float = 10.0):
+        self.message, self.say, self.every_s = message, say, every_s
+        self.done = threading.Event()
+
+    def __enter__(self):
+        started = time.monotonic()
+
+        def tick():
+            while not self.done.wait(self.every_s):
+                self.say(f"{self.message} ({time.monotonic() - started:.0f} s)")
+
+        threading.Thread(target=tick, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()

@@ -1,0 +1,264 @@
+"""The `tandem` CLI: flag validation, the admin API behind status/scale/drain on a real controller, and
+`tandem serve` end to end in its own process while a client keeps sending requests."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import ray
+import uvicorn
+from fastapi import FastAPI
+
+from cluster.admin_api import build_admin_router
+from cluster.cli import main
+from cluster.config import ClusterConfig
+from cluster.controller import get_controller, start_controller
+
+ADMIN_KEY = "admin-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(capsys, *argv):
+    """(exit code, stdout, stderr) of `tandem *argv` run in this process."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse errors exit 2
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---- flag validation ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["scale", "--decode", "two"], "'two' is not a worker count"),
+    (["scale", "--prefill", "-1"], "'-1' is not a worker count"),
+    (["scale", "--decode", "300"], "'300' is not a worker count"),
+    (["scale"], "give --prefill N and/or --decode M"),
+    (["scale", "--decode", "0"], "--decode must be at least 1"),
+    (["drain", "worker7"], "'worker7' is not a worker id: give e.g. decode-1"),
+    (["status", "--url", "127.0.0.1:8000"], "is not a server URL"),
+    (["status", "--admin-key", "two words"], "a key must be non-empty and without spaces"),
+    (["serve", "--port", "70000"], "'70000' is not a port"),
+    (["serve", "--api-key", "k:"], "give KEY or KEY:TENANT"),
+    (["serve", "--api-key", "a,b"], "give KEY or KEY:TENANT"),
+    (["serve", "--config", "/nonexistent.yaml"], "no such file: /nonexistent.yaml"),
+    (["serve", "--device", "tpu"], "invalid choice: 'tpu'"),
+    (["serve", "--colocated", "--prefill", "1"], "--prefill does not apply with --colocated"),
+])
+def test_bad_flags_exit_2_with_a_message_naming_the_flag(capsys, argv, message):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_a_config_file_error_names_the_field_and_exits_1(capsys, tmp_path):
+    config = tmp_path / "tandem.yaml"
+    config.write_text("decode:\n  replicas: 2\n  max_replicas: 1\nengine:\n  block_size: 0\n")
+    code, _, err = run_cli(capsys, "serve", "--config", str(config))
+    assert code == 1
+    assert "invalid config field 'engine.block_size'" in err
+
+
+def test_serve_refuses_more_replicas_than_max_replicas(capsys, tmp_path):
+    config = tmp_path / "tandem.yaml"
+    config.write_text("decode:\n  max_replicas: 2\n")
+    code, _, err = run_cli(capsys, "serve", "--config", str(config), "--decode", "3")
+    assert code == 1
+    assert "decode: 3 replicas is above its max_replicas=2" in err
+
+
+def test_admin_commands_without_a_server_say_how_to_start_one(capsys):
+    code, _, err = run_cli(capsys, "status", "--url", f"http://127.0.0.1:{free_port()}")
+    assert code == 1
+    assert "no tandem server at http://127.0.0.1:" in err and "start one with `make run`" in err
+
+
+# ---- the admin API on a real controller -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def admin_url(ray_cluster, tiny_llama_dir):
+    config = ClusterConfig(model=tiny_llama_dir, mode="colocated", name="admin", namespace="tandem-tests",
+                           engine={"num_kv_blocks": 64}, decode={"max_replicas": 2})
+    controller = start_controller(config, drain_grace_s=0.2)
+    app = FastAPI()
+    app.include_router(build_admin_router(lambda: get_controller("admin", "tandem-tests"), ADMIN_KEY))
+    closed = FastAPI()
+    closed.include_router(build_admin_router(lambda: controller, None))
+    app.mount("/closed", closed)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    ray.get(controller.shutdown.remote())
+    ray.kill(controller)
+
+
+def post(url, body, key=ADMIN_KEY):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_status_shows_pools_and_workers_as_a_table_and_as_json(capsys, admin_url):
+    code, out, _ = run_cli(capsys, "status", "--url", admin_url, "--admin-key", ADMIN_KEY)
+    assert code == 0
+    assert "model " in out and "colocated" in out
+    assert any(line.split()[:3] == ["decode-0", "decode", "healthy"] for line in out.splitlines())
+    code, out, _ = run_cli(capsys, "status", "--url", admin_url, "--admin-key", ADMIN_KEY, "--json")
+    status = json.loads(out)
+    assert status["pools"]["decode"]["replicas"] == 1
+    assert 0.0 <= status["pools"]["decode"]["workers"][0]["kv_usage"] <= 1.0
+
+
+def test_the_admin_key_comes_from_the_environment_and_a_wrong_one_is_refused(capsys, admin_url, monkeypatch):
+    monkeypatch.setenv("TANDEM_ADMIN_KEY", ADMIN_KEY)
+    assert run_cli(capsys, "status", "--url", admin_url)[0] == 0
+    code, _, err = run_cli(capsys, "status", "--url", admin_url, "--admin-key", "wrong")
+    assert code == 1 and "rejected the admin key" in err
+    monkeypatch.delenv("TANDEM_ADMIN_KEY")
+    assert post(admin_url + "/admin/drain", {"worker_id": "decode-0"}, key="")[0] == 401
+
+
+def test_a_server_without_an_admin_key_has_the_admin_api_disabled(capsys, admin_url):
+    code, _, err = run_cli(capsys, "status", "--url", admin_url + "/closed", "--admin-key", ADMIN_KEY)
+    assert code == 1
+    assert "admin API disabled: set TANDEM_ADMIN_KEY" in err and "restart the server with --admin-key" in err
+
+
+def test_scale_up_then_drain_through_the_cli(capsys, admin_url):
+    code, out, _ = run_cli(capsys, "scale", "--decode", "2", "--url", admin_url, "--admin-key", ADMIN_KEY)
+    assert (code, out.strip()) == (0, "decode: 1 -> 2 workers (added decode-1)")
+    code, out, _ = run_cli(capsys, "drain", "decode-1", "--url", admin_url, "--admin-key", ADMIN_KEY)
+    assert (code, out.strip()) == (0, "decode-1 drained: its requests finished and it left the decode pool")
+    code, out, _ = run_cli(capsys, "scale", "--decode", "1", "--url", admin_url, "--admin-key", ADMIN_KEY)
+    assert (code, out.strip()) == (0, "decode: 1 -> 1 workers (unchanged)")
+    with urllib.request.urlopen(urllib.request.Request(
+            admin_url + "/admin/events", headers={"Authorization": f"Bearer {ADMIN_KEY}"})) as response:
+        events = [(e["action"], e["worker_id"]) for e in json.loads(response.read())["events"]]
+    assert events == [("scale_up", ""), ("add", "decode-1"), ("drain", "decode-1"), ("remove", "decode-1")]
+
+
+def test_operator_errors_come_back_as_messages(capsys, admin_url):
+    code, _, err = run_cli(capsys, "drain", "decode-9", "--url", admin_url, "--admin-key", ADMIN_KEY)
+    assert code == 1 and "no worker 'decode-9'; `tandem status` lists them" in err
+    code, _, err = run_cli(capsys, "scale", "--prefill", "1", "--url", admin_url, "--admin-key", ADMIN_KEY)
+    assert code == 1 and "no 'prefill' pool in colocated mode" in err
+    code, _, err = run_cli(capsys, "scale", "--decode", "3", "--url", admin_url, "--admin-key", ADMIN_KEY)
+    assert code == 1 and "decode replicas must be in [0, 2]" in err
+    code, _, err = run_cli(capsys, "drain", "decode-0", "--url", admin_url, "--admin-key", ADMIN_KEY)
+    assert code == 1 and "last decode worker" in err
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"pool": "decode"}, None),
+    ({"pool": "gpu", "replicas": 1}, "pool"),
+    ({"decode": -1}, "decode"),
+    ({"decode": 1, "extra": True}, "extra"),
+    ({}, None),
+])
+def test_bad_scale_bodies_are_400_naming_the_field(admin_url, body, param):
+    status, error = post(admin_url + "/admin/scale", body)
+    assert status == 400
+    assert error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["param"] == param
+
+
+# ---- `tandem serve` end to end --------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_serve_status_scale_drain_under_load_then_sigterm(tmp_path, tiny_llama_dir):
+    from openai import OpenAI
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "TANDEM_ADMIN_KEY": ADMIN_KEY, "TANDEM_URL": url}
+    env.pop("RAY_ADDRESS", None)
+    log = open(tmp_path / "serve.log", "w+")
+    server = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", tiny_llama_dir,
+                               "--port", str(port), "--api-key", "test-key:tenant-a"],
+                              stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def tandem(*argv):
+        done = subprocess.run([sys.executable, "-m", "cluster.cli", *argv], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(1)
+
+        client = OpenAI(base_url=url + "/v1", api_key="test-key", max_retries=0, timeout=120)
+        results, stop = [], threading.Event()
+
+        def load():
+            i = 0
+            while not stop.is_set() and i < 400:
+                try:
+                    r = client.completions.create(model=tiny_llama_dir, prompt=f"request {i}: the",
+                                                  max_tokens=24, temperature=0)
+                    results.append((r.choices[0].finish_reason, r.usage.completion_tokens))
+                except Exception as exc:  # noqa: BLE001 - counted as a failed request
+                    results.append((f"{type(exc).__name__}: {exc}", 0))
+                i += 1
+
+        clients = [threading.Thread(target=load) for _ in range(3)]
+        for t in clients:
+            t.start()
+        assert "decode-0" in tandem("status")
+        assert tandem("scale", "--decode", "2").strip() == "decode: 1 -> 2 workers (added decode-1)"
+        assert "decode-1" in tandem("status")
+        assert "drained" in tandem("drain", "decode-0")
+        assert tandem("scale", "--decode", "1").strip() == "decode: 1 -> 1 workers (unchanged)"
+        status = json.loads(tandem("status", "--json"))
+        assert [w["worker_id"] for w in status["pools"]["decode"]["workers"]] == ["decode-1"]
+        stop.set()
+        for t in clients:
+            t.join(timeout=180)
+        failed = [r for r in results if r[0] not in ("length", "stop")]
+        assert failed == [] and len(results) >= 10, failed[:5]
+        assert all(n == 24 for reason, n in results if reason == "length")
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+        try:
+            code = server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            raise
+        log.seek(0)
+        output = log.read()
+    assert code == 0, output
+    assert "tandem: stopped" in output and "Traceback" not in output
