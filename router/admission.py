@@ -8,14 +8,17 @@ class Admission:
     """Counts admitted sequences (a request with n candidates takes n). Nothing queues here: a request
     that does not fit is refused at once with Retry-After, so memory stays bounded under overload."""
 
-    def __init__(self, max_in_flight: int, retry_after_s: int = 1):
+    def __init__(self, max_in_flight: int, rejected=None, retry_after_s: int = 1):
         self.max_in_flight = max_in_flight
+        self.rejected = rejected  # a prometheus counter, incremented per refusal
         self.retry_after_s = retry_after_s
         self.in_flight = 0
 
     def acquire(self, num_sequences: int) -> Ticket:
         """Take `num_sequences` slots; raises a 429 APIError when they are not free."""
         if self.in_flight + num_sequences > self.max_in_flight:
+            if self.rejected is not None:
+                self.rejected.inc()
             raise APIError(429, f"too many requests in flight ({self.in_flight} of {self.max_in_flight} "
                                 f"sequences); retry after {self.retry_after_s}s", type="rate_limit_exceeded",
                            code="rate_limit_exceeded", headers={"Retry-After": str(self.retry_after_s)})

@@ -25,11 +25,11 @@ def build_app(args: ClusterConfig) -> Application:
     TANDEM_API_KEYS / TANDEM_ADMIN_KEY here, where the deployment is built."""
     config = args if isinstance(args, ClusterConfig) else ClusterConfig.model_validate(args)
     config = config.with_env()
-    limit = config.router.max_queued_requests
     # Serve's own limits sit above the ingress's admission bound, so overload is answered with the
-    # ingress's 429 and Retry-After, while Serve's queue stays bounded too.
-    return Ingress.options(max_ongoing_requests=limit + CONTROL_HEADROOM, max_queued_requests=limit).bind(
-        config.model_dump())
+    # ingress's 429 and Retry-After; Serve's queue (which a burst passes through on its way to the
+    # replica) stays bounded too.
+    limit = config.router.max_queued_requests + CONTROL_HEADROOM
+    return Ingress.options(max_ongoing_requests=limit, max_queued_requests=limit).bind(config.model_dump())
 
 
 def shutdown_cluster(name: str = "tandem", namespace: str = "tandem") -> None:

@@ -1,7 +1,7 @@
 """API keys -> tenants. The tenant is the prefix-cache salt, so two tenants never share cached blocks."""
 from __future__ import annotations
 
-import hmac
+import hashlib
 
 from router.openai_api import APIError
 
@@ -10,11 +10,12 @@ class Authenticator:
     """Checks `Authorization: Bearer <key>`. With no keys configured every request is tenant-less."""
 
     def __init__(self, api_keys: dict[str, str]):
-        self.api_keys = dict(api_keys)
+        # Keys are looked up by their digest: the lookup's timing then says nothing about a key's prefix.
+        self.tenants = {_digest(key): tenant for key, tenant in api_keys.items()}
 
     @property
     def enabled(self) -> bool:
-        return bool(self.api_keys)
+        return bool(self.tenants)
 
     def tenant(self, authorization: str | None) -> str | None:
         """The caller's tenant; raises a 401 APIError for a missing or unknown key."""
@@ -23,12 +24,7 @@ class Authenticator:
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise _unauthorized("missing API key: send `Authorization: Bearer <key>`")
-        key = key.strip()
-        # Compare against every key in constant time so timing does not reveal a key's prefix.
-        tenant = None
-        for known, name in self.api_keys.items():
-            if hmac.compare_digest(known.encode(), key.encode()):
-                tenant = name
+        tenant = self.tenants.get(_digest(key.strip()))
         if tenant is None:
             raise _unauthorized("invalid API key")
         return tenant
@@ -47,3 +43,7 @@ def cache_salt(tenant: str | None, request_salt: str | None) -> str | None:
 
 def _unauthorized(message: str) -> APIError:
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()

@@ -7,20 +7,22 @@ import logging
 import time
 
 import ray
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from starlette.exceptions import HTTPException
 from transformers import AutoConfig
 
+from cluster.admin_api import build_admin_router
 from cluster.config import ClusterConfig
-from cluster.controller import CONTROLLER_NAME, ClusterController
+from cluster.controller import CONTROLLER_NAME, ClusterController, get_controller
 from cluster.metrics import Metrics
 from engine.model_loader import load_tokenizer, resolve_model_dir
 from router.admission import Admission
 from router.auth import Authenticator
 from router.index import PrefixIndex
+from router.latency_report import LatencyReporter
 from router.openai_api import APIError
 from router.policy import DisaggConfig, Router
 from router.request_router import RequestRouter
@@ -71,12 +73,17 @@ class Ingress:
             config.router.max_prefill_queue_size))
         self.view = WorkerView(self.controller, router, self.metrics, colocated=config.mode == "colocated")
         await self.view.start()
+        latencies = LatencyReporter(self.controller)
+        self._latency_task = asyncio.create_task(latencies.run())
         self.service = OpenAIService(model, tokenizer, Authenticator(config.api_keys),
-                                     Admission(config.router.max_queued_requests),
-                                     RequestRouter(self.view, self.metrics), config.engine.block_size)
+                                     Admission(config.router.max_queued_requests,
+                                               self.metrics.rejected.labels("admission_full")),
+                                     RequestRouter(self.view, self.metrics, latencies), config.engine.block_size)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self.service, self.view, self.metrics)
+        admin = build_admin_router(lambda: get_controller(self.config.name, self.config.namespace),
+                                   self.config.admin_key)
+        return build_api(self.service, self.view, self.metrics, self.controller, admin)
 
     # ---- through a DeploymentHandle, for operators and tests: this replica's view -------------
 
@@ -91,12 +98,15 @@ class Ingress:
         return self.view.index.overlap(block_hashes, list(self.view.workers))
 
     async def __del__(self):
+        self._latency_task.cancel()
         await self.view.close()
 
 
-def build_api(service: OpenAIService, view: WorkerView, metrics: Metrics) -> FastAPI:
-    """The HTTP surface. Every error, including unknown routes, has OpenAI's error shape."""
+def build_api(service: OpenAIService, view: WorkerView, metrics: Metrics, controller, admin: APIRouter) -> FastAPI:
+    """The HTTP surface: the OpenAI API, /health, /metrics, and the admin API under /admin (its own key).
+    Every error, including unknown routes, has OpenAI's error shape."""
     app = FastAPI(title="tandem", description="OpenAI-compatible disaggregated inference")
+    app.include_router(admin)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -133,6 +143,10 @@ def build_api(service: OpenAIService, view: WorkerView, metrics: Metrics) -> Fas
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        try:  # scaling series come from the controller, which owns the pools
+            metrics.observe_scaling(await asyncio.wait_for(controller.scaling_report.remote(), timeout=2.0))
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+            logger.warning("scaling metrics are stale: the controller did not answer (%s)", exc)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

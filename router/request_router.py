@@ -17,6 +17,7 @@ from cluster.metrics import Metrics
 from engine.protocol import GenerateRequest, TokenDelta
 from engine.serving import WorkerDraining
 from router.dispatch import run_request
+from router.latency_report import LatencyReporter
 from router.policy import NoDecodeWorker, RouteDecision
 from router.worker_view import WorkerView
 
@@ -26,9 +27,10 @@ logger = logging.getLogger(__name__)
 class RequestRouter:
     """Places and runs GenerateRequests, and observes each one's latencies when it ends."""
 
-    def __init__(self, view: WorkerView, metrics: Metrics, max_attempts: int = 3):
+    def __init__(self, view: WorkerView, metrics: Metrics, latencies: LatencyReporter, max_attempts: int = 3):
         self.view = view
         self.metrics = metrics
+        self.latencies = latencies
         self.max_attempts = max_attempts
 
     async def stream(self, request: GenerateRequest, block_hashes: Sequence[int]) -> AsyncIterator[TokenDelta]:
@@ -39,11 +41,9 @@ class RequestRouter:
         excluded: set[str] = set()
         token_times: list[float] = []
         for attempt in range(self.max_attempts):
-            decision = self.view.route(block_hashes, len(request.prompt_token_ids), excluded)
-            request.stamp("routed")
+            decision = self._route(request, block_hashes, excluded)
             decode = decision.decode.worker_id
             prefill = decision.prefill.worker_id if decision.prefill else None
-            self.view.begin(decision, request.request_id, len(request.prompt_token_ids))
             finished = False
             try:
                 actors = self.view.actor(decode), prefill and self.view.actor(prefill)
@@ -74,10 +74,22 @@ class RequestRouter:
                 self.view.end(decision, request.request_id)
                 if not finished and token_times:  # the client went away mid-stream
                     self._observe(decode, request.times, token_times, "abort")
-        raise NoDecodeWorker(f"no worker could take the request after {self.max_attempts} attempts")
+        self.metrics.rejected.labels("no_decode_worker").inc()
+        raise NoDecodeWorker(f"no worker could take the request in {self.max_attempts} attempts")
+
+    def _route(self, request: GenerateRequest, block_hashes: Sequence[int], excluded: set[str]) -> RouteDecision:
+        try:
+            decision = self.view.route(block_hashes, len(request.prompt_token_ids), excluded)
+        except NoDecodeWorker:
+            self.metrics.rejected.labels("no_decode_worker").inc()
+            raise
+        request.stamp("routed")
+        self.view.begin(decision, request.request_id, len(request.prompt_token_ids))
+        return decision
 
     def _observe(self, worker: str, times: dict, token_times: list[float], finish_reason: str | None) -> None:
         self.metrics.observe_finished("decode", worker, times, token_times, finish_reason)
+        self.latencies.add(times.get("arrival"), token_times)
 
 
 def _failed_delta(request: GenerateRequest, decision: RouteDecision, exc: Exception) -> TokenDelta:

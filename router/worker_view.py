@@ -67,7 +67,7 @@ class WorkerView:
     """Membership, prefix index and loads for one ingress replica; `route` places a request on them."""
 
     def __init__(self, controller, router: Router, metrics: Metrics, *, colocated: bool,
-                 stats_interval_s: float = 0.2, events_timeout_s: float = 1.0, membership_wait_s: float = 5.0,
+                 stats_interval_s: float = 0.25, events_timeout_s: float = 1.0, membership_wait_s: float = 5.0,
                  retry_s: float = 0.5):
         self.controller = controller
         self.router = router
@@ -162,8 +162,6 @@ class WorkerView:
                 w.healthy, w.draining = entry.healthy, entry.draining
         for worker_id in set(self.workers) - current:
             self._forget(worker_id)
-        for pool in ("prefill", "decode"):
-            self.metrics.replicas.labels(pool).set(sum(1 for w in self.workers.values() if w.pool == pool))
 
     def _forget(self, worker_id: str) -> None:
         w = self.workers.pop(worker_id)

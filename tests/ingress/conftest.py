@@ -1,6 +1,7 @@
 """Two tandem applications on one real Serve instance (loopback, ephemeral port), shared by the ingress
-tests: `main` (disaggregated, two tenants' keys, one prefill and two decode workers) and `aux` (colocated,
-no keys, two decode workers, an admission bound of two sequences)."""
+tests: `main` (disaggregated; two tenants' keys and an admin key; one prefill and two decode workers) and
+`aux` (colocated; no keys; three decode workers; an admission bound of two sequences). The last tests of
+test_routing_e2e drain and kill aux's workers, so the modules run in their default (file name) order."""
 from __future__ import annotations
 
 import socket
@@ -13,6 +14,7 @@ import ray
 import requests
 
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
+ADMIN_KEY = "admin-secret"
 MODEL = "tiny-llama"
 
 
@@ -74,10 +76,11 @@ def apps(ray_cluster, tiny_llama_dir):
 
     engine = {"num_kv_blocks": 128, "max_num_batched_tokens": 256}
     main = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-main", api_keys=KEYS,
+                         admin_key=ADMIN_KEY,
                          engine=engine, router={"max_local_prefill_length": 48},
                          prefill={"num_cpus": 0.5}, decode={"replicas": 2, "num_cpus": 0.5})
     aux = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-aux", mode="colocated",
-                        engine=engine, router={"max_queued_requests": 2}, decode={"replicas": 2, "num_cpus": 0.5})
+                        engine=engine, router={"max_queued_requests": 2}, decode={"replicas": 3, "num_cpus": 0.5})
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:

@@ -126,12 +126,30 @@ def test_every_view_of_the_cluster_rebuilds_the_exact_index_of_each_worker(main_
     assert {w: info["indexed_blocks"] for w, info in indexed.items()} == {w: len(h) for w, h in snapshots.items()}
 
 
+def test_a_draining_worker_is_routed_around_before_any_token_is_sent(aux_app):
+    client, prefix = aux_app.client(key=None), token_prompt(64, seed=15)
+    hashes = block_hashes(prefix, BLOCK, None)
+    complete(client, prefix + [1])
+    assert wait_for(lambda: max(decode_overlap(aux_app, hashes).values()) == 4)
+    holder = max(overlap := decode_overlap(aux_app, hashes), key=overlap.get)
+    ray.get(aux_app.actors()[holder].drain.remote())
+
+    # Until its stats say so, the ingress prefers the holder for this prefix; the holder refuses, and the
+    # request is placed on another worker.
+    assert complete(client, prefix + [2]).choices[0].finish_reason == "length"
+    assert wait_for(lambda: not aux_app.ingress().workers.remote().result()[holder]["schedulable"])
+    before = routed_to(aux_app).get(holder, 0)
+    assert complete(client, prefix + [3]).choices[0].finish_reason == "length"
+    assert routed_to(aux_app).get(holder, 0) == before
+
+
 def test_a_killed_worker_is_never_chosen_again_and_its_index_entries_vanish(aux_app):
     client, prefix = aux_app.client(key=None), token_prompt(64, seed=13)
     hashes = block_hashes(prefix, BLOCK, None)
     complete(client, prefix + [1])
     assert wait_for(lambda: max(decode_overlap(aux_app, hashes).values()) == 4)
     victim = max(overlap := decode_overlap(aux_app, hashes), key=overlap.get)
+    serving = aux_app.get("/health").json()["decode_workers"]
     ray.kill(aux_app.actors()[victim], no_restart=True)
 
     # Placed on the victim for its cached prefix, the request fails there and is placed again.
@@ -142,4 +160,16 @@ def test_a_killed_worker_is_never_chosen_again_and_its_index_entries_vanish(aux_
     for i in range(6):
         assert complete(client, prefix + [3 + i] if i % 2 else token_prompt(30, seed=200 + i)).choices
     assert routed_to(aux_app).get(victim, 0) == before
-    assert aux_app.get("/health").json()["decode_workers"] == 1
+    assert aux_app.get("/health").json()["decode_workers"] == serving - 1
+
+
+def test_without_a_schedulable_decode_worker_requests_and_health_are_503(aux_app):
+    for actor in aux_app.actors().values():
+        try:
+            ray.get(actor.drain.remote(), timeout=10)
+        except ray.exceptions.RayActorError:  # killed by the test above
+            pass
+    assert wait_for(lambda: aux_app.get("/health").status_code == 503)
+    response = aux_app.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}, key=None)
+    assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+    assert response.json()["error"]["type"] == "service_unavailable"
