@@ -15,7 +15,11 @@ class Admission:
         self.in_flight = 0
 
     def acquire(self, num_sequences: int) -> Ticket:
-        """Take `num_sequences` slots; raises a 429 APIError when they are not free."""
+        """Take `num_sequences` slots; raises a 429 APIError when they are not free, and a 400 when they
+        never could be (retrying would not help)."""
+        if num_sequences > self.max_in_flight:
+            raise APIError.bad_request(f"the request asks for {num_sequences} sequences (n x prompts); this "
+                                       f"server runs at most {self.max_in_flight} at a time", "n")
         if self.in_flight + num_sequences > self.max_in_flight:
             if self.rejected is not None:
                 self.rejected.inc()

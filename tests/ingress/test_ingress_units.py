@@ -1,0 +1,62 @@
+"""The ingress's pure pieces, without a cluster: tenant salts, keys, admission, body validation."""
+import pytest
+
+from router.admission import Admission
+from router.auth import Authenticator, cache_salt
+from router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+
+
+def test_tenants_get_distinct_salts_that_no_request_salt_can_forge():
+    assert cache_salt(None, None) is None and cache_salt(None, "s") == "s"
+    assert cache_salt("a", None) != cache_salt("b", None)
+    assert cache_salt("a", "x") != cache_salt("a", None) != cache_salt("a", "y")
+    # Tenant "a" choosing cache_salt "x" must not land on tenant "a/x"'s blocks.
+    assert cache_salt("a", "x") != cache_salt("a/x", None)
+
+
+def test_keys_map_to_tenants_and_anything_else_is_401():
+    auth = Authenticator({"k1": "team-1", "k2": "team-2"})
+    assert auth.tenant("Bearer k2") == "team-2" and auth.tenant("bearer  k1 ") == "team-1"
+    for header in (None, "", "Bearer", "Bearer k3", "Basic k1", "k1"):
+        with pytest.raises(APIError) as raised:
+            auth.tenant(header)
+        assert raised.value.status == 401
+    assert Authenticator({}).tenant(None) is None
+
+
+def test_admission_refuses_beyond_the_bound_until_slots_are_released():
+    admission = Admission(3)
+    first = admission.acquire(2)
+    with pytest.raises(APIError) as raised:
+        admission.acquire(2)
+    assert raised.value.status == 429 and raised.value.headers["Retry-After"] == "1"
+    first.release()
+    first.release()  # idempotent
+    assert admission.in_flight == 0
+    admission.acquire(3)
+    with pytest.raises(APIError) as too_big:
+        Admission(3).acquire(4)
+    assert (too_big.value.status, too_big.value.param) == (400, "n")
+
+
+@pytest.mark.parametrize("model, body, param", [
+    (CompletionRequest, b'{"model": "m", "prompt": "x", "top_k": "5"}', "top_k"),
+    (CompletionRequest, b'{"model": "m"}', "prompt"),
+    (CompletionRequest, b'[1, 2]', None),
+    (ChatCompletionRequest, b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "messages"),
+])
+def test_body_errors_name_the_top_level_field(model, body, param):
+    with pytest.raises(APIError) as raised:
+        parse_body(model, body)
+    assert (raised.value.status, raised.value.param) == (400, param)
+
+
+def test_chat_parameters_map_to_sampling_params():
+    req = parse_body(ChatCompletionRequest, b'{"model": "m", "messages": [{"role": "developer", "content": '
+                                            b'[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], '
+                                            b'"logprobs": true, "top_logprobs": 3, "max_completion_tokens": 7, '
+                                            b'"logit_bias": {"11": -100}, "stop": "END", "seed": 4}')
+    assert req.messages[0].template_dict() == {"role": "system", "content": "ab"}
+    params = req.sampling_params(req.requested_max_tokens, vocab_size=100)
+    assert (params.logprobs, params.max_tokens, params.logit_bias, params.stop, params.seed) == (
+        3, 7, {11: -100.0}, ["END"], 4)
