@@ -229,27 +229,35 @@ def test_serve_status_scale_drain_under_load_then_sigterm(tmp_path, tiny_llama_d
                 try:
                     r = client.completions.create(model=tiny_llama_dir, prompt=f"request {i}: the",
                                                   max_tokens=24, temperature=0)
-                    results.append((r.choices[0].finish_reason, r.usage.completion_tokens))
+                    results.append((r.choices[0].finish_reason, r.usage.completion_tokens, time.time()))
                 except Exception as exc:  # noqa: BLE001 - counted as a failed request
-                    results.append((f"{type(exc).__name__}: {exc}", 0))
+                    results.append((f"{type(exc).__name__}: {exc}", 0, time.time()))
                 i += 1
 
         clients = [threading.Thread(target=load) for _ in range(3)]
         for t in clients:
             t.start()
+        marks = [time.time()]
         assert "decode-0" in tandem("status")
         assert tandem("scale", "--decode", "2").strip() == "decode: 1 -> 2 workers (added decode-1)"
         assert "decode-1" in tandem("status")
-        assert "drained" in tandem("drain", "decode-0")
-        assert tandem("scale", "--decode", "1").strip() == "decode: 1 -> 1 workers (unchanged)"
+        marks.append(time.time())
+        assert tandem("drain", "prefill-0").strip().startswith("prefill-0 drained")  # decode prefills alone now
+        marks.append(time.time())
+        scaled_down = tandem("scale", "--decode", "1").strip()
+        marks.append(time.time())
+        assert scaled_down.startswith("decode: 2 -> 1 workers (drained and removed decode-")
         status = json.loads(tandem("status", "--json"))
-        assert [w["worker_id"] for w in status["pools"]["decode"]["workers"]] == ["decode-1"]
+        assert status["pools"]["prefill"]["workers"] == []
+        assert len(status["pools"]["decode"]["workers"]) == 1
         stop.set()
         for t in clients:
             t.join(timeout=180)
         failed = [r for r in results if r[0] not in ("length", "stop")]
-        assert failed == [] and len(results) >= 10, failed[:5]
-        assert all(n == 24 for reason, n in results if reason == "length")
+        assert failed == [], failed[:5]
+        assert all(n == 24 for reason, n, _ in results if reason == "length")
+        for start, end in zip(marks, marks[1:]):  # the load ran through every step
+            assert sum(start < t < end for *_, t in results) >= 2, marks
     finally:
         if server.poll() is None:
             server.send_signal(signal.SIGTERM)
