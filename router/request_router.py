@@ -51,10 +51,11 @@ class RequestRouter:
                     async for delta in deltas:
                         if delta.token_ids:
                             token_times.append(time.time())
+                        # Each worker stamps its own copy of the request; gather the stages here.
+                        request.times.update(delta.times)
                         if delta.finished:
                             finished = True
-                            self._observe(decode, {**request.times, **delta.times}, token_times,
-                                          delta.finish_reason)
+                            self._observe(decode, request.times, token_times, delta.finish_reason)
                         yield delta
                 return
             except (WorkerDraining, ray.exceptions.RayActorError) as exc:
