@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import crc32c
 import torch
+import xxhash
 
 from engine.kv_cache import KVCache, KVLayout
 
@@ -119,9 +119,9 @@ def host_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def payload_crc(tensors: list[torch.Tensor]) -> int:
-    """CRC32C over CPU tensors' bytes, in order, as if they were one buffer."""
-    crc = 0
+def payload_checksum(tensors: list[torch.Tensor]) -> int:
+    """XXH3-64 over CPU tensors' bytes, in order, as if they were one buffer (about 2x CRC32C's speed)."""
+    digest = xxhash.xxh3_64()
     for t in tensors:
-        crc = crc32c.crc32c(host_bytes(t), crc)
-    return crc
+        digest.update(host_bytes(t))
+    return digest.intdigest()

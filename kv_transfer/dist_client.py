@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from engine.kv_cache import KVCache
-from kv_transfer.chunks import (ChunkSpec, cache_views, payload_crc, plan_chunks, segments, staging_buffer,
+from kv_transfer.chunks import (ChunkSpec, cache_views, payload_checksum, plan_chunks, segments, staging_buffer,
                                 write_chunk)
 from kv_transfer.client_base import KVClientBase, LayerProgress, OnLayers, transfer_error
 from kv_transfer.dist_group import (RECEIVER_RANK, SENDER_RANK, abort_group, local_address_toward, open_store,
@@ -143,12 +143,12 @@ class DistKVClient(KVClientBase):
         return num_bytes, len(plan)
 
     def _verify(self, header: pb.ChunkHeader, chunk: _Posted) -> None:
-        if not header.HasField("crc32c"):
+        if not header.HasField("xxh3_64"):
             if self.device.type == "cpu":
-                raise KVChecksumError(f"chunk {chunk.spec} came without a CRC32C")
+                raise KVChecksumError(f"chunk {chunk.spec} came without a checksum")
             return  # NCCL payloads stay on the device; the links check them
-        if payload_crc(chunk.buffers) != header.crc32c:
-            raise KVChecksumError(f"chunk {chunk.spec} failed its CRC32C")
+        if payload_checksum(chunk.buffers) != header.xxh3_64:
+            raise KVChecksumError(f"chunk {chunk.spec} failed its XXH3-64 checksum")
 
     def _pair(self, handle: KVHandle) -> _Pair:
         """The process group with `handle`'s server, connected on first use."""

@@ -12,9 +12,9 @@ import time
 import warnings
 from concurrent import futures
 
-import crc32c
 import grpc
 import torch
+import xxhash
 
 from engine.kv_cache import KVCache
 from kv_transfer.chunks import ChunkSpec, plan_chunks, write_chunk
@@ -93,8 +93,8 @@ class GrpcKVClient(KVClientBase):
             spec = ChunkSpec(header.layer_start, header.layer_end, header.block_start, header.block_end)
             if i >= len(plan) or spec != plan[i] or len(payload) != spec.num_bytes(cache.layout):
                 raise KVTransferError(f"KV pull of {request.request_id!r}: unexpected chunk {spec}")
-            if not header.HasField("crc32c") or crc32c.crc32c(payload) != header.crc32c:
-                raise KVChecksumError(f"KV pull of {request.request_id!r}: chunk {spec} failed its CRC32C")
+            if not header.HasField("xxh3_64") or xxhash.xxh3_64_intdigest(payload) != header.xxh3_64:
+                raise KVChecksumError(f"KV pull of {request.request_id!r}: chunk {spec} failed its checksum")
             write_chunk(cache, dst_block_ids[spec.block_start:spec.block_end], spec,
                         torch.frombuffer(payload, dtype=cache.k[0].dtype))
             num_bytes += len(payload)

@@ -57,4 +57,4 @@ class KVLeaseNotFoundError(KVTransferError):
 
 
 class KVChecksumError(KVTransferError):
-    """A chunk's payload did not match its CRC32C."""
+    """A chunk's payload did not match its checksum."""

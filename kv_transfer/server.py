@@ -18,7 +18,7 @@ import grpc
 import torch
 
 from engine.kv_cache import KVCache
-from kv_transfer.chunks import ChunkSpec, host_bytes, payload_crc, plan_chunks, read_chunk
+from kv_transfer.chunks import ChunkSpec, host_bytes, payload_checksum, plan_chunks, read_chunk
 from kv_transfer.handle import KVHandle
 from kv_transfer.lease import Lease, LeaseTable, OnRelease
 from kv_transfer.malloc import keep_message_buffers_in_heap
@@ -132,12 +132,12 @@ class KVTransferServer:
         return self.leases.release(request_id)
 
     def export_chunk(self, block_ids: list[int], spec: ChunkSpec, to_host: bool) -> tuple[list[torch.Tensor], int | None]:
-        """A chunk's payload segments and their CRC32C (None for device tensors, which stay put)."""
+        """A chunk's payload segments and their XXH3-64 (None for device tensors, which stay put)."""
         segments = read_chunk(self.cache, block_ids, spec)
         if to_host:
             segments = [s.cpu() for s in segments]
         on_host = segments[0].device.type == "cpu"
-        return segments, payload_crc(segments) if on_host else None
+        return segments, payload_checksum(segments) if on_host else None
 
     def open_pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> tuple[Lease, list[int]]:
         """Check a pull and pin its lease; aborts the call with a precise status when it is refused."""
@@ -170,10 +170,10 @@ class KVTransferServer:
                 if lease.released:
                     context.abort(grpc.StatusCode.NOT_FOUND, f"lease of {request.request_id!r} was released")
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "KV layers were not ready in time")
-            segments, crc = self.export_chunk(block_ids[spec.block_start:spec.block_end], spec, to_host)
+            segments, checksum = self.export_chunk(block_ids[spec.block_start:spec.block_end], spec, to_host)
             header = pb.ChunkHeader(layer_start=spec.layer_start, layer_end=spec.layer_end,
                                     block_start=spec.block_start, block_end=spec.block_end,
-                                    num_bytes=spec.num_bytes(self.cache.layout), crc32c=crc)
+                                    num_bytes=spec.num_bytes(self.cache.layout), xxh3_64=checksum)
             self.stats.add(header.num_bytes)
             yield header, segments
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/kv_transfer.proto\x12\x15tandem.kv_transfer.v1\"{\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\"\xbb\x01\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x06layout\x18\x02 \x01(\x0b\x32\x1f.tandem.kv_transfer.v1.KVLayout\x12\x15\n\rblock_indices\x18\x03 \x03(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x0f\n\x07pair_id\x18\x07 \x01(\t\"\x90\x01\n\x0b\x43hunkHeader\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\x03 \x01(\r\x12\x11\n\tblock_end\x18\x04 \x01(\r\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x13\n\x06\x63rc32c\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_crc32c\"K\n\x07KVChunk\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".tandem.kv_transfer.v1.ChunkHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"k\n\x0eHealthResponse\x12/\n\x06layout\x18\x01 \x01(\x0b\x32\x1f.tandem.kv_transfer.v1.KVLayout\x12\x12\n\nnum_leases\x18\x02 \x01(\r\x12\x14\n\x0c\x64ist_backend\x18\x03 \x01(\t\"R\n\x0e\x43onnectRequest\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12/\n\x06layout\x18\x02 \x01(\x0b\x32\x1f.tandem.kv_transfer.v1.KVLayout\"^\n\x0f\x43onnectResponse\x12\x12\n\nstore_host\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"$\n\x11\x44isconnectRequest\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\"\x14\n\x12\x44isconnectResponse2\x9e\x04\n\nKVTransfer\x12L\n\x04Pull\x12\".tandem.kv_transfer.v1.PullRequest\x1a\x1e.tandem.kv_transfer.v1.KVChunk0\x01\x12T\n\x08PullDist\x12\".tandem.kv_transfer.v1.PullRequest\x1a\".tandem.kv_transfer.v1.ChunkHeader0\x01\x12X\n\x07Release\x12%.tandem.kv_transfer.v1.ReleaseRequest\x1a&.tandem.kv_transfer.v1.ReleaseResponse\x12U\n\x06Health\x12$.tandem.kv_transfer.v1.HealthRequest\x1a%.tandem.kv_transfer.v1.HealthResponse\x12X\n\x07\x43onnect\x12%.tandem.kv_transfer.v1.ConnectRequest\x1a&.tandem.kv_transfer.v1.ConnectResponse\x12\x61\n\nDisconnect\x12(.tandem.kv_transfer.v1.DisconnectRequest\x1a).tandem.kv_transfer.v1.DisconnectResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/kv_transfer.proto\x12\x15tandem.kv_transfer.v1\"{\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\"\xbb\x01\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x06layout\x18\x02 \x01(\x0b\x32\x1f.tandem.kv_transfer.v1.KVLayout\x12\x15\n\rblock_indices\x18\x03 \x03(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x0f\n\x07pair_id\x18\x07 \x01(\t\"\x92\x01\n\x0b\x43hunkHeader\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\x03 \x01(\r\x12\x11\n\tblock_end\x18\x04 \x01(\r\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x14\n\x07xxh3_64\x18\x06 \x01(\x06H\x00\x88\x01\x01\x42\n\n\x08_xxh3_64\"K\n\x07KVChunk\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32\".tandem.kv_transfer.v1.ChunkHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"k\n\x0eHealthResponse\x12/\n\x06layout\x18\x01 \x01(\x0b\x32\x1f.tandem.kv_transfer.v1.KVLayout\x12\x12\n\nnum_leases\x18\x02 \x01(\r\x12\x14\n\x0c\x64ist_backend\x18\x03 \x01(\t\"R\n\x0e\x43onnectRequest\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12/\n\x06layout\x18\x02 \x01(\x0b\x32\x1f.tandem.kv_transfer.v1.KVLayout\"^\n\x0f\x43onnectResponse\x12\x12\n\nstore_host\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"$\n\x11\x44isconnectRequest\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\"\x14\n\x12\x44isconnectResponse2\x9e\x04\n\nKVTransfer\x12L\n\x04Pull\x12\".tandem.kv_transfer.v1.PullRequest\x1a\x1e.tandem.kv_transfer.v1.KVChunk0\x01\x12T\n\x08PullDist\x12\".tandem.kv_transfer.v1.PullRequest\x1a\".tandem.kv_transfer.v1.ChunkHeader0\x01\x12X\n\x07Release\x12%.tandem.kv_transfer.v1.ReleaseRequest\x1a&.tandem.kv_transfer.v1.ReleaseResponse\x12U\n\x06Health\x12$.tandem.kv_transfer.v1.HealthRequest\x1a%.tandem.kv_transfer.v1.HealthResponse\x12X\n\x07\x43onnect\x12%.tandem.kv_transfer.v1.ConnectRequest\x1a&.tandem.kv_transfer.v1.ConnectResponse\x12\x61\n\nDisconnect\x12(.tandem.kv_transfer.v1.DisconnectRequest\x1a).tandem.kv_transfer.v1.DisconnectResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PULLREQUEST']._serialized_start=177
   _globals['_PULLREQUEST']._serialized_end=364
   _globals['_CHUNKHEADER']._serialized_start=367
-  _globals['_CHUNKHEADER']._serialized_end=511
-  _globals['_KVCHUNK']._serialized_start=513
-  _globals['_KVCHUNK']._serialized_end=588
-  _globals['_RELEASEREQUEST']._serialized_start=590
-  _globals['_RELEASEREQUEST']._serialized_end=626
-  _globals['_RELEASERESPONSE']._serialized_start=628
-  _globals['_RELEASERESPONSE']._serialized_end=663
-  _globals['_HEALTHREQUEST']._serialized_start=665
-  _globals['_HEALTHREQUEST']._serialized_end=680
-  _globals['_HEALTHRESPONSE']._serialized_start=682
-  _globals['_HEALTHRESPONSE']._serialized_end=789
-  _globals['_CONNECTREQUEST']._serialized_start=791
-  _globals['_CONNECTREQUEST']._serialized_end=873
-  _globals['_CONNECTRESPONSE']._serialized_start=875
-  _globals['_CONNECTRESPONSE']._serialized_end=969
-  _globals['_DISCONNECTREQUEST']._serialized_start=971
-  _globals['_DISCONNECTREQUEST']._serialized_end=1007
-  _globals['_DISCONNECTRESPONSE']._serialized_start=1009
-  _globals['_DISCONNECTRESPONSE']._serialized_end=1029
-  _globals['_KVTRANSFER']._serialized_start=1032
-  _globals['_KVTRANSFER']._serialized_end=1574
+  _globals['_CHUNKHEADER']._serialized_end=513
+  _globals['_KVCHUNK']._serialized_start=515
+  _globals['_KVCHUNK']._serialized_end=590
+  _globals['_RELEASEREQUEST']._serialized_start=592
+  _globals['_RELEASEREQUEST']._serialized_end=628
+  _globals['_RELEASERESPONSE']._serialized_start=630
+  _globals['_RELEASERESPONSE']._serialized_end=665
+  _globals['_HEALTHREQUEST']._serialized_start=667
+  _globals['_HEALTHREQUEST']._serialized_end=682
+  _globals['_HEALTHRESPONSE']._serialized_start=684
+  _globals['_HEALTHRESPONSE']._serialized_end=791
+  _globals['_CONNECTREQUEST']._serialized_start=793
+  _globals['_CONNECTREQUEST']._serialized_end=875
+  _globals['_CONNECTRESPONSE']._serialized_start=877
+  _globals['_CONNECTRESPONSE']._serialized_end=971
+  _globals['_DISCONNECTREQUEST']._serialized_start=973
+  _globals['_DISCONNECTREQUEST']._serialized_end=1009
+  _globals['_DISCONNECTRESPONSE']._serialized_start=1011
+  _globals['_DISCONNECTRESPONSE']._serialized_end=1031
+  _globals['_KVTRANSFER']._serialized_start=1034
+  _globals['_KVTRANSFER']._serialized_end=1576
 # @@protoc_insertion_point(module_scope)

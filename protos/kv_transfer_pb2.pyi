@@ -41,20 +41,20 @@ class PullRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_indices: _Optional[_Iterable[int]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., pair_id: _Optional[str] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("layer_start", "layer_end", "block_start", "block_end", "num_bytes", "crc32c")
+    __slots__ = ("layer_start", "layer_end", "block_start", "block_end", "num_bytes", "xxh3_64")
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     BLOCK_START_FIELD_NUMBER: _ClassVar[int]
     BLOCK_END_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    XXH3_64_FIELD_NUMBER: _ClassVar[int]
     layer_start: int
     layer_end: int
     block_start: int
     block_end: int
     num_bytes: int
-    crc32c: int
-    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., block_end: _Optional[int] = ..., num_bytes: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    xxh3_64: int
+    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., block_end: _Optional[int] = ..., num_bytes: _Optional[int] = ..., xxh3_64: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -143,10 +143,10 @@ class CorruptingServer(KVTransferServer):
     """Flips one payload byte after the checksum was taken, as a bad link or buffer would."""
 
     def export_chunk(self, block_ids, spec, to_host):
-        segments, crc = super().export_chunk(block_ids, spec, to_host)
+        segments, checksum = super().export_chunk(block_ids, spec, to_host)
         corrupted = [s.clone() for s in segments]
         corrupted[-1].view(-1).view(torch.uint8)[5] ^= 0x10
-        return corrupted, crc
+        return corrupted, checksum
 
 
 def test_corrupted_chunk_fails_the_pull_and_the_client_recovers(peers):

@@ -65,7 +65,7 @@ def test_consecutive_blocks_are_exported_as_cache_views_without_a_copy():
 
 
 def test_chunk_codec_is_plain_protobuf_both_ways():
-    header = pb.ChunkHeader(layer_start=1, layer_end=2, block_start=0, block_end=3, num_bytes=80, crc32c=7)
+    header = pb.ChunkHeader(layer_start=1, layer_end=2, block_start=0, block_end=3, num_bytes=80, xxh3_64=7)
     parts = [torch.arange(10, dtype=torch.float32), torch.arange(10, 20, dtype=torch.float32)]
     data = b"".join(host_bytes(p).tobytes() for p in parts)
     encoded = encode_chunk(header, [host_bytes(p) for p in parts])
