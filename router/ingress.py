@@ -86,14 +86,15 @@ class Ingress:
         return build_api(self.service, self.view, self.metrics, self.controller, admin)
 
     # ---- through a DeploymentHandle, for operators and tests: this replica's view -------------
+    # (async, so they run on the replica's event loop, between the view's updates)
 
-    def workers(self) -> dict[str, dict]:
+    async def workers(self) -> dict[str, dict]:
         """Each known worker: its pool, whether it is schedulable, how many blocks the index holds for it."""
         return {w.worker_id: {"pool": w.pool, "schedulable": w.schedulable,
                               "indexed_blocks": self.view.index.num_blocks(w.worker_id)}
                 for w in self.view.workers.values()}
 
-    def overlap(self, block_hashes: list[int]) -> dict[str, int]:
+    async def overlap(self, block_hashes: list[int]) -> dict[str, int]:
         """How many leading blocks of a hash chain each known worker caches, per this replica's index."""
         return self.view.index.overlap(block_hashes, list(self.view.workers))
 

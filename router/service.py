@@ -199,7 +199,8 @@ class OpenAIService:
 
 
 class EventStream(StreamingResponse):
-    """An SSE response that runs `on_close` however it ends: finished, client gone, or never started."""
+    """An SSE response that runs `on_close` however it ends: finished, client gone (even before the
+    first event was sent), or failed."""
 
     def __init__(self, events: AsyncIterator[str], on_close):
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
