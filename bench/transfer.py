@@ -203,7 +203,10 @@ def recv_raw_tcp(args, case, port, sender) -> dict:
 
 def _sender_main(args, case, conn) -> None:
     torch.set_num_threads(1)
-    case["send"](args, case, conn)
+    try:
+        case["send"](args, case, conn)
+    except (EOFError, ConnectionError, RuntimeError):
+        pass  # the receiver is gone: it has its numbers (a real failure shows on its side)
 
 
 def _receiver_main(args, case, info, sender, out) -> None:

@@ -142,12 +142,10 @@ class DistKVClient(KVClientBase):
             raise KVTransferError(f"KV pull of {handle.request_id!r} ended after {num_bytes} bytes")
         return num_bytes, len(plan)
 
-    def _verify(self, header: pb.ChunkHeader, chunk: _Posted) -> None:
-        if not header.HasField("xxh3_64"):
-            if self.device.type == "cpu":
-                raise KVChecksumError(f"chunk {chunk.spec} came without a checksum")
-            return  # NCCL payloads stay on the device; the links check them
-        if payload_checksum(chunk.buffers) != header.xxh3_64:
+    @staticmethod
+    def _verify(header: pb.ChunkHeader, chunk: _Posted) -> None:
+        """Check the payload when the server sent a checksum (its KVServerConfig.dist_checksums decides)."""
+        if header.HasField("xxh3_64") and payload_checksum(chunk.buffers) != header.xxh3_64:
             raise KVChecksumError(f"chunk {chunk.spec} failed its XXH3-64 checksum")
 
     def _pair(self, handle: KVHandle) -> _Pair:

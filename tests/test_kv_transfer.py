@@ -103,6 +103,15 @@ def test_pulled_blocks_are_bit_identical(peers, transport, dtype, src_ids, dst_i
     assert handle.transport == transport
 
 
+@pytest.mark.parametrize("transport", ["torch_dist"])  # gRPC chunks always carry a checksum
+def test_collective_pull_without_checksums_is_still_exact(peers):
+    src = random_cache()
+    handle = peers.server(src, dist_checksums=False).lease("req", [5, 9, 2], [], 40, Released())
+    dst = KVCache(LAYOUT, 64)
+    peers.client(dst, **SMALL_CHUNKS).pull(handle, [1, 2, 3], [0, 1, 2])
+    assert_blocks_equal(src, [5, 9, 2], dst, [1, 2, 3])
+
+
 def test_dedupe_moves_only_the_missing_blocks(peers):
     src = random_cache()
     server = peers.server(src)
@@ -142,8 +151,8 @@ def test_wrong_or_missing_token_is_unauthenticated(peers):
 class CorruptingServer(KVTransferServer):
     """Flips one payload byte after the checksum was taken, as a bad link or buffer would."""
 
-    def export_chunk(self, block_ids, spec, to_host):
-        segments, checksum = super().export_chunk(block_ids, spec, to_host)
+    def export_chunk(self, block_ids, spec, to_host, checksum):
+        segments, checksum = super().export_chunk(block_ids, spec, to_host, checksum)
         corrupted = [s.clone() for s in segments]
         corrupted[-1].view(-1).view(torch.uint8)[5] ^= 0x10
         return corrupted, checksum
