@@ -1,6 +1,7 @@
 """Starting, watching and resizing the prefill and decode actor pools on Ray."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import secrets
@@ -56,7 +57,9 @@ class WorkerPool:
 
     def add_worker(self) -> WorkerInfo:
         worker_id = f"{self.pool}-{next(self._ids)}"
-        engine_config = self.config.engine_config(self.pool_config)
+        # Distinct seeds per worker: unseeded requests must not draw the same samples everywhere.
+        engine_config = replace(self.config.engine_config(self.pool_config),
+                                seed=self.config.seed + stable_hash(worker_id))
         actor = self._cls.options(name=f"{self.config.name}-{worker_id}", **self.actor_options()).remote(
             worker_id, engine_config, self.transfer)
         info = WorkerInfo(worker_id, self.pool, actor)
@@ -141,6 +144,10 @@ def stop_worker(info: WorkerInfo) -> None:
     except ray.exceptions.RayError:
         pass
     ray.kill(info.actor, no_restart=True)
+
+
+def stable_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little")
 
 
 def _cluster_has_gpus() -> bool:

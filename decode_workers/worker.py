@@ -52,7 +52,7 @@ class DecodeWorker(EngineServer):
 
     async def _import(self, req: Request, handle: KVHandle, request: GenerateRequest):
         """Pull the missing prompt blocks into freshly reserved ones; returns how to queue the request."""
-        indices = self.loop.call(self.engine.reserve_for_import, req)
+        indices = await self.loop.run(self.engine.reserve_for_import, req)
         if indices is None:
             logger.warning("%s: no free blocks to import %s; recomputing locally", self.worker_id, req.request_id)
             await self._release_lease(handle)
@@ -66,13 +66,13 @@ class DecodeWorker(EngineServer):
         except asyncio.CancelledError:
             # The pull thread still writes into the reserved blocks: let it end before freeing them.
             await asyncio.wait([pull])
-            self.loop.call(self.engine.release_import, req)
+            await self.loop.run(self.engine.release_import, req)
             await self._release_lease(handle)
             raise
         except KVTransferError as exc:
             logger.warning("%s: KV pull for %s failed (%s); recomputing locally", self.worker_id,
                            req.request_id, exc)
-            self.loop.call(self.engine.release_import, req)
+            await self.loop.run(self.engine.release_import, req)
             await self._release_lease(handle)
             self.counters["transfer_failures"] += 1
             self.counters["local_prefills"] += 1

@@ -1,15 +1,17 @@
 """Runs an Engine's step loop in a background thread and fans outputs out to asyncio consumers.
 
-Workers are async Ray actors: many request streams wait on one batch. The engine itself is not
-thread-safe, so every touch of it goes through `call` (under one lock) and the loop steps only
-while there is work.
+Workers are async Ray actors: many request streams wait on one batch. Only the loop thread touches
+the engine. Everyone else submits commands (add, abort, stats, ...) to its inbox; the loop runs them
+between steps, so an actor's event loop never waits for a model step to finish.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TypeVar
 
 from engine.engine import Engine
@@ -25,19 +27,26 @@ class EngineLoop:
     def __init__(self, engine: Engine, on_step: Callable[[list[RequestOutput]], None] | None = None):
         self.engine = engine
         self.on_step = on_step
-        self.lock = threading.Lock()
+        self.inbox: deque[tuple[Callable, tuple, Future]] = deque()
         self.wakeup = threading.Event()
         self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
-    def call(self, fn: Callable[..., T], *args) -> T:
-        """Run `fn(*args)` with exclusive access to the engine, then let the loop step."""
-        with self.lock:
-            result = fn(*args)
+    def submit(self, fn: Callable[..., T], *args) -> Future:
+        """Run `fn(*args)` on the loop thread before its next step; returns a future of the result."""
+        future: Future = Future()
+        if self.stopped:
+            future.set_exception(RuntimeError("engine loop stopped"))
+            return future
+        self.inbox.append((fn, args, future))
         self.wakeup.set()
-        return result
+        return future
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """`submit` for asyncio callers."""
+        return await asyncio.wrap_future(self.submit(fn, *args))
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
@@ -54,21 +63,28 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self.stopped:
-            self.wakeup.wait()
-            self.wakeup.clear()
-            while not self.stopped:
-                with self.lock:
-                    if not self.engine.has_unfinished_requests():
-                        break
-                    try:
-                        outputs = self.engine.step()
-                    except Exception:  # the loop must outlive any one bad step
-                        logger.exception("engine step failed")
-                        outputs = []
-                if self.on_step is not None:
-                    self.on_step(outputs)
-                for out in outputs:
-                    self._deliver(out)
+            self._run_commands()
+            if not self.engine.has_unfinished_requests():
+                self.wakeup.wait()
+                self.wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # the loop must outlive any one bad step
+                logger.exception("engine step failed")
+                outputs = []
+            if self.on_step is not None:
+                self.on_step(outputs)
+            for out in outputs:
+                self._deliver(out)
+
+    def _run_commands(self) -> None:
+        while self.inbox:
+            fn, args, future = self.inbox.popleft()
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:
+                future.set_exception(exc)
 
     def _deliver(self, out: RequestOutput) -> None:
         target = self.queues.get(out.request_id)

@@ -35,8 +35,8 @@ class EngineServer:
     # ---- requests -------------------------------------------------------------------------------
 
     def build_request(self, req: GenerateRequest) -> Request:
-        return self.loop.call(self.engine.make_request, req.request_id, req.prompt_token_ids,
-                              req.sampling_params, req.cache_salt)
+        # Validation and tokenization only read the engine, so they run here, off the loop thread.
+        return self.engine.make_request(req.request_id, req.prompt_token_ids, req.sampling_params, req.cache_salt)
 
     async def stream(self, request: GenerateRequest, engine_req: Request, add=None):
         """Queue `engine_req` (with `add`, default Engine.add) and yield its outputs until it finishes;
@@ -45,7 +45,7 @@ class EngineServer:
         queue = self.loop.subscribe(rid)
         self.in_flight.add(rid)
         try:
-            self.loop.call(add or self.engine.add, engine_req)
+            await self.loop.run(add or self.engine.add, engine_req)
             while True:
                 out: RequestOutput = await queue.get()
                 yield out
@@ -54,7 +54,7 @@ class EngineServer:
         finally:
             self.loop.unsubscribe(rid)
             self.in_flight.discard(rid)
-            self.loop.call(self.engine.abort, rid)
+            self.loop.submit(self.engine.abort, rid)
 
     @staticmethod
     def to_delta(out: RequestOutput, request: GenerateRequest) -> TokenDelta:
@@ -66,8 +66,8 @@ class EngineServer:
 
     # ---- what the router and operators read ---------------------------------------------------
 
-    def stats(self) -> WorkerStats:
-        counters = self.loop.call(self.engine.stats)
+    async def stats(self) -> WorkerStats:
+        counters = await self.loop.run(self.engine.stats)
         return WorkerStats(self.worker_id, self.pool, draining=self.draining, **counters)
 
     async def kv_events(self, after_seq: int, timeout_s: float = 1.0) -> KVEventsReply:
@@ -82,7 +82,7 @@ class EngineServer:
                 # Read seq before the snapshot: batches up to it are then in the snapshot, and a batch
                 # published meanwhile is applied again on top, which set-like events tolerate.
                 seq = self.events.seq
-                snapshot = self.loop.call(self.engine.block_manager.snapshot)
+                snapshot = await self.loop.run(self.engine.block_manager.snapshot)
                 return KVEventsReply(self.worker_id, [], snapshot, seq)
             remaining = deadline - time.monotonic()
             if batches or remaining <= 0:
@@ -100,7 +100,5 @@ class EngineServer:
         return len(self.in_flight)
 
     def _after_step(self, outputs: list[RequestOutput]) -> None:
-        # Runs on the loop thread right after a step, while nothing else touches the block manager.
-        with self.loop.lock:
-            events = self.engine.block_manager.take_events()
-        self.events.publish(events)
+        # Runs on the loop thread right after a step: events leave in the order they happened.
+        self.events.publish(self.engine.block_manager.take_events())

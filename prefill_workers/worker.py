@@ -41,7 +41,9 @@ class PrefillWorker(EngineServer):
             handle = self.kv_server.lease(request.request_id, params["block_ids"],
                                           engine_req.block_hashes[:num_full], params["num_tokens"],
                                           on_release=self._free_blocks)
-        return PrefillResult(self.to_delta(last, request), handle)
+        first = self.to_delta(last, request)
+        first.times = dict(request.times)
+        return PrefillResult(first, handle)
 
     def release(self, request_id: str) -> bool:
         """Drop a request's lease (the decode side aborted before pulling)."""
@@ -61,5 +63,5 @@ class PrefillWorker(EngineServer):
         self.loop.stop()
 
     def _free_blocks(self, block_ids: list[int]) -> None:
-        # Called from transport threads when a lease ends.
-        self.loop.call(self.engine.block_manager.free_block_ids, list(reversed(block_ids)))
+        # Called from transport threads when a lease ends; the loop thread frees them before its next step.
+        self.loop.submit(self.engine.block_manager.free_block_ids, list(reversed(block_ids)))

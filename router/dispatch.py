@@ -25,14 +25,19 @@ async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIt
             return
     # Decode starts pulling KV before the first token reaches the client.
     stream = decode.generate.options(num_returns="streaming").remote(request, result)
+    finished = False
     try:
         if result is not None:
             yield result.first
         async for ref in stream:
-            yield await ref
+            delta = await ref
+            finished = delta.finished
+            yield delta
     finally:
-        if not _exhausted(stream):
-            ray.cancel(stream)
+        if not finished:
+            if not _exhausted(stream):
+                ray.cancel(stream)
+            # Decode aborted, failed or never pulled: the lease must not wait for its TTL.
             if result is not None and result.kv_handle is not None:
                 await _release(prefill, request.request_id)
 
