@@ -17,7 +17,7 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.config import ClusterConfig
-from cluster.controller import get_controller
+from cluster.controller import enable_info_logging, get_controller
 from cluster.scaling_policy import Decision, ScalingPolicy, Thresholds, pool_signals
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class Autoscaler:
 
     def __init__(self, config: AutoscalerConfig, name: str = "tandem", namespace: str = "tandem",
                  start: bool = True):
+        enable_info_logging()
         self.config = config
         self.controller = get_controller(name, namespace)
         cluster = ClusterConfig.model_validate(ray.get(self.controller.config_dict.remote()))

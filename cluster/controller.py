@@ -75,6 +75,7 @@ class ClusterController:
     another worker) are accepted, as a load balancer deregisters a target before stopping it."""
 
     def __init__(self, config: ClusterConfig, health_interval_s: float = 2.0, drain_grace_s: float = 2.0):
+        enable_info_logging()
         self.config = config
         self.drain_grace_s = drain_grace_s
         self.pools = Pools(config)
@@ -142,6 +143,7 @@ class ClusterController:
             if pool.pool == "decode" and self._active(pool) == [info]:
                 raise ValueError(f"{worker_id} is the last decode worker; scale the decode pool up first")
             self._drain(pool, [info], reason, timeout_s)
+            self.desired[pool.pool] = len(self._active(pool))  # a drained worker is not replaced
         return pool.pool
 
     def status(self) -> dict:
@@ -286,6 +288,12 @@ class ClusterController:
 
     def _bump(self) -> None:
         self.version += 1
+
+
+def enable_info_logging() -> None:
+    """Show INFO logs of this actor process: Ray leaves its root logger unconfigured (warnings only), and
+    scaling events and decisions are meant to be seen in the driver's output and the actor's log."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def start_controller(config: ClusterConfig, detached: bool = False, **options):

@@ -120,6 +120,7 @@ def test_draining_a_busy_worker_mid_load_lets_its_requests_finish(controller):
     assert failures(client.outcomes) == []
     assert len(in_flight_at(client, victim, steps["drain_started"])) >= 2
     assert victim not in members(controller, "decode")
+    assert ray.get(controller.status.remote())["pools"]["decode"]["desired"] == 1  # drained, not replaced
     assert ray.get(controller.membership.remote()).version > before
     assert_actor_gone(client.actors[victim])
     events = [(e.action, e.worker_id) for e in ray.get(controller.scaling_events.remote())]
