@@ -13,7 +13,6 @@ JSON bodies: 400 bad body (naming the field), 401 wrong or missing key, 403 admi
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 from collections.abc import Callable
 from dataclasses import asdict
@@ -94,7 +93,7 @@ def build_admin_router(get_controller: Callable[[], object], admin_key: str | No
     """The /admin routes. `get_controller` returns the controller actor handle (looked up per call, so a
     restarted controller is found again); without an `admin_key` every route answers 403."""
 
-    def authorize(request: Request) -> None:
+    async def authorize(request: Request) -> None:
         if not admin_key:
             raise AdminError(403, "admin API disabled: set TANDEM_ADMIN_KEY (or `tandem serve --admin-key`)")
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -124,9 +123,7 @@ def build_admin_router(get_controller: Callable[[], object], admin_key: str | No
 
     @router.post("/scale")
     async def scale(body: ScaleRequest) -> dict:
-        # Both pools at once: their scaling runs concurrently in the controller (one lock per pool).
-        targets = body.targets()
-        results = await asyncio.gather(*(call("scale", pool, n, "operator") for pool, n in targets.items()))
+        results = await call("scale_pools", body.targets(), "operator")
         return {"pools": {r.pool: asdict(r) for r in results}}
 
     @router.post("/drain")

@@ -10,59 +10,18 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
 from cluster.config import ClusterConfig
+from cluster.membership import Membership, ScaleResult, ScalingEvent, ScalingReport, WorkerEntry
 from cluster.pools import Pools, WorkerInfo, WorkerPool, stop_worker
 from cluster.scaling_policy import LatencyWindow
 
 logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "controller"
-
-
-@dataclass(slots=True)
-class WorkerEntry:
-    worker_id: str
-    pool: str
-    actor: object
-    healthy: bool
-    draining: bool
-
-
-@dataclass(slots=True)
-class Membership:
-    version: int
-    workers: list[WorkerEntry] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class ScalingEvent:
-    time: float
-    pool: str
-    action: str  # "scale_up", "scale_down" (decisions); "add", "drain", "remove", "unhealthy", "recovered"
-    worker_id: str
-    reason: str = ""
-
-
-@dataclass(slots=True)
-class ScaleResult:
-    """What one `scale` call did; it returns once added workers are registered and drained ones are gone."""
-    pool: str
-    replicas_before: int
-    replicas: int
-    added: list[str] = field(default_factory=list)
-    drained: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class ScalingReport:
-    """What /metrics exports about scaling: event counts since start, current and desired replicas."""
-    events: dict[tuple[str, str], int]
-    replicas: dict[str, int]
-    desired: dict[str, int]
 
 
 class ClusterController:
@@ -112,12 +71,7 @@ class ClusterController:
     def scale(self, pool: str, replicas: int, reason: str = "operator") -> ScaleResult:
         """Grow or shrink `pool` to `replicas` workers (draining ones not counted). Returns when the new
         workers are ready and registered, or when the drained ones have finished their requests and left."""
-        target = self._pool(pool)
-        limit = target.pool_config.max_replicas
-        if not 0 <= replicas <= limit:
-            raise ValueError(f"{pool} replicas must be in [0, {limit}] (max_replicas), got {replicas}")
-        if pool == "decode" and replicas == 0:
-            raise ValueError("the decode pool needs at least one worker")
+        target = self._check_target(pool, replicas)
         with self.pool_locks[pool]:
             active = self._active(target)
             result = ScaleResult(pool, len(active), replicas)
@@ -133,6 +87,14 @@ class ClusterController:
                 self._drain(target, victims, reason)
                 result.drained = [w.worker_id for w in victims]
             return result
+
+    def scale_pools(self, targets: dict[str, int], reason: str = "operator") -> list[ScaleResult]:
+        """Scale several pools at once: every target is checked before any pool changes, then the pools
+        scale concurrently."""
+        for pool, replicas in targets.items():
+            self._check_target(pool, replicas)
+        with ThreadPoolExecutor(max_workers=max(len(targets), 1)) as executor:
+            return list(executor.map(lambda item: self.scale(*item, reason), targets.items()))
 
     def drain(self, worker_id: str, reason: str = "operator", timeout_s: float = 600.0) -> str:
         """Stop routing to a worker, let its in-flight requests finish, then remove it; returns its pool.
@@ -252,6 +214,15 @@ class ClusterController:
                         for wid in changed:
                             self._record(pool.pool, "recovered" if after[wid] else "unhealthy", wid, "health check")
                         self._bump()
+
+    def _check_target(self, pool: str, replicas: int) -> WorkerPool:
+        target = self._pool(pool)
+        limit = target.pool_config.max_replicas
+        if not 0 <= replicas <= limit:
+            raise ValueError(f"{pool} replicas must be in [0, {limit}] (max_replicas), got {replicas}")
+        if pool == "decode" and replicas == 0:
+            raise ValueError("the decode pool needs at least one worker")
+        return target
 
     def _pool(self, name: str) -> WorkerPool:
         pool = self.pools.prefill if name == "prefill" else self.pools.decode if name == "decode" else None

@@ -71,7 +71,7 @@ class Metrics:
         self.requests.labels(pool, worker, finish_reason or "unknown").inc()
 
     def observe_scaling(self, report) -> None:
-        """Mirror the controller's `scaling_report()` (cluster.controller.ScalingReport). Its event counts are
+        """Mirror the controller's `scaling_report()` (cluster.membership.ScalingReport). Its event counts are
         totals since the controller started, so only the growth since the previous report is added."""
         for (pool, action), count in report.events.items():
             grown = count - self._scaling_seen.get((pool, action), 0)

@@ -164,8 +164,11 @@ def test_scale_up_then_drain_through_the_cli(capsys, admin_url):
 def test_operator_errors_come_back_as_messages(capsys, admin_url):
     code, _, err = run_cli(capsys, "drain", "decode-9", "--url", admin_url, "--admin-key", ADMIN_KEY)
     assert code == 1 and "no worker 'decode-9'; `tandem status` lists them" in err
-    code, _, err = run_cli(capsys, "scale", "--prefill", "1", "--url", admin_url, "--admin-key", ADMIN_KEY)
+    code, _, err = run_cli(capsys, "scale", "--prefill", "1", "--decode", "2", "--url", admin_url,
+                           "--admin-key", ADMIN_KEY)
     assert code == 1 and "no 'prefill' pool in colocated mode" in err
+    code, out, _ = run_cli(capsys, "status", "--url", admin_url, "--admin-key", ADMIN_KEY, "--json")
+    assert json.loads(out)["pools"]["decode"]["replicas"] == 1  # nothing changed: targets are checked first
     code, _, err = run_cli(capsys, "scale", "--decode", "3", "--url", admin_url, "--admin-key", ADMIN_KEY)
     assert code == 1 and "decode replicas must be in [0, 2]" in err
     code, _, err = run_cli(capsys, "drain", "decode-0", "--url", admin_url, "--admin-key", ADMIN_KEY)
