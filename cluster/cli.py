@@ -141,20 +141,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the cluster and its OpenAI API until Ctrl-C",
                                 description="Start Ray (local unless --address or RAY_ADDRESS), the prefill and "
                                             "decode pools and the OpenAI API; flags override --config.")
-    serve.add_argument("--config", type=_existing_file, help="YAML file with ClusterConfig fields")
-    serve.add_argument("--model", type=_non_empty, help="HF model directory (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--config", type=_existing_file, metavar="FILE", help="YAML file with ClusterConfig fields")
+    serve.add_argument("--model", type=_non_empty, metavar="DIR",
+                       help="HF model directory (default: SmolLM2-135M-Instruct)")
     serve.add_argument("--prefill", type=_count, metavar="N", help="prefill workers at start (default 1)")
     serve.add_argument("--decode", type=_count, metavar="M", help="decode workers at start (default 1)")
     serve.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers prefill too")
-    serve.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    serve.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                       help="where workers run (default auto: CUDA when present)")
+    serve.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="model precision (default float32)")
     serve.add_argument("--host", type=_non_empty, help="API address (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, help="API port (default 8000)")
     serve.add_argument("--api-key", type=_api_key, action="append", metavar="KEY[:TENANT]",
                        help="accept this API key (repeat for more; the tenant isolates prefix caches)")
-    serve.add_argument("--admin-key", type=_secret, help="enable the admin API with this key (or TANDEM_ADMIN_KEY)")
-    serve.add_argument("--address", type=_non_empty, help="join this Ray cluster (or RAY_ADDRESS) instead of "
-                                                          "starting a local one")
+    serve.add_argument("--admin-key", type=_secret, metavar="KEY",
+                       help="enable the admin API with this key (or TANDEM_ADMIN_KEY)")
+    serve.add_argument("--address", type=_non_empty, metavar="ADDR",
+                       help="join this Ray cluster (or RAY_ADDRESS) instead of starting a local one")
     serve.add_argument("--autoscale", action="store_true",
                        help="resize the pools from their load within min_replicas..max_replicas")
     serve.set_defaults(command=serve_command)
@@ -163,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help, description=help)
         sub.add_argument("--url", type=_url, default=os.environ.get("TANDEM_URL", DEFAULT_URL),
                          help=f"the server (default {DEFAULT_URL}, or TANDEM_URL)")
-        sub.add_argument("--admin-key", type=_secret, help="the server's admin key (default TANDEM_ADMIN_KEY)")
+        sub.add_argument("--admin-key", type=_secret, metavar="KEY",
+                         help="the server's admin key (default TANDEM_ADMIN_KEY)")
         sub.set_defaults(command=run)
         return sub
 
