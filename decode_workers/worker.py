@@ -40,15 +40,20 @@ class DecodeWorker(EngineServer):
         if self.draining:
             raise WorkerDraining(f"decode worker {self.worker_id} is draining")
         engine_req = self.build_request(request)
-        add = self.engine.add
-        if prefill is not None and prefill.kv_handle is not None:
-            engine_req.all_token_ids.extend(prefill.first.token_ids)
-            add = await self._import(engine_req, prefill.kv_handle, request)
-        else:
-            self.counters["local_prefills"] += 1
-        request.stamp("decode_admitted")
-        async for out in self.stream(request, engine_req, add):
-            yield self.to_delta(out, request)
+        # In flight from here on, so a drain waits for the KV pull too, not only for decoding.
+        self.in_flight.add(request.request_id)
+        try:
+            add = self.engine.add
+            if prefill is not None and prefill.kv_handle is not None:
+                engine_req.all_token_ids.extend(prefill.first.token_ids)
+                add = await self._import(engine_req, prefill.kv_handle, request)
+            else:
+                self.counters["local_prefills"] += 1
+            request.stamp("decode_admitted")
+            async for out in self.stream(request, engine_req, add):
+                yield self.to_delta(out, request)
+        finally:
+            self.in_flight.discard(request.request_id)
 
     async def _import(self, req: Request, handle: KVHandle, request: GenerateRequest):
         """Pull the missing prompt blocks into freshly reserved ones; returns how to queue the request."""
