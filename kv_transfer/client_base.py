@@ -10,6 +10,7 @@ from engine.kv_cache import KVCache
 from kv_transfer.chunks import ChunkSpec
 from kv_transfer.handle import (KVAuthError, KVHandle, KVLayoutMismatchError, KVLeaseNotFoundError,
                                 KVTransferError)
+from kv_transfer.malloc import keep_message_buffers_in_heap
 from kv_transfer.wire import layout_to_proto
 from protos import kv_transfer_pb2 as pb
 from protos.kv_transfer_pb2_grpc import KVTransferStub
@@ -72,6 +73,7 @@ class KVClientBase:
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._channels: dict[tuple[str, int], grpc.Channel] = {}
         self._lock = threading.Lock()
+        keep_message_buffers_in_heap(max_message_bytes)  # messages and staging buffers: chunk-sized
 
     def channel(self, address: str, index: int = 0) -> grpc.Channel:
         """Channel `index` to `address`; distinct indices get distinct TCP connections."""

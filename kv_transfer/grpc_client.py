@@ -20,7 +20,6 @@ from engine.kv_cache import KVCache
 from kv_transfer.chunks import ChunkSpec, plan_chunks, write_chunk
 from kv_transfer.client_base import KVClientBase, LayerProgress, OnLayers, transfer_error
 from kv_transfer.handle import KVChecksumError, KVHandle, KVTransferError, PullStats
-from kv_transfer.malloc import keep_message_buffers_in_heap
 from kv_transfer.wire import SERVICE, decode_chunk
 from protos import kv_transfer_pb2 as pb
 
@@ -38,7 +37,6 @@ class GrpcKVClient(KVClientBase):
 
     def __init__(self, cache: KVCache, token: str, *, num_streams: int = 2, **options):
         super().__init__(cache, token, **options)
-        keep_message_buffers_in_heap(self.max_message_bytes)
         self.num_streams = num_streams
         self._pool = futures.ThreadPoolExecutor(4 * num_streams, "kv-pull")
 

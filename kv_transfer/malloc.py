@@ -1,11 +1,12 @@
-"""Allocator tuning for processes that receive or send multi-megabyte messages.
+"""Allocator tuning for processes that move KV in multi-megabyte pieces.
 
-gRPC hands every received message to Python as a fresh `bytes` object, and
-the sender builds one per chunk. glibc serves blocks this large with mmap and
-unmaps them on free, so every chunk pays a page fault per 4 KiB on first
-touch: measured here, that alone costs about a third of a transfer's CPU
-time. Raising the mmap and trim thresholds keeps those buffers in the heap,
-where freed chunks are reused warm.
+gRPC hands every received message to Python as a fresh `bytes` object, the
+sender builds one per chunk, and scattered blocks go through per-chunk
+staging tensors. glibc serves blocks this large with mmap and unmaps them on
+free, so every chunk pays a page fault per 4 KiB on first touch: measured
+here, that alone costs about a third of a transfer's CPU time. Raising the
+mmap and trim thresholds keeps those buffers in the heap, where freed chunks
+are reused warm.
 """
 from __future__ import annotations
 
