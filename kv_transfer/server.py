@@ -19,6 +19,7 @@ import torch
 
 from engine.kv_cache import KVCache
 from kv_transfer.chunks import ChunkSpec, host_bytes, payload_checksum, plan_chunks, read_chunk
+from kv_transfer.dist_server import DistSender
 from kv_transfer.handle import KVHandle
 from kv_transfer.lease import Lease, LeaseTable, OnRelease
 from kv_transfer.malloc import keep_message_buffers_in_heap
@@ -28,6 +29,8 @@ from protos import kv_transfer_pb2 as pb
 @dataclass(slots=True)
 class KVServerConfig:
     """Where the server listens and how much it accepts; `dist` adds the torch.distributed data plane.
+
+    `host` goes into every handle, so it must be an address decode workers can reach.
 
     gRPC chunks always carry a checksum. Over torch.distributed, host payloads
     carry one unless `dist_checksums` is off (TCP already checks the bytes;
@@ -96,10 +99,7 @@ class KVTransferServer:
                                    maximum_concurrent_rpcs=self.config.max_workers)
         self._server.add_generic_rpc_handlers([self._handlers()])
         self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        self.dist = None
-        if self.config.dist:
-            from kv_transfer.dist_server import DistSender
-            self.dist = DistSender(self, self.config.host, self.config.dist_timeout_s)
+        self.dist = DistSender(self, self.config.host, self.config.dist_timeout_s) if self.config.dist else None
 
     @property
     def address(self) -> str:
