@@ -4,7 +4,10 @@ Workload (issue 2): N requests of random prompt ids, greedy, ignore_eos, a fixed
 tokens. The engine runs them as one continuous batch; HF runs them as one static left-padded batch
 (`generate` with max_new_tokens = min_new_tokens, do_sample=False, its default sdpa attention).
 Single-request decode latency is the mean gap between tokens of one request on an otherwise idle
-engine, and the same gap in HF (timed with a streamer). Both sides use every core unless told.
+engine, and the same gap in HF (timed with a streamer). Rounds alternate engine and HF on fresh
+prompts, so both see the same machine load; the ratio within a round is the number to trust on a
+shared machine. "cpu s" is the process CPU time of the batch: with --threads 1 it is what the
+batch costs even when other processes steal the core.
 
 Run: .venv/bin/python bench/offline.py --repeat 3
      .venv/bin/python bench/offline.py --num-requests 32 --prompt-len 128 --output-len 128 --skip-hf
@@ -18,14 +21,30 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.stdout.reconfigure(line_buffering=True)
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.model_loader import resolve_model_dir  # noqa: E402
+
+
+@dataclass(slots=True)
+class Result:
+    name: str
+    num_output_tokens: int
+    wall_s: float
+    cpu_s: float
+    decode_ms: float | None
+    token_ids: list[list[int]]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.wall_s
 
 
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -33,27 +52,31 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(num)]
 
 
+def timed(fn):
+    """(wall seconds, process CPU seconds, result) of fn()."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - wall, time.process_time() - cpu, out
+
+
 # ---- engine -------------------------------------------------------------------------------------
 
-def engine_batch(engine: Engine, prompts, output_len: int, profile: str | None) -> tuple[float, list[list[int]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+def run_engine(engine: Engine, prompts, single, args, profile: str | None) -> Result:
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     if profile:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-            start = time.perf_counter()
-            outs = engine.generate(prompts, params)
-            elapsed = time.perf_counter() - start
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            wall, cpu, outs = timed(lambda: engine.generate(prompts, params))
         prof.export_chrome_trace(profile)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     else:
-        start = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        elapsed = time.perf_counter() - start
-    return elapsed, [o.token_ids for o in outs]
+        wall, cpu, outs = timed(lambda: engine.generate(prompts, params))
+    ms = None if args.skip_single else engine_single_decode_ms(engine, single, params)
+    return Result("engine", len(prompts) * args.output_len, wall, cpu, ms, [o.token_ids for o in outs])
 
 
-def engine_single_decode_ms(engine: Engine, prompt: list[int], output_len: int) -> float:
+def engine_single_decode_ms(engine: Engine, prompt: list[int], params: SamplingParams) -> float:
     """Mean time between consecutive tokens of one request (TPOT), in ms."""
-    engine.add_request("single", prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
+    engine.add_request("single", prompt, params)
     stamps = []
     while engine.has_unfinished_requests():
         if engine.step():
@@ -76,29 +99,26 @@ class _TokenClock:
         pass
 
 
-def hf_generate(model, prompts, output_len: int, streamer=None) -> torch.Tensor:
+@torch.inference_mode()
+def hf_generate(model, prompts, output_len: int, streamer=None) -> list[list[int]]:
     width = max(len(p) for p in prompts)
     pad = model.generation_config.pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
                          do_sample=False, pad_token_id=pad, streamer=streamer)
-    return out[:, width:]
+    return out[:, width:].tolist()
 
 
-@torch.inference_mode()
-def hf_batch(model, prompts, output_len: int) -> tuple[float, list[list[int]]]:
-    start = time.perf_counter()
-    out = hf_generate(model, prompts, output_len)
-    return time.perf_counter() - start, out.tolist()
-
-
-@torch.inference_mode()
-def hf_single_decode_ms(model, prompt: list[int], output_len: int) -> float:
-    clock = _TokenClock()
-    hf_generate(model, [prompt], output_len, streamer=clock)
-    tokens = clock.stamps[1:]
-    return 1000 * (tokens[-1] - tokens[0]) / (len(tokens) - 1)
+def run_hf(model, prompts, single, args) -> Result:
+    wall, cpu, tokens = timed(lambda: hf_generate(model, prompts, args.output_len))
+    ms = None
+    if not args.skip_single:
+        clock = _TokenClock()
+        hf_generate(model, [single], args.output_len, streamer=clock)
+        stamps = clock.stamps[1:]
+        ms = 1000 * (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    return Result("hf generate", len(prompts) * args.output_len, wall, cpu, ms, tokens)
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -126,44 +146,33 @@ def main() -> None:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=torch.float32).eval()
-        hf_batch(model, warmup, 8)
+        hf_generate(model, warmup, 8)
 
     print(f"{args.num_requests} requests x {args.prompt_len} prompt x {args.output_len} output tokens, "
           f"greedy fp32, {args.threads} threads, torch {torch.__version__}")
-    print(f"{'round':<6} {'':<12} {'output tok/s':>12} {'batch s':>9} {'1-req decode ms/tok':>20}")
+    print(f"{'round':<6} {'':<12} {'output tok/s':>12} {'wall s':>8} {'cpu s':>8} {'1-req decode ms/tok':>20}")
     ratios = []
     for r in range(args.repeat):
         # Fresh prompts every round, so the engine's prefix cache never helps it.
         prompts = make_prompts(args.num_requests, args.prompt_len, vocab, args.seed + 2 * r)
         single = make_prompts(1, args.prompt_len, vocab, args.seed + 2 * r + 1)[0]
-        rows = [run_engine(engine, prompts, single, args, profile=args.profile if r == 0 else None)]
+        results = [run_engine(engine, prompts, single, args, args.profile if r == 0 else None)]
         if model is not None:
-            rows.append(run_hf(model, prompts, single, args))
-        for name, tps, secs, ms, _ in rows:
-            print(f"{r + 1:<6} {name:<12} {tps:>12.1f} {secs:>9.2f} {'-' if ms is None else f'{ms:.2f}':>20}")
+            results.append(run_hf(model, prompts, single, args))
+        for res in results:
+            ms = "-" if res.decode_ms is None else f"{res.decode_ms:.2f}"
+            print(f"{r + 1:<6} {res.name:<12} {res.tokens_per_s:>12.1f} {res.wall_s:>8.2f} {res.cpu_s:>8.2f} {ms:>20}")
         if model is not None:
-            (_, eng_tps, _, eng_ms, eng_tokens), (_, hf_tps, _, hf_ms, hf_tokens) = rows
-            same = sum(a == b for a, b in zip(eng_tokens, hf_tokens))
-            ratios.append(eng_tps / hf_tps)
-            line = f"       engine/hf throughput {eng_tps / hf_tps:.2f}x"
-            if eng_ms is not None:
-                line += f", hf/engine 1-req ms/token {hf_ms / eng_ms:.2f}x"
+            ours, hf = results
+            ratios.append(ours.tokens_per_s / hf.tokens_per_s)
+            line = f"       engine/hf throughput {ratios[-1]:.2f}x (by cpu s {hf.cpu_s / ours.cpu_s:.2f}x)"
+            if ours.decode_ms is not None:
+                line += f", hf/engine 1-req ms/token {hf.decode_ms / ours.decode_ms:.2f}x"
+            same = sum(a == b for a, b in zip(ours.token_ids, hf.token_ids))
             print(line + f", greedy outputs identical to hf: {same}/{len(prompts)}")
     if len(ratios) > 1:
         print(f"engine/hf throughput over {len(ratios)} rounds: median {statistics.median(ratios):.2f}x, "
               f"min {min(ratios):.2f}x, max {max(ratios):.2f}x")
-
-
-def run_engine(engine: Engine, prompts, single, args, profile: str | None):
-    secs, tokens = engine_batch(engine, prompts, args.output_len, profile)
-    ms = None if args.skip_single else engine_single_decode_ms(engine, single, args.output_len)
-    return "engine", len(prompts) * args.output_len / secs, secs, ms, tokens
-
-
-def run_hf(model, prompts, single, args):
-    secs, tokens = hf_batch(model, prompts, args.output_len)
-    ms = None if args.skip_single else hf_single_decode_ms(model, single, args.output_len)
-    return "hf generate", len(prompts) * args.output_len / secs, secs, ms, tokens
 
 
 if __name__ == "__main__":

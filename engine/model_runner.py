@@ -90,7 +90,8 @@ class ModelRunner:
         seg = PrefillSegment(offset, offset + num_new, context_len)
         if context_len > num_new:  # a cached or earlier-computed prefix: attend it through the block table
             seg.block_ids = self._tensor(table)
-            seg.mask = torch.ones(num_new, context_len, dtype=torch.bool, device=self.device).tril(context_len - num_new)
+            causal = torch.ones(num_new, context_len, dtype=torch.bool, device=self.device)
+            seg.mask = causal.tril(context_len - num_new)
         return seg
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
