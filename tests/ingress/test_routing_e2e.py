@@ -88,6 +88,9 @@ def test_tenant_b_gets_no_hits_on_tenant_a_blocks(main_app):
 def test_request_cache_salt_separates_blocks_within_a_tenant(main_app):
     client, prompt = main_app.client("key-a"), token_prompt(40, seed=12)
     complete(client, prompt)
+    # KV events reach the index asynchronously: route the repeat only once the index knows the blocks.
+    hashes = block_hashes(prompt, BLOCK, cache_salt("tenant-a", None))
+    assert wait_for(lambda: max(decode_overlap(main_app, hashes).values()) == 2)
     assert complete(client, prompt).usage.prompt_tokens_details.cached_tokens == 32
     salted = complete(client, prompt, extra_body={"cache_salt": "conversation-1"})
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
