@@ -1,13 +1,13 @@
 """Offline throughput and decode latency of the engine against HF transformers `generate`, in one run.
 
-Workload (issue 2): N requests of random prompt ids, greedy, ignore_eos, a fixed number of output
-tokens. The engine runs them as one continuous batch; HF runs them as one static left-padded batch
-(`generate` with max_new_tokens = min_new_tokens, do_sample=False, its default sdpa attention).
-Single-request decode latency is the mean gap between tokens of one request on an otherwise idle
-engine, and the same gap in HF (timed with a streamer). Rounds alternate engine and HF on fresh
-prompts, so both see the same machine load; the ratio within a round is the number to trust on a
-shared machine. "cpu s" is the process CPU time of the batch: with --threads 1 it is what the
-batch costs even when other processes steal the core.
+Workload (issue 2): N requests of random prompt ids, greedy, exactly `--output-len` output tokens
+(min_tokens = max_tokens, so EOS is never sampled, as with HF's min_new_tokens). The engine runs
+them as one continuous batch; HF runs them as one static left-padded batch (`generate` with
+max_new_tokens = min_new_tokens, do_sample=False, its default sdpa attention). Single-request
+decode latency is the mean gap between tokens of one request on an otherwise idle engine, and the
+same gap in HF (timed with a streamer). Rounds alternate engine and HF on fresh prompts, so both
+see the same machine load; the ratio within a round is the number to trust on a shared machine.
+"cpu s" is the process CPU time of the batch.
 
 Run: .venv/bin/python bench/offline.py --repeat 3
      .venv/bin/python bench/offline.py --num-requests 32 --prompt-len 128 --output-len 128 --skip-hf
@@ -62,7 +62,9 @@ def timed(fn):
 # ---- engine -------------------------------------------------------------------------------------
 
 def run_engine(engine: Engine, prompts, single, args, profile: str | None) -> Result:
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    # min_tokens = max_tokens bans EOS for the whole output, exactly as HF's min_new_tokens does
+    # (with ignore_eos, vLLM semantics would let EOS be sampled and the outputs would differ).
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len)
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             wall, cpu, outs = timed(lambda: engine.generate(prompts, params))
