@@ -50,17 +50,13 @@ class AttentionMetadata:
     prefills: list[PrefillSegment]
     workspace: tuple[torch.Tensor, torch.Tensor] | None  # K and V gather buffers, reused by every layer
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.decodes[-1].end if self.decodes else 0
-
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     tandem_attn: AttentionMetadata | None = None, **kwargs):
     md = tandem_attn
     layer = module.layer_idx
     k_cache, v_cache = md.kv_cache.k[layer], md.kv_cache.v[layer]
-    _, num_kv_heads, num_tokens, head_dim = key.shape
+    _, num_kv_heads, _, head_dim = key.shape
     num_heads = query.shape[1]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, key[0].transpose(0, 1))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, value[0].transpose(0, 1))

@@ -127,8 +127,9 @@ class ModelRunner:
 
 
 class OneDNNLinear(torch.nn.Module):
-    """An nn.Linear computed by oneDNN with its weight packed once at load time. On this project's
-    x86 CPUs it runs 1.2-2x faster than torch's default BLAS call (vLLM's CPU backend does the same)."""
+    """An nn.Linear computed by oneDNN with its weight packed once at load time, as vLLM's CPU backend
+    does. For fp32 torch calls MKL, which on the dev box's AMD EPYC ran the model's GEMMs 1.15-1.9x
+    slower than this (bench/RESULTS.md, "Offline engine")."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
