@@ -43,6 +43,7 @@ class TransferOptions(_Strict):
     token: str | None = None
     lease_ttl_s: float = Field(30.0, gt=0)
     timeout_s: float = Field(30.0, gt=0)
+    layerwise: bool = False
 
 
 class RouterOptions(_Strict):
@@ -90,7 +91,7 @@ class ClusterConfig(_Strict):
     def transfer_config(self) -> TransferConfig:
         token = self.transfer.token or os.environ.get("TANDEM_KV_TOKEN", "")
         return TransferConfig(backend=self.transfer.backend, token=token, lease_ttl_s=self.transfer.lease_ttl_s,
-                              timeout_s=self.transfer.timeout_s)
+                              timeout_s=self.transfer.timeout_s, layerwise=self.transfer.layerwise)
 
     def with_env(self) -> ClusterConfig:
         """Fill keys from the environment: TANDEM_API_KEYS ("key:tenant,key2:tenant2") and TANDEM_ADMIN_KEY."""

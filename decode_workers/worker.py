@@ -33,10 +33,15 @@ class DecodeWorker(EngineServer):
         super().__init__(worker_id, engine_config)
         self.kv_client = make_kv_client(transfer, self.engine.kv_cache)
         self.counters = {"remote_prefills": 0, "local_prefills": 0, "blocks_pulled": 0, "blocks_reused": 0,
-                         "bytes_pulled": 0, "transfer_seconds": 0.0, "transfer_failures": 0}
+                         "bytes_pulled": 0, "transfer_seconds": 0.0, "transfer_failures": 0,
+                         "layerwise_pulls": 0}
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult | None = None):
-        """Yield TokenDelta items until the request finishes; cancel the stream to abort it."""
+        """Yield TokenDelta items until the request finishes; cancel the stream to abort it.
+
+        Layer-wise, `prefill.first` is None: the pull starts at once, while the prefill worker still
+        writes the KV, and the request joins the batch once the first token (`prefill.first_ref`) arrives;
+        if that token already finishes the request, the stream ends without yielding."""
         if self.draining:
             raise WorkerDraining(f"decode worker {self.worker_id} is draining")
         engine_req = self.build_request(request)
@@ -45,8 +50,11 @@ class DecodeWorker(EngineServer):
         try:
             add = self.engine.add
             if prefill is not None and prefill.kv_handle is not None:
-                engine_req.all_token_ids.extend(prefill.first.token_ids)
-                add = await self._import(engine_req, prefill.kv_handle, request)
+                if prefill.first is not None:
+                    engine_req.all_token_ids.extend(prefill.first.token_ids)
+                add = await self._import(engine_req, prefill, request)
+                if add is None:
+                    return
             else:
                 self.counters["local_prefills"] += 1
             request.stamp("decode_admitted")
@@ -55,25 +63,26 @@ class DecodeWorker(EngineServer):
         finally:
             self.in_flight.discard(request.request_id)
 
-    async def _import(self, req: Request, handle: KVHandle, request: GenerateRequest):
-        """Pull the missing prompt blocks into freshly reserved ones; returns how to queue the request."""
+    async def _import(self, req: Request, prefill: PrefillResult, request: GenerateRequest):
+        """Pull the missing prompt blocks into freshly reserved ones; returns how to queue the request
+        (None when its first token finished it)."""
+        handle = prefill.kv_handle
         indices = await self.loop.run(self.engine.reserve_for_import, req)
         if indices is None:
             logger.warning("%s: no free blocks to import %s; recomputing locally", self.worker_id, req.request_id)
             await self._release_lease(handle)
+            if not await self._first_token(req, prefill):
+                return None
             self.counters["local_prefills"] += 1
             return self.engine.add
         dst = [req.block_table[i] for i in indices]
         request.stamp("transfer_started")
         pull = asyncio.ensure_future(asyncio.to_thread(self.kv_client.pull, handle, dst, indices))
         try:
+            if not await self._first_token(req, prefill):
+                await self._abandon(pull, req, handle)
+                return None
             stats = await asyncio.shield(pull)
-        except asyncio.CancelledError:
-            # The pull thread still writes into the reserved blocks: let it end before freeing them.
-            await asyncio.wait([pull])
-            await self.loop.run(self.engine.release_import, req)
-            await self._release_lease(handle)
-            raise
         except KVTransferError as exc:
             logger.warning("%s: KV pull for %s failed (%s); recomputing locally", self.worker_id,
                            req.request_id, exc)
@@ -82,6 +91,9 @@ class DecodeWorker(EngineServer):
             self.counters["transfer_failures"] += 1
             self.counters["local_prefills"] += 1
             return self.engine.add
+        except BaseException:  # cancelled, or the prefill worker failed before its first token
+            await self._abandon(pull, req, handle)
+            raise
         request.stamp("transfer_done")
         await self._release_lease(handle)
         self.counters["remote_prefills"] += 1
@@ -90,6 +102,26 @@ class DecodeWorker(EngineServer):
         self.counters["bytes_pulled"] += stats.num_bytes
         self.counters["transfer_seconds"] += stats.seconds
         return self.engine.add_imported
+
+    async def _first_token(self, req: Request, prefill: PrefillResult) -> bool:
+        """Layer-wise: wait for the prefill worker's first token and append it; False if it finished the request."""
+        if prefill.first is not None:
+            return True
+        self.counters["layerwise_pulls"] += 1
+        first = await prefill.first_ref[0]
+        if first.finished:
+            return False
+        req.all_token_ids.extend(first.token_ids)
+        return True
+
+    async def _abandon(self, pull: asyncio.Future, req: Request, handle: KVHandle) -> None:
+        """Stop a pull and free what it reserved. Releasing the lease first ends a pull still waiting
+        for layers; the pull thread writes into the reserved blocks until it ends, so wait for that."""
+        await self._release_lease(handle)
+        await asyncio.wait([pull])
+        if not pull.cancelled():
+            pull.exception()  # retrieved: its failure is expected here
+        await self.loop.run(self.engine.release_import, req)
 
     async def _release_lease(self, handle: KVHandle) -> None:
         try:
@@ -103,6 +135,3 @@ class DecodeWorker(EngineServer):
     def shutdown(self) -> None:
         self.kv_client.close()
         self.loop.stop()
-
-
-

@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -45,6 +45,8 @@ class Engine:
         self._ids = itertools.count()
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
+        # Called with each step's schedule before its forward runs (a prefill worker leasing blocks early).
+        self.on_scheduled: Callable[[list[tuple[Request, int]]], None] | None = None
 
     # ---- request intake -------------------------------------------------------------------------
 
@@ -144,6 +146,12 @@ class Engine:
         """Give back the blocks reserved for an import that did not happen."""
         self.block_manager.free(req)
 
+    def pin_blocks(self, block_ids: list[int]) -> None:
+        """Take one more reference on blocks a running request holds, so they outlive it until
+        `block_manager.free_block_ids` drops that reference (a KV lease taken while the request prefills)."""
+        for block_id in block_ids:
+            self.block_manager._touch(block_id)
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when it is unknown or already done."""
         req = self.requests.pop(request_id, None)
@@ -164,6 +172,8 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        if self.on_scheduled is not None:
+            self.on_scheduled(scheduled)
         sample_mask = [req.num_computed_tokens + n == req.num_tokens for req, n in scheduled]
         try:
             logits = self.runner.execute(scheduled, sample_mask)

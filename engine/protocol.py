@@ -38,9 +38,14 @@ class TokenDelta:
 
 @dataclass(slots=True)
 class PrefillResult:
-    """What a prefill worker hands back: the first token, and where to pull the KV from (None when done)."""
-    first: TokenDelta
+    """What a prefill worker hands back: the first token, and where to pull the KV from (None when done).
+
+    Layer-wise, it comes back while the KV is still being written and before the first token exists:
+    `first` is None, and the router puts the ObjectRef of the token into `first_ref` (a list, so that Ray
+    hands it to the decode worker unresolved)."""
+    first: TokenDelta | None
     kv_handle: object | None
+    first_ref: list = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -15,18 +15,28 @@ logger = logging.getLogger(__name__)
 async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIterator[TokenDelta]:
     """Yield the request's token deltas. With a prefill worker, its first token is yielded before decode
     starts. Closing the iterator (client gone) cancels the decode stream, which aborts the request and
-    frees its blocks on both workers."""
+    frees its blocks on both workers.
+
+    A layer-wise prefill worker answers before the first token exists: decode then starts pulling at
+    once, and both this function and decode await the first token's ObjectRef."""
     result: PrefillResult | None = None
-    if prefill is not None:
-        request.stamp("prefill_dispatched")
-        result = await prefill.prefill.remote(request)
-        if result.first.finished:
-            yield result.first
-            return
-    # Decode starts pulling KV before the first token reaches the client.
-    stream = decode.generate.options(num_returns="streaming").remote(request, result)
+    stream = None
     finished = False
     try:
+        if prefill is not None:
+            request.stamp("prefill_dispatched")
+            result = await _prefill(prefill, request)
+            if result.first is None:
+                result.first_ref = [prefill.first_token.remote(request.request_id)]
+                stream = decode.generate.options(num_returns="streaming").remote(request, result)
+                result.first = await result.first_ref[0]
+            if result.first.finished:  # a layer-wise decode sees it too, and ends without pulling further
+                finished = True
+                yield result.first
+                return
+        if stream is None:
+            # Decode starts pulling KV before the first token reaches the client.
+            stream = decode.generate.options(num_returns="streaming").remote(request, result)
         if result is not None:
             yield result.first
         async for ref in stream:
@@ -35,11 +45,21 @@ async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIt
             yield delta
     finally:
         if not finished:
-            if not _exhausted(stream):
+            if stream is not None and not _exhausted(stream):
                 ray.cancel(stream)
             # Decode aborted, failed or never pulled: the lease must not wait for its TTL.
             if result is not None and result.kv_handle is not None:
                 await _release(prefill, request.request_id)
+
+
+async def _prefill(prefill, request: GenerateRequest) -> PrefillResult:
+    ref = prefill.prefill.remote(request)
+    try:
+        return await ref
+    except asyncio.CancelledError:  # the client left during prefill: stop it, and drop a lease it made
+        ray.cancel(ref)
+        await _release(prefill, request.request_id)
+        raise
 
 
 def _exhausted(stream) -> bool:

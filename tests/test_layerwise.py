@@ -1,0 +1,224 @@
+"""Layer-wise KV pipelining on the request path: real Ray actors, real gRPC, a tiny random model.
+
+The prefill worker leases a request's blocks when its last prompt chunk is scheduled and marks layers
+ready from forward hooks; decode pulls while the prefill forward still runs. Some tests hold that forward
+at its last decoder layer (a forward pre-hook added inside the prefill actor) so that "decode pulls while
+prefill computes" happens on every run instead of depending on how fast the machine is.
+"""
+import asyncio
+import random
+import time
+
+import pytest
+import ray
+
+from cluster.config import ClusterConfig
+from cluster.pools import Pools
+from engine import SamplingParams
+from engine.layer_progress import decoder_layers
+from engine.protocol import GenerateRequest
+from router.dispatch import run_request
+from tests.hf_reference import hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# Small token budget: prompts over 32 tokens are prefilled in several chunks.
+ENGINE = {"num_kv_blocks": 96, "max_num_batched_tokens": 32}
+
+
+def start_pools(name: str, model: str, layerwise: bool) -> Pools:
+    pools = Pools(ClusterConfig(model=model, name=name, engine=ENGINE,
+                                prefill={"resources": {"prefill_pool": 1}, "num_cpus": 1},
+                                decode={"resources": {"decode_pool": 1}, "num_cpus": 1},
+                                transfer={"lease_ttl_s": 20, "layerwise": layerwise}))
+    pools.start()
+    return pools
+
+
+@pytest.fixture(scope="module")
+def layerwise(ray_cluster, tiny_llama_dir):
+    pools = start_pools("lw", tiny_llama_dir, layerwise=True)
+    yield pools
+    pools.shutdown()
+
+
+@pytest.fixture(scope="module")
+def normal(ray_cluster, tiny_llama_dir):
+    pools = start_pools("lw-normal", tiny_llama_dir, layerwise=False)
+    yield pools
+    pools.shutdown()
+
+
+def only(pool):
+    return next(iter(pool.workers.values())).actor
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(length)]
+
+
+async def collect(request, decode, prefill):
+    deltas = [d async for d in run_request(request, decode, prefill)]
+    return [t for d in deltas for t in d.token_ids], deltas
+
+
+def run_all(reqs, pools):
+    async def main():
+        return await asyncio.gather(*(collect(r, only(pools.decode), only(pools.prefill)) for r in reqs))
+    return asyncio.run(main())
+
+
+def wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def on_worker(actor, fn):
+    return ray.get(actor.__ray_call__.remote(fn))
+
+
+def hold_forward(actor, until) -> None:
+    """Inside the prefill actor: hold each forward that writes layer-wise leased KV before its last
+    decoder layer until `until(worker)` holds (at most 20 s)."""
+    def install(worker):
+        def pre_hook(module, args):
+            deadline = time.monotonic() + 20
+            while worker.layer_progress.watched and not until(worker) and time.monotonic() < deadline:
+                time.sleep(0.002)
+        worker.test_hold = decoder_layers(worker.engine.runner.model)[-1].register_forward_pre_hook(pre_hook)
+    on_worker(actor, install)
+
+
+def release_forward(actor) -> None:
+    on_worker(actor, lambda worker: worker.test_hold.remove())
+
+
+def assert_nothing_held(pools):
+    prefill, decode = only(pools.prefill), only(pools.decode)
+    assert wait_for(lambda: ray.get(decode.stats.remote()).num_active_blocks == 0)
+    assert wait_for(lambda: ray.get(prefill.stats.remote()).num_active_blocks == 0)
+    assert wait_for(lambda: ray.get(prefill.num_leases.remote()) == 0)
+    assert wait_for(lambda: ray.get(decode.num_in_flight.remote()) == 0)
+    assert wait_for(lambda: ray.get(prefill.num_in_flight.remote()) == 0)
+
+
+def test_layerwise_greedy_outputs_equal_normal_disaggregation_and_hf(layerwise, normal, tiny_llama_dir):
+    lengths = [5, 17, 31, 48, 77, 120]  # one to four prefill chunks of 32 tokens
+    prompts = [prompt(i, n) for i, n in enumerate(lengths)]
+    before = ray.get(only(layerwise.prefill).transfer_stats.remote())["layerwise_leases"]
+    lw = run_all([GenerateRequest(f"lw-{i}", p, GREEDY) for i, p in enumerate(prompts)], layerwise)
+    base = run_all([GenerateRequest(f"nm-{i}", p, GREEDY) for i, p in enumerate(prompts)], normal)
+    for p, (lw_tokens, _), (base_tokens, _) in zip(prompts, lw, base):
+        assert lw_tokens == base_tokens == hf_greedy(tiny_llama_dir, p, GREEDY.max_tokens)
+    assert ray.get(only(layerwise.prefill).transfer_stats.remote())["layerwise_leases"] == before + len(prompts)
+    assert ray.get(only(layerwise.decode).transfer_stats.remote())["layerwise_pulls"] >= len(prompts)
+    assert_nothing_held(layerwise)
+
+
+def test_decode_pull_is_open_before_the_prefill_forward_ends(layerwise, tiny_llama_dir):
+    prefill, decode = only(layerwise.prefill), only(layerwise.decode)
+    # Released as soon as a pull is open: only a pull started during the forward can release it.
+    hold_forward(prefill, lambda worker: worker.kv_server.leases.num_active_pulls > 0)
+    try:
+        before = ray.get(prefill.transfer_stats.remote())
+        p = prompt(40, 70)
+        [(tokens, deltas)] = run_all([GenerateRequest("overlap-1", p, GREEDY)], layerwise)
+        after = ray.get(prefill.transfer_stats.remote())
+    finally:
+        release_forward(prefill)
+    assert after["forwards_ended_with_pull_open"] == before["forwards_ended_with_pull_open"] + 1
+    assert tokens == hf_greedy(tiny_llama_dir, p, GREEDY.max_tokens)
+    times = deltas[-1].times  # decode's stamps: it was handed the KV before the first token existed
+    assert "transfer_done" in times and ray.get(decode.transfer_stats.remote())["layerwise_pulls"] >= 1
+    assert_nothing_held(layerwise)
+
+
+def test_abort_mid_prefill_frees_blocks_and_leases_on_both_workers(layerwise):
+    prefill = only(layerwise.prefill)
+    on_worker(prefill, lambda worker: setattr(worker, "test_go", False))
+    hold_forward(prefill, lambda worker: worker.test_go)
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+
+    async def main():
+        task = asyncio.ensure_future(collect(GenerateRequest("abort-pf", prompt(41, 90), params),
+                                             only(layerwise.decode), prefill))
+        # Decode is pulling (waiting for the held last layer) while the prefill forward is held.
+        opened = await asyncio.to_thread(
+            wait_for, lambda: on_worker(prefill, lambda worker: worker.kv_server.leases.num_active_pulls) > 0)
+        task.cancel()
+        await asyncio.wait([task])
+        return opened
+
+    try:
+        assert asyncio.run(main())
+    finally:
+        on_worker(prefill, lambda worker: setattr(worker, "test_go", True))
+        release_forward(prefill)
+    assert_nothing_held(layerwise)
+
+
+def test_abort_mid_stream_frees_blocks_and_leases_on_both_workers(layerwise):
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+
+    async def main():
+        stream = run_request(GenerateRequest("abort-ds", prompt(42, 60), params), only(layerwise.decode),
+                             only(layerwise.prefill))
+        got = 0
+        async for delta in stream:
+            got += len(delta.token_ids)
+            if got >= 5:
+                break
+        await stream.aclose()
+
+    asyncio.run(main())
+    assert_nothing_held(layerwise)
+
+
+def test_max_tokens_one_pulls_nothing(layerwise, tiny_llama_dir):
+    prefill, decode = only(layerwise.prefill), only(layerwise.decode)
+    before_p, before_d = ray.get(prefill.transfer_stats.remote()), ray.get(decode.transfer_stats.remote())
+    p = prompt(43, 50)
+    [(tokens, deltas)] = run_all([GenerateRequest("one-1", p, SamplingParams(temperature=0.0, max_tokens=1))],
+                                 layerwise)
+    after_p, after_d = ray.get(prefill.transfer_stats.remote()), ray.get(decode.transfer_stats.remote())
+    assert tokens == hf_greedy(tiny_llama_dir, p, 1)
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert after_p["bytes_sent"] == before_p["bytes_sent"]
+    assert after_p["layerwise_leases"] == before_p["layerwise_leases"]
+    assert after_d == before_d
+    assert_nothing_held(layerwise)
+
+
+def test_request_stopped_by_its_first_token_leaves_no_lease(layerwise, tiny_llama_dir):
+    p = prompt(44, 40)
+    first = hf_greedy(tiny_llama_dir, p, 1)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[first])
+    before = ray.get(only(layerwise.decode).transfer_stats.remote())
+    [(tokens, deltas)] = run_all([GenerateRequest("stop-1", p, params)], layerwise)
+    assert tokens == [first] and deltas[-1].finish_reason == "stop"
+    assert ray.get(only(layerwise.decode).transfer_stats.remote())["remote_prefills"] == before["remote_prefills"]
+    assert_nothing_held(layerwise)
+
+
+def test_prefill_failing_after_its_early_lease_releases_it(layerwise):
+    prefill = only(layerwise.prefill)
+
+    def install(worker):
+        def fail(module, args):
+            if worker.layer_progress.watched:
+                raise RuntimeError("injected forward failure")
+        worker.test_hold = decoder_layers(worker.engine.runner.model)[-1].register_forward_pre_hook(fail)
+
+    on_worker(prefill, install)
+    before = ray.get(prefill.transfer_stats.remote())["layerwise_leases"]
+    try:
+        [(tokens, deltas)] = run_all([GenerateRequest("fail-1", prompt(45, 40), GREEDY)], layerwise)
+    finally:
+        release_forward(prefill)
+    assert tokens == [] and deltas[-1].finish_reason == "error"
+    assert ray.get(prefill.transfer_stats.remote())["layerwise_leases"] == before + 1
+    assert_nothing_held(layerwise)
