@@ -64,7 +64,7 @@ class PrefillWorker(EngineServer):
 
     async def first_token(self, request_id: str) -> TokenDelta:
         """Layer-wise: the first token of a request whose `prefill` returned before it was sampled."""
-        task = self.first_tokens.pop(request_id, None)
+        task = self.first_tokens.get(request_id)
         if task is None:
             return _aborted(request_id)
         try:
@@ -72,6 +72,8 @@ class PrefillWorker(EngineServer):
         except asyncio.CancelledError:
             task.cancel()
             raise
+        finally:
+            self.first_tokens.pop(request_id, None)  # claimed; until now `release` could still abort it
         if task.cancelled():
             return _aborted(request_id)
         first, _ = task.result()
