@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from engine import cpu_kernels
 from engine.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "tandem_paged"
@@ -29,6 +30,16 @@ class DecodeGroup:
     block_ids: torch.Tensor
     context_len: int
     mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class PagedDecodes:
+    """Packed tokens [0, num_seqs) are decodes attended by the CPU kernel straight from the blocks:
+    row s of `block_tables` (padded with unread zeros) holds `context_lens[s]` tokens."""
+    num_seqs: int
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    max_len: int
 
 
 @dataclass(slots=True)
@@ -49,6 +60,7 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillSegment]
     workspace: tuple[torch.Tensor, torch.Tensor] | None  # K and V gather buffers, reused by every layer
+    paged_decodes: PagedDecodes | None = None  # set instead of `decodes` when the CPU kernel is used
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -61,9 +73,15 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, key[0].transpose(0, 1))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, value[0].transpose(0, 1))
     q = query[0].transpose(0, 1)
+    scaling = head_dim ** -0.5 if scaling is None else scaling
+    if md.paged_decodes is not None and not md.prefills:
+        return _paged_decode(q, k_cache, v_cache, md.paged_decodes, scaling).unsqueeze(0), None
     if len(md.decodes) == 1 and not md.prefills:
         return _decode(q, k_cache, v_cache, md.decodes[0], md.workspace, scaling).unsqueeze(0), None
     out = torch.empty_like(q)
+    if md.paged_decodes is not None:
+        num_seqs = md.paged_decodes.num_seqs
+        out[:num_seqs] = _paged_decode(q[:num_seqs], k_cache, v_cache, md.paged_decodes, scaling)
     for group in md.decodes:
         out[group.start:group.end] = _decode(q[group.start:group.end], k_cache, v_cache, group, md.workspace, scaling)
     for seg in md.prefills:
@@ -84,6 +102,14 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int, buff
     """[context_len, num_kv_heads, head_dim] of one sequence, copied into the workspace."""
     blocks = torch.index_select(cache, 0, block_ids, out=buffer[:len(block_ids)])
     return blocks.flatten(0, 1)[:context_len]
+
+
+def _paged_decode(q, k_cache, v_cache, decodes: PagedDecodes, scaling: float) -> torch.Tensor:
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, decodes.block_tables, decodes.context_lens,
+                                       decodes.max_len, scaling)
+    return out
 
 
 def _decode(q, k_cache, v_cache, group: DecodeGroup, workspace, scaling):

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeGroup, PrefillSegment
+from engine import cpu_kernels
+from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeGroup, PagedDecodes, PrefillSegment
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVLayout
 from engine.model_loader import load_model
@@ -41,6 +42,9 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
         self.max_position_embeddings = getattr(hf, "max_position_embeddings", 2048)
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        # On CPU fp32 decodes are attended in place by the C kernel; elsewhere by gather + SDPA.
+        self.paged_kernel = (self.device.type == "cpu" and config.torch_dtype == torch.float32
+                             and cpu_kernels.available())
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], sample_mask: list[bool]) -> torch.Tensor:
@@ -72,11 +76,12 @@ class ModelRunner:
                 lens.append(end)
             else:
                 prefills.append(self._prefill_segment(offset, num_new, end, table))
-        decode_groups = self._decode_groups(tables, lens)
+        paged = self._paged_decodes(tables, lens) if self.paged_kernel and tables else None
+        decode_groups = [] if paged is not None else self._decode_groups(tables, lens)
         gathered = [len(g.block_ids) for g in decode_groups]
         gathered += [len(seg.block_ids) for seg in prefills if seg.block_ids is not None]
         workspace = self._workspace(max(gathered)) if gathered else None
-        md = AttentionMetadata(self.kv_cache, self._tensor(slots), decode_groups, prefills, workspace)
+        md = AttentionMetadata(self.kv_cache, self._tensor(slots), decode_groups, prefills, workspace, paged)
         return PackedBatch(self._tensor(input_ids), self._tensor(positions), md, last_token_idx)
 
     @torch.inference_mode()
@@ -93,6 +98,11 @@ class ModelRunner:
             causal = torch.ones(num_new, context_len, dtype=torch.bool, device=self.device)
             seg.mask = causal.tril(context_len - num_new)
         return seg
+
+    def _paged_decodes(self, tables: list[list[int]], lens: list[int]) -> PagedDecodes:
+        width = len(tables[0])  # sorted longest first
+        padded = self._tensor([b for t in tables for b in t + [0] * (width - len(t))]).view(len(tables), width)
+        return PagedDecodes(len(tables), padded, self._tensor(lens), lens[0])
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Split decodes (sorted longest first) where a table is under half the group's widest, so
