@@ -103,14 +103,15 @@ class BlockManager:
         return [self._pop_free() for _ in range(n)]
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Register the blocks whose tokens are all computed, emitting a `stored` event."""
+        """Register the blocks that became full since the last call, emitting a `stored` event.
+        Only new blocks are visited, so the cost per step does not grow with the context."""
         if not self.enable_prefix_caching:
             return
         self.update_block_hashes(req)
         bs = self.block_size
         num_full = min(req.num_computed_tokens // bs, len(req.block_hashes), len(req.block_table))
         run: KVEvent | None = None
-        for i in range(num_full):
+        for i in range(req.num_cached_blocks, num_full):
             block = self.blocks[req.block_table[i]]
             h = req.block_hashes[i]
             if block.block_hash is not None or h in self.cached:
@@ -122,6 +123,7 @@ class BlockManager:
                 run = KVEvent("stored", [], req.block_hashes[i - 1] if i else None)
                 self.events.append(run)
             run.block_hashes.append(h)
+        req.num_cached_blocks = max(req.num_cached_blocks, num_full)
 
     def register_block(self, block_id: int, block_hash: int, token_ids, parent_hash: int | None) -> bool:
         """Put an imported block into the prefix cache; False if that hash is already cached elsewhere."""
@@ -136,6 +138,7 @@ class BlockManager:
     def free(self, req: Request) -> None:
         self.free_block_ids(reversed(req.block_table))
         req.block_table = []
+        req.num_cached_blocks = 0
 
     def free_block_ids(self, block_ids) -> None:
         """Drop one reference from each block; tail blocks first so they are evicted first."""

@@ -39,6 +39,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

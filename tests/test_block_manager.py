@@ -281,3 +281,13 @@ def test_engine_prefix_counters_count_queried_and_hit_tokens(tiny_engine):
     queries, hits = bm.prefix_cache_queries, bm.prefix_cache_hits
     run(tiny_engine, "count-2", tokens)
     assert (bm.prefix_cache_queries - queries, bm.prefix_cache_hits - hits) == (40, 32)
+
+
+def test_blocks_filled_while_decoding_are_stored_once_each_in_chain_order(tiny_engine):
+    tiny_engine.block_manager.take_events()
+    tokens = prompt(7, 20)
+    [out] = tiny_engine.generate([tokens], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    bs = tiny_engine.config.block_size
+    stored = [h for e in tiny_engine.block_manager.take_events() if e.kind == "stored" for h in e.block_hashes]
+    # 59 tokens computed (the last sampled token never is): three full blocks, each stored exactly once.
+    assert stored == block_hashes(tokens + out.token_ids, bs)[:59 // bs]
