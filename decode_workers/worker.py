@@ -78,6 +78,8 @@ class DecodeWorker(EngineServer):
         dst = [req.block_table[i] for i in indices]
         request.stamp("transfer_started")
         pull = asyncio.ensure_future(asyncio.to_thread(self.kv_client.pull, handle, dst, indices))
+        if prefill.first is None:
+            self.counters["layerwise_pulls"] += 1
         try:
             if not await self._first_token(req, prefill):
                 await self._abandon(pull, req, handle)
@@ -107,7 +109,6 @@ class DecodeWorker(EngineServer):
         """Layer-wise: wait for the prefill worker's first token and append it; False if it finished the request."""
         if prefill.first is not None:
             return True
-        self.counters["layerwise_pulls"] += 1
         first = await prefill.first_ref[0]
         if first.finished:
             return False

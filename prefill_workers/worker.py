@@ -117,9 +117,12 @@ class PrefillWorker(EngineServer):
             raise
         rid = request.request_id
         self.first_tokens[rid] = task
-        # Nobody claimed the token (the caller vanished): forget it when its lease would have expired.
-        task.add_done_callback(lambda t: asyncio.get_running_loop().call_later(
-            self.lease_ttl_s, lambda: self.first_tokens.pop(rid, None) if self.first_tokens.get(rid) is t else None))
+
+        def forget_unclaimed() -> None:  # the caller vanished without claiming the token or releasing
+            if self.first_tokens.get(rid) is task:
+                del self.first_tokens[rid]
+
+        task.add_done_callback(lambda _: asyncio.get_running_loop().call_later(self.lease_ttl_s, forget_unclaimed))
         return PrefillResult(None, leased.result())
 
     async def _run_to_first_token(self, request: GenerateRequest, engine_req: Request,
