@@ -169,6 +169,12 @@ class BlockManager:
         events, self.events = self.events, []
         return events
 
+    def add_references(self, block_ids) -> None:
+        """Take one more reference on each block (a KV lease pinning a running request's blocks);
+        `free_block_ids` drops it."""
+        for block_id in block_ids:
+            self._touch(block_id)
+
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

@@ -146,12 +146,6 @@ class Engine:
         """Give back the blocks reserved for an import that did not happen."""
         self.block_manager.free(req)
 
-    def pin_blocks(self, block_ids: list[int]) -> None:
-        """Take one more reference on blocks a running request holds, so they outlive it until
-        `block_manager.free_block_ids` drops that reference (a KV lease taken while the request prefills)."""
-        for block_id in block_ids:
-            self.block_manager._touch(block_id)
-
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when it is unknown or already done."""
         req = self.requests.pop(request_id, None)

@@ -176,7 +176,7 @@ class PrefillWorker(EngineServer):
             handle = None
             try:
                 handle = self._lease(req, list(req.block_table), layers_ready=0)
-                self.engine.pin_blocks(req.block_table)
+                self.engine.block_manager.add_references(req.block_table)
                 self.counters["layerwise_leases"] += 1
                 leased.append(req.request_id)
             except Exception:  # the request still completes; it is leased the default way, after sampling
