@@ -1,15 +1,18 @@
 """Overhead of the disaggregated path against the bare engine: TTFT and mean ITL, median over N requests.
 
 Both sides run the same prompts one at a time with greedy decoding on the same model and thread count.
-The bare engine is stepped in-process; the disaggregated path is a prefill actor and a decode actor on
-a local Ray (KV over gRPC), driven through router.dispatch.run_request as the ingress does.
+The bare engine is stepped in a child process without Ray; the disaggregated path is a prefill actor and
+a decode actor on a local Ray (KV over gRPC), driven through router.dispatch.run_request as the ingress
+does. Each prompt runs on both paths back to back, in alternating order, so that the drifts of a shared
+machine hit both. "KV pull" is the decode worker's own measure of the pull (part of the first gap).
 
-    .venv/bin/python bench/disagg.py --requests 20 --prompt-len 256 --output-len 32
+    .venv/bin/python bench/disagg.py --requests 20 --prompt-len 256 --output-len 32 --rounds 2
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import random
 import statistics
@@ -32,47 +35,44 @@ from engine.protocol import GenerateRequest  # noqa: E402
 from router.dispatch import run_request  # noqa: E402
 
 
-def summarize(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+def timing(start: float, stamps: list[float]) -> tuple[float, float, float, float]:
+    """TTFT, mean ITL, the first gap (first to second token: on the disaggregated path it holds the
+    KV pull) and the mean of the later gaps (steady decoding)."""
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return stamps[0] - start, statistics.mean(gaps), gaps[0], statistics.mean(gaps[1:])
 
 
-def bare_engine(prompts, params, threads: int, model: str | None) -> list[tuple[float, float]]:
-    engine = Engine(EngineConfig(model=model, num_threads=threads))
-    engine.generate([prompts[0]], params)  # warm-up
-    samples = []
-    for i, prompt in enumerate(prompts):
-        start = time.perf_counter()
-        engine.add_request(f"bare-{i}", prompt, params)
-        stamps = []
-        while engine.has_unfinished_requests():
-            for _ in engine.step():
-                stamps.append(time.perf_counter())
-        samples.append((stamps[0] - start, statistics.mean(b - a for a, b in zip(stamps, stamps[1:]))))
-    return samples
+def summarize(samples: list[tuple[float, ...]]) -> tuple[float, ...]:
+    return tuple(statistics.median(column) for column in zip(*samples))
 
 
-def disaggregated(prompts, params, threads: int, model: str | None) -> list[tuple[float, float]]:
-    config = ClusterConfig(model=model, prefill={"num_threads": threads}, decode={"num_threads": threads})
-    pools = Pools(config)
-    pools.start()
-    prefill = next(iter(pools.prefill.workers.values())).actor
-    decode = next(iter(pools.decode.workers.values())).actor
+_engine: Engine | None = None  # the bare engine, in the child process
 
-    async def one(i, prompt):
-        start = time.perf_counter()
-        stamps = []
-        async for delta in run_request(GenerateRequest(f"dis-{i}", prompt, params), decode, prefill):
-            stamps.extend([time.perf_counter()] * len(delta.token_ids))
-        return stamps[0] - start, statistics.mean(b - a for a, b in zip(stamps, stamps[1:]))
 
-    async def main():
-        await one(-1, prompts[0])  # warm-up
-        return [await one(i, p) for i, p in enumerate(prompts)]
+def start_bare_engine(threads: int, model: str | None) -> None:
+    global _engine
+    _engine = Engine(EngineConfig(model=model, num_threads=threads))
 
-    try:
-        return asyncio.run(main())
-    finally:
-        pools.shutdown()
+
+def bare_request(request_id: str, prompt: list[int], params: SamplingParams) -> tuple[float, ...]:
+    start = time.perf_counter()
+    _engine.add_request(request_id, prompt, params)
+    stamps = []
+    while _engine.has_unfinished_requests():
+        for _ in _engine.step():
+            stamps.append(time.perf_counter())
+    return timing(start, stamps)
+
+
+async def disaggregated_request(request_id: str, prompt: list[int], params: SamplingParams, decode,
+                                prefill) -> tuple[float, ...]:
+    start = time.perf_counter()
+    stamps, times = [], {}
+    async for delta in run_request(GenerateRequest(request_id, prompt, params), decode, prefill):
+        stamps.extend([time.perf_counter()] * len(delta.token_ids))
+        times = delta.times or times
+    pull = times.get("transfer_done", 0.0) - times.get("transfer_started", 0.0)
+    return timing(start, stamps) + (pull,)
 
 
 def main() -> None:
@@ -82,21 +82,60 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of --requests requests, after a warm-up round")
+    parser.add_argument("--layerwise", action="store_true", help="layer-wise KV pull (transfer.layerwise)")
     args = parser.parse_args()
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    # The bare engine runs first, before Ray exists: a driver process with Ray attached slows in-process
-    # torch work down several times on this machine.
-    bare = summarize(bare_engine(prompts, params, args.threads, args.model))
+    # The bare engine runs in a child process that never attaches to Ray: a driver process with Ray
+    # attached slows in-process torch work down several times on this machine.
+    child = multiprocessing.get_context("spawn").Pool(1, start_bare_engine, (args.threads, args.model))
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    dis = summarize(disaggregated(prompts, params, args.threads, args.model))
-    print(f"{'path':<16}{'TTFT ms (median)':>18}{'ITL ms (median of means)':>28}")
-    print(f"{'bare engine':<16}{bare[0] * 1e3:>18.1f}{bare[1] * 1e3:>28.2f}")
-    print(f"{'disaggregated':<16}{dis[0] * 1e3:>18.1f}{dis[1] * 1e3:>28.2f}")
-    print(f"{'overhead':<16}{(dis[0] - bare[0]) * 1e3:>+18.1f}{(dis[1] - bare[1]) * 1e3:>+28.2f}")
-    ray.shutdown()
+    config = ClusterConfig(model=args.model, prefill={"num_threads": args.threads},
+                           decode={"num_threads": args.threads}, transfer={"layerwise": args.layerwise})
+    pools = Pools(config)
+    pools.start()
+    prefill = next(iter(pools.prefill.workers.values())).actor
+    decode = next(iter(pools.decode.workers.values())).actor
+    rng = random.Random(0)
+    rows, bare_all, dis_all = [], [], []
 
+    async def run_round(name: str, num_requests: int) -> None:
+        bare, dis = [], []
+        for i in range(num_requests):
+            # Each request has a fresh prompt, run on both paths back to back (in alternating order).
+            prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
+            first_bare = i % 2 == 0
+            if first_bare:
+                bare.append(child.apply(bare_request, (f"bare-{name}-{i}", prompt, params)))
+            dis.append(await disaggregated_request(f"dis-{name}-{i}", prompt, params, decode, prefill))
+            if not first_bare:
+                bare.append(child.apply(bare_request, (f"bare-{name}-{i}", prompt, params)))
+        if name != "warm-up":
+            bare_all.extend(bare)
+            dis_all.extend(dis)
+            rows.append((name, summarize(bare), summarize(dis)))
+
+    async def run_all() -> None:
+        await run_round("warm-up", 2)
+        for r in range(1, args.rounds + 1):
+            await run_round(str(r), args.requests)
+
+    try:
+        asyncio.run(run_all())
+    finally:
+        child.terminate()
+        pools.shutdown()
+        ray.shutdown()
+    rows.append(("all", summarize(bare_all), summarize(dis_all)))
+    header = ["TTFT", "ITL", "1st gap", "later ITL", "KV pull"]
+    print(f"{'round':<7}{'path':<16}" + "".join(f"{h:>12}" for h in header) + "   (ms, medians over requests)")
+    for name, bare, dis in rows:
+        bare = bare + (0.0,)  # no pull on the bare engine
+        for label, values in (("bare engine", bare), ("disaggregated", dis),
+                              ("overhead", [d - b for d, b in zip(dis, bare)])):
+            sign = "+" if label == "overhead" else ""
+            print(f"{name if label == 'bare engine' else '':<7}{label:<16}"
+                  + "".join(f"{v * 1e3:>{sign}12.2f}" for v in values))
 
 if __name__ == "__main__":
     main()

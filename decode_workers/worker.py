@@ -35,6 +35,7 @@ class DecodeWorker(EngineServer):
         self.counters = {"remote_prefills": 0, "local_prefills": 0, "blocks_pulled": 0, "blocks_reused": 0,
                          "bytes_pulled": 0, "transfer_seconds": 0.0, "transfer_failures": 0,
                          "layerwise_pulls": 0}
+        self._releases: set[asyncio.Task] = set()
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult | None = None):
         """Yield TokenDelta items until the request finishes; cancel the stream to abort it.
@@ -97,7 +98,10 @@ class DecodeWorker(EngineServer):
             await self._abandon(pull, req, handle)
             raise
         request.stamp("transfer_done")
-        await self._release_lease(handle)
+        # The blocks are ours now: telling the prefill worker is off the second token's path.
+        release = asyncio.ensure_future(self._release_lease(handle))
+        self._releases.add(release)
+        release.add_done_callback(self._releases.discard)
         self.counters["remote_prefills"] += 1
         self.counters["blocks_pulled"] += len(indices)
         self.counters["blocks_reused"] += handle.num_blocks - len(indices)
