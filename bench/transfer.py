@@ -248,6 +248,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--layer-ms", type=float, default=3.0, help="simulated prefill time per layer")
+    parser.add_argument("--only", default="", help="run only the cases whose name contains this text")
     args = parser.parse_args()
     args.blocks = args.tokens // 16
     layout = layout_for("cpu")
@@ -278,6 +279,8 @@ def main() -> None:
     print(f"{'case':52s} {'median GB/s':>12s} {'best GB/s':>10s} {'CPU ms/pull':>12s}")
     pipelining = {}
     for name, case in cases.items():
+        if args.only not in name:
+            continue
         case["nbytes"] = nbytes
         result = run_case(args, case)
         secs = result["seconds"]

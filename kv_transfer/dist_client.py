@@ -4,7 +4,8 @@ Both ends derive the same chunk plan from the request, so receives are
 posted before their data arrives, straight into the cache when the
 destination blocks are consecutive, else into a staging buffer that one
 `index_copy_` per layer scatters. Any failure discards the pair (aborting
-its pending receives), and the next pull connects a fresh one.
+its pending receives), and the next pull connects a fresh one; when the
+server has discarded an idle pair, the pull itself reconnects once.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 import torch.distributed as dist
+import xxhash
 
 from engine.kv_cache import KVCache
-from kv_transfer.chunks import (ChunkSpec, cache_views, payload_checksum, plan_chunks, segments, staging_buffer,
+from kv_transfer.chunks import (ChunkSpec, cache_views, host_bytes, plan_chunks, segments, staging_buffer,
                                 write_chunk)
 from kv_transfer.client_base import KVClientBase, LayerProgress, OnLayers, transfer_error
 from kv_transfer.dist_group import (RECEIVER_RANK, SENDER_RANK, abort_group, local_address_toward, open_store,
@@ -31,6 +33,10 @@ from protos import kv_transfer_pb2 as pb
 # Receives are posted ahead of their headers up to this much staging memory;
 # receives straight into the cache cost none, so consecutive blocks post all at once.
 STAGING_WINDOW_BYTES = 64 << 20
+
+
+class _PairGone(Exception):
+    """The server no longer knows our pair (it discards idle ones)."""
 
 
 @dataclass(slots=True)
@@ -73,14 +79,20 @@ class _Receives:
             self.staged += 0 if staging is None else spec.num_bytes(self.cache.layout)
             self.posted.append(_Posted(spec, ids, buffers, staging, works))
 
-    def take(self, spec: ChunkSpec) -> _Posted:
-        """The next chunk once its data is in, which must be `spec`."""
+    def take(self, spec: ChunkSpec, checksum: bool) -> tuple[_Posted, int | None]:
+        """The next chunk once its data is in, which must be `spec`, and its XXH3-64 if asked for.
+
+        Each segment is hashed as soon as it lands, while it is still in cache.
+        """
         chunk = self.posted.popleft() if self.posted else None
         if chunk is None or chunk.spec != spec:
             raise KVTransferError(f"unexpected chunk {spec}")
-        for work in chunk.works:
+        digest = xxhash.xxh3_64() if checksum else None
+        for work, buffer in zip(chunk.works, chunk.buffers):
             work.wait()
-        return chunk
+            if digest is not None:
+                digest.update(host_bytes(buffer))
+        return chunk, None if digest is None else digest.intdigest()
 
     def land(self, chunk: _Posted) -> None:
         """Move a verified chunk into the cache (if it went through staging) and post more receives."""
@@ -107,32 +119,45 @@ class DistKVClient(KVClientBase):
         """Same contract as GrpcKVClient.pull."""
         request = self.pull_request(handle, dst_block_ids, indices)
         start = time.perf_counter()
-        pair = self._pair(handle)
-        with pair.lock:
-            request.pair_id = pair.pair_id
-            try:
-                num_bytes, num_chunks = self._pull_over(pair.group, handle, request, dst_block_ids, on_layers)
-            except BaseException:
-                self._drop(handle.address, pair)
-                raise
-        return PullStats(num_bytes, num_chunks, time.perf_counter() - start)
+        for attempt in range(2):
+            pair = self._pair(handle)
+            with pair.lock:
+                request.pair_id = pair.pair_id
+                try:
+                    num_bytes, num_chunks = self._pull_over(pair.group, handle, request, dst_block_ids, on_layers)
+                    return PullStats(num_bytes, num_chunks, time.perf_counter() - start)
+                except _PairGone:
+                    self._drop(handle.address, pair)
+                    if attempt == 1:
+                        raise KVTransferError(f"KV pull of {handle.request_id!r}: the server keeps "
+                                              "discarding our process group") from None
+                except BaseException:
+                    self._drop(handle.address, pair)
+                    raise
 
     def _pull_over(self, group: dist.ProcessGroup, handle: KVHandle, request: pb.PullRequest,
                    dst_block_ids: list[int], on_layers: OnLayers | None) -> tuple[int, int]:
         plan = plan_chunks(self.cache.layout, len(dst_block_ids), request.layer_start, request.layer_end,
                            request.max_chunk_bytes)
         progress = LayerProgress(request.layer_start, request.layer_end, len(dst_block_ids), on_layers)
-        receives = _Receives(group, self.cache, plan, dst_block_ids)
+        try:
+            receives = _Receives(group, self.cache, plan, dst_block_ids)
+        except RuntimeError:  # the group broke while idle (the server discarded it); nothing landed yet
+            raise _PairGone from None
         num_bytes = 0
         try:
             for header in self.stub(handle.address).PullDist(request, **self.call_options()):
-                chunk = receives.take(ChunkSpec(header.layer_start, header.layer_end,
-                                                header.block_start, header.block_end))
-                self._verify(header, chunk)
+                # The server's KVServerConfig.dist_checksums decides whether there is a checksum.
+                chunk, checksum = receives.take(ChunkSpec(header.layer_start, header.layer_end, header.block_start,
+                                                          header.block_end), header.HasField("xxh3_64"))
+                if checksum != (header.xxh3_64 if header.HasField("xxh3_64") else None):
+                    raise KVChecksumError(f"chunk {chunk.spec} failed its XXH3-64 checksum")
                 receives.land(chunk)
                 num_bytes += header.num_bytes
                 progress.done(chunk.spec)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.ABORTED and num_bytes == 0:
+                raise _PairGone from None  # discarded by the server (idle): nothing landed, so connect again
             raise transfer_error(err, handle.request_id) from None
         except KVTransferError as err:
             raise type(err)(f"KV pull of {handle.request_id!r}: {err}") from None
@@ -141,12 +166,6 @@ class DistKVClient(KVClientBase):
         if not receives.done or not progress.complete:
             raise KVTransferError(f"KV pull of {handle.request_id!r} ended after {num_bytes} bytes")
         return num_bytes, len(plan)
-
-    @staticmethod
-    def _verify(header: pb.ChunkHeader, chunk: _Posted) -> None:
-        """Check the payload when the server sent a checksum (its KVServerConfig.dist_checksums decides)."""
-        if header.HasField("xxh3_64") and payload_checksum(chunk.buffers) != header.xxh3_64:
-            raise KVChecksumError(f"chunk {chunk.spec} failed its XXH3-64 checksum")
 
     def _pair(self, handle: KVHandle) -> _Pair:
         """The process group with `handle`'s server, connected on first use."""

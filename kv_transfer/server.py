@@ -35,7 +35,8 @@ class KVServerConfig:
     gRPC chunks always carry a checksum. Over torch.distributed, host payloads
     carry one unless `dist_checksums` is off (TCP already checks the bytes;
     hashing them costs about a fifth of Gloo's throughput on a 2-core box);
-    device payloads (NCCL) never do.
+    device payloads (NCCL) never do. A decode client's process group that
+    sees no pull for `dist_pair_idle_s` is discarded (the client reconnects).
     """
     host: str = "127.0.0.1"
     port: int = 0
@@ -45,6 +46,7 @@ class KVServerConfig:
     dist: bool = False
     dist_timeout_s: float = 30.0
     dist_checksums: bool = True
+    dist_pair_idle_s: float = 600.0
 
 
 @dataclass(slots=True)
@@ -99,7 +101,8 @@ class KVTransferServer:
                                    maximum_concurrent_rpcs=self.config.max_workers)
         self._server.add_generic_rpc_handlers([self._handlers()])
         self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        self.dist = DistSender(self, self.config.host, self.config.dist_timeout_s) if self.config.dist else None
+        self.dist = DistSender(self, self.config.host, self.config.dist_timeout_s,
+                               self.config.dist_pair_idle_s) if self.config.dist else None
 
     @property
     def address(self) -> str:
@@ -138,14 +141,20 @@ class KVTransferServer:
         """End a lease from the prefill side (abort); False if it was already gone."""
         return self.leases.release(request_id)
 
-    def export_chunk(self, block_ids: list[int], spec: ChunkSpec, to_host: bool,
-                     checksum: bool) -> tuple[list[torch.Tensor], int | None]:
-        """A chunk's payload segments and their XXH3-64 (None if not asked for, or on the device)."""
+    def export_chunk(self, block_ids: list[int], spec: ChunkSpec, to_host: bool) -> list[torch.Tensor]:
+        """A chunk's payload segments (K, V per layer): cache views when possible, on the host if asked."""
         segments = read_chunk(self.cache, block_ids, spec)
-        if to_host:
-            segments = [s.cpu() for s in segments]
-        on_host = segments[0].device.type == "cpu"
-        return segments, payload_checksum(segments) if checksum and on_host else None
+        return [s.cpu() for s in segments] if to_host else segments
+
+    def chunk_header(self, spec: ChunkSpec, segments: list[torch.Tensor], checksum: bool) -> pb.ChunkHeader:
+        """The chunk's header, with the payload's XXH3-64 if asked for and the payload is on the host."""
+        header = pb.ChunkHeader(layer_start=spec.layer_start, layer_end=spec.layer_end,
+                                block_start=spec.block_start, block_end=spec.block_end,
+                                num_bytes=spec.num_bytes(self.cache.layout))
+        if checksum and segments[0].device.type == "cpu":
+            header.xxh3_64 = payload_checksum(segments)
+        self.stats.add(header.num_bytes)
+        return header
 
     def open_pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> tuple[Lease, list[int]]:
         """Check a pull and pin its lease; aborts the call with a precise status when it is refused."""
@@ -167,7 +176,7 @@ class KVTransferServer:
         return lease, [lease.block_ids[i] for i in request.block_indices]
 
     def chunks(self, lease: Lease, block_ids: list[int], request: pb.PullRequest,
-               context: grpc.ServicerContext, to_host: bool) -> Iterator[tuple[pb.ChunkHeader, list[torch.Tensor]]]:
+               context: grpc.ServicerContext, to_host: bool) -> Iterator[tuple[ChunkSpec, list[torch.Tensor]]]:
         """Export the pull's chunks in plan order, each once the producer has marked its layers ready."""
         remaining = context.time_remaining()
         deadline = time.monotonic() + (remaining if remaining is not None else self.config.lease_ttl_s)
@@ -178,18 +187,13 @@ class KVTransferServer:
                 if lease.released:
                     context.abort(grpc.StatusCode.NOT_FOUND, f"lease of {request.request_id!r} was released")
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "KV layers were not ready in time")
-            segments, checksum = self.export_chunk(block_ids[spec.block_start:spec.block_end], spec, to_host,
-                                                   to_host or self.config.dist_checksums)
-            header = pb.ChunkHeader(layer_start=spec.layer_start, layer_end=spec.layer_end,
-                                    block_start=spec.block_start, block_end=spec.block_end,
-                                    num_bytes=spec.num_bytes(self.cache.layout), xxh3_64=checksum)
-            self.stats.add(header.num_bytes)
-            yield header, segments
+            yield spec, self.export_chunk(block_ids[spec.block_start:spec.block_end], spec, to_host)
 
     def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         lease, block_ids = self.open_pull(request, context)
         try:
-            for header, segments in self.chunks(lease, block_ids, request, context, to_host=True):
+            for spec, segments in self.chunks(lease, block_ids, request, context, to_host=True):
+                header = self.chunk_header(spec, segments, checksum=True)
                 yield encode_chunk(header, [host_bytes(s) for s in segments])
         finally:
             self.leases.end_pull(lease)

@@ -5,10 +5,13 @@ processes where a peer dies. Caches hold random data, so equality is bit-exact.
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
+import os
 import pickle
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,7 +23,6 @@ from kv_transfer import (KVAuthError, KVChecksumError, KVLayoutMismatchError, KV
                          KVServerConfig, KVTransferError, KVTransferServer)
 from kv_transfer.dist_client import DistKVClient
 from kv_transfer.grpc_client import GrpcKVClient
-from kv_transfer.importer import plan_import
 from protos import kv_transfer_pb2 as pb
 from protos.kv_transfer_pb2_grpc import KVTransferStub
 
@@ -112,31 +114,6 @@ def test_collective_pull_without_checksums_is_still_exact(peers):
     assert_blocks_equal(src, [5, 9, 2], dst, [1, 2, 3])
 
 
-def test_dedupe_moves_only_the_missing_blocks(peers):
-    src = random_cache()
-    server = peers.server(src)
-    dst = KVCache(LAYOUT, 64)
-    client = peers.client(dst, **SMALL_CHUNKS)
-    prefix_cache: dict[int, int] = {}  # block hash -> our block id, as a decode engine's prefix cache
-    first = server.lease("a", [0, 1, 2, 3], [11, 12, 13], 4 * 16 - 5, Released())
-    plan = plan_import(first, prefix_cache.get)
-    assert plan.missing == [0, 1, 2, 3]
-    client.pull(first, [40, 41, 42, 43], plan.missing)
-    prefix_cache.update({11: 40, 12: 41, 13: 42})  # full blocks only: the partial block 3 has no hash
-
-    # Same first two blocks, then a different continuation in sender blocks 5..7.
-    second = server.lease("b", [0, 1, 5, 6, 7], [11, 12, 23, 24, 25], 5 * 16, Released())
-    plan = plan_import(second, prefix_cache.get)
-    assert plan.missing == [2, 3, 4]
-    sent_before = server.stats.bytes_sent
-    stats = client.pull(second, [50, 51, 52], plan.missing)
-
-    assert server.stats.bytes_sent - sent_before == stats.num_bytes == 3 * BLOCK_BYTES
-    table = plan.block_table([50, 51, 52])
-    assert table == [40, 41, 50, 51, 52]
-    assert_blocks_equal(src, [0, 1, 5, 6, 7], dst, table)
-
-
 def test_wrong_or_missing_token_is_unauthenticated(peers):
     server = peers.server()
     handle = server.lease("req", [0, 1], [], 20, Released())
@@ -148,14 +125,22 @@ def test_wrong_or_missing_token_is_unauthenticated(peers):
     assert len(server.leases) == 1  # refused callers cannot touch leases
 
 
-class CorruptingServer(KVTransferServer):
-    """Flips one payload byte after the checksum was taken, as a bad link or buffer would."""
+def flip_a_bit(segments: list[torch.Tensor]) -> None:
+    segments[-1].view(-1).view(torch.uint8)[5] ^= 0x10
 
-    def export_chunk(self, block_ids, spec, to_host, checksum):
-        segments, checksum = super().export_chunk(block_ids, spec, to_host, checksum)
-        corrupted = [s.clone() for s in segments]
-        corrupted[-1].view(-1).view(torch.uint8)[5] ^= 0x10
-        return corrupted, checksum
+
+class CorruptingServer(KVTransferServer):
+    """Sends payloads with one bit flipped but checksums them as they were, as a bad link or buffer would."""
+
+    def export_chunk(self, block_ids, spec, to_host):
+        corrupted = [s.clone() for s in super().export_chunk(block_ids, spec, to_host)]
+        flip_a_bit(corrupted)
+        return corrupted
+
+    def chunk_header(self, spec, segments, checksum):
+        intact = [s.clone() for s in segments]
+        flip_a_bit(intact)  # flipped back
+        return super().chunk_header(spec, intact, checksum)
 
 
 def test_corrupted_chunk_fails_the_pull_and_the_client_recovers(peers):
@@ -344,3 +329,57 @@ def test_receiver_killed_mid_transfer_lets_the_lease_expire(peers, transport):
     dst = KVCache(LAYOUT, 64)
     peers.client(dst).pull(src_handle, [5, 6], [0, 1])
     assert_blocks_equal(server.cache, [0, 1], dst, [5, 6])
+
+
+# ---- process groups of the torch.distributed transport ----------------------------------------
+
+def gloo_threads() -> int:
+    """Gloo's I/O threads in this process: one per live pair group (once discarded ones are collected)."""
+    gc.collect()
+    return sum(Path(f"/proc/self/task/{tid}/comm").read_text().strip() == "gloo_tcp_loop"
+               for tid in os.listdir("/proc/self/task") if Path(f"/proc/self/task/{tid}/comm").exists())
+
+
+def wait_until(condition, timeout: float = 30.0) -> bool:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("transport", ["torch_dist"])
+def test_an_idle_pair_is_discarded_and_the_next_pull_reconnects(peers):
+    src = random_cache()
+    server = peers.server(src, dist_pair_idle_s=0.5)
+    dst = KVCache(LAYOUT, 64)
+    client = peers.client(dst)
+    client.pull(server.lease("a", [1, 2], [], 32, Released()), [0, 1], [0, 1])
+    assert server.dist.num_pairs == 1
+    assert wait_until(lambda: server.dist.num_pairs == 0)
+    client.pull(server.lease("b", [3, 4], [], 32, Released()), [5, 6], [0, 1])  # the client does not notice
+    assert_blocks_equal(src, [3, 4], dst, [5, 6])
+    assert server.dist.num_pairs == 1
+
+
+def _pull_once_then_hang(conn) -> None:
+    client = DistKVClient(KVCache(LAYOUT, 64), TOKEN)
+    conn.send("ready")
+    client.pull(conn.recv(), [0, 1], [0, 1])
+    conn.send("pulled")
+    threading.Event().wait()
+
+
+@pytest.mark.parametrize("transport", ["torch_dist"])
+def test_a_client_that_vanishes_without_disconnect_leaves_no_gloo_threads_behind(peers):
+    server = peers.server(dist_pair_idle_s=1.0)
+    before = gloo_threads()
+    proc, conn = _start(_pull_once_then_hang)
+    assert conn.recv() == "ready"
+    conn.send(server.lease("req", [0, 1], [], 32, Released()))
+    assert conn.poll(60) and conn.recv() == "pulled"
+    assert server.dist.num_pairs == 1 and gloo_threads() == before + 1
+    proc.kill()
+    proc.join(30)
+    assert wait_until(lambda: server.dist.num_pairs == 0 and gloo_threads() == before)

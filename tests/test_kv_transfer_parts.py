@@ -8,8 +8,6 @@ import torch
 
 from engine.kv_cache import KVCache, KVLayout
 from kv_transfer.chunks import ChunkSpec, host_bytes, plan_chunks, read_chunk, write_chunk
-from kv_transfer.handle import KVHandle
-from kv_transfer.importer import plan_import
 from kv_transfer.lease import LeaseTable
 from kv_transfer.wire import decode_chunk, encode_chunk
 from protos import generate
@@ -74,13 +72,6 @@ def test_chunk_codec_is_plain_protobuf_both_ways():
     assert decoded_header == header and bytes(payload) == data
     with pytest.raises(ValueError):
         decode_chunk(encoded[:-5])
-
-
-def test_import_plan_pulls_only_blocks_we_lack_and_always_the_partial_one():
-    handle = KVHandle("grpc", "127.0.0.1:1", "r", 4 * 16 + 5, (11, 12, 13, 14), LAYOUT)
-    plan = plan_import(handle, {11: 40, 12: 41, 14: 43}.get)
-    assert plan.missing == [2, 4]
-    assert plan.block_table([50, 51]) == [40, 41, 50, 43, 51]
 
 
 def test_lease_released_during_a_pull_hands_blocks_back_when_the_pull_ends():
