@@ -111,7 +111,15 @@ def write_chunk(cache: KVCache, block_ids: list[int], spec: ChunkSpec, payload: 
             if index is None:
                 dst[start:start + len(block_ids)].copy_(src[i, kv])
             else:
-                dst.index_copy_(0, index, src[i, kv])
+                _wide(dst).index_copy_(0, index, _wide(src[i, kv]))
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as 16-byte elements where the rows allow it: `index_copy_` moves those about 3x faster
+    (measured on CPU: 32 vs 12 GB/s), and a bit copy does not care what the elements mean."""
+    if (t.shape[-1] * t.element_size()) % 16 or t.stride(-1) != 1:
+        return t
+    return t.view(torch.complex128)
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:

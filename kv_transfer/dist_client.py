@@ -21,8 +21,8 @@ import torch.distributed as dist
 import xxhash
 
 from engine.kv_cache import KVCache
-from kv_transfer.chunks import (ChunkSpec, cache_views, host_bytes, plan_chunks, segments, staging_buffer,
-                                write_chunk)
+from kv_transfer.chunks import (ChunkSpec, cache_views, chunk_shape, host_bytes, plan_chunks, segments,
+                                staging_buffer, write_chunk)
 from kv_transfer.client_base import KVClientBase, LayerProgress, OnLayers, transfer_error
 from kv_transfer.dist_group import (RECEIVER_RANK, SENDER_RANK, abort_group, local_address_toward, open_store,
                                     pair_group)
@@ -64,6 +64,7 @@ class _Receives:
         self.plan = deque(plan)
         self.dst_block_ids = dst_block_ids
         self.posted: deque[_Posted] = deque()
+        self.spare: list[torch.Tensor] = []  # landed chunks' staging, reused so that no page is touched fresh
         self.tag = self.staged = 0
         self.post_ahead()
 
@@ -72,7 +73,7 @@ class _Receives:
             spec = self.plan.popleft()
             ids = self.dst_block_ids[spec.block_start:spec.block_end]
             views = cache_views(self.cache, ids, spec)
-            staging = None if views is not None else staging_buffer(self.cache, spec)
+            staging = None if views is not None else self._staging(spec)
             buffers = views if views is not None else segments(staging)
             works = [self.group.recv([b], SENDER_RANK, self.tag + i) for i, b in enumerate(buffers)]
             self.tag += len(buffers)
@@ -99,7 +100,15 @@ class _Receives:
         if chunk.staging is not None:
             write_chunk(self.cache, chunk.block_ids, chunk.spec, chunk.staging)
             self.staged -= chunk.spec.num_bytes(self.cache.layout)
+            self.spare.append(chunk.staging)
         self.post_ahead()
+
+    def _staging(self, spec: ChunkSpec) -> torch.Tensor:
+        shape = chunk_shape(self.cache.layout, spec)
+        for i, buffer in enumerate(self.spare):
+            if buffer.shape == shape:
+                return self.spare.pop(i)
+        return staging_buffer(self.cache, spec)
 
     @property
     def done(self) -> bool:

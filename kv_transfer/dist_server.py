@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SEND_WINDOW_BYTES = 64 << 20  # payload in flight per pull (it may sit in staging buffers)
+SEND_WINDOW_BYTES = 24 << 20  # payload in flight per pull (it may sit in staging buffers)
 
 
 @dataclass(slots=True)
