@@ -246,7 +246,7 @@ def run_case(args, case) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--layer-ms", type=float, default=3.0, help="simulated prefill time per layer")
     parser.add_argument("--only", default="", help="run only the cases whose name contains this text")
     args = parser.parse_args()
