@@ -17,6 +17,7 @@ box it says what the wall-clock numbers cannot (less is faster on idle cores).
 Then layer-wise pipelining: the sender "prefills" (busy compute, --layer-ms per
 layer) and marks layers ready one by one while the receiver already pulls,
 against prefill-then-transfer. Run: .venv/bin/python bench/transfer.py
+(`--only TEXT` runs just the cases whose name contains TEXT).
 """
 from __future__ import annotations
 
