@@ -51,6 +51,7 @@ _engine: Engine | None = None  # the bare engine, in the child process
 
 def start_bare_engine(threads: int, model: str | None) -> None:
     global _engine
+    os.nice(15)  # Ray runs its workers at niceness 15: the baseline gets no priority the actors lack
     _engine = Engine(EngineConfig(model=model, num_threads=threads))
 
 
