@@ -7,7 +7,7 @@ spends most of its time on overhead when each sequence has one query token. The 
 
 The shared library is built with the system C compiler into the tandem cache directory, keyed by
 the source, the flags and the machine, so a build is done once per machine. Without a compiler,
-or with TANDEM_CPU_KERNELS=0, `paged_decode_attention()` is None and attention uses SDPA.
+or with TANDEM_CPU_KERNELS=0, `available()` is False and attention uses gather + SDPA.
 """
 from __future__ import annotations
 

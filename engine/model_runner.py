@@ -100,8 +100,7 @@ class ModelRunner:
         return seg
 
     def _paged_decodes(self, tables: list[list[int]], lens: list[int]) -> PagedDecodes:
-        width = len(tables[0])  # sorted longest first
-        padded = self._tensor([b for t in tables for b in t + [0] * (width - len(t))]).view(len(tables), width)
+        padded = self._padded_tables(tables).view(len(tables), len(tables[0]))
         return PagedDecodes(len(tables), padded, self._tensor(lens), lens[0])
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
@@ -115,13 +114,17 @@ class ModelRunner:
         return groups
 
     def _decode_group(self, start: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
-        width = len(tables[0])
-        block_ids = self._tensor([b for t in tables for b in t + [0] * (width - len(t))])
+        block_ids = self._padded_tables(tables)
         mask = None
         if lens[-1] != lens[0]:
             span = torch.arange(lens[0], device=self.device)
             mask = (span.unsqueeze(0) < self._tensor(lens).unsqueeze(1))[:, None, None, :]
         return DecodeGroup(start, start + len(tables), block_ids, lens[0], mask)
+
+    def _padded_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        """Block tables (sorted longest first) padded with block 0 to the first one's width, flattened."""
+        width = len(tables[0])
+        return self._tensor([b for t in tables for b in t + [0] * (width - len(t))])
 
     def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V buffers for gathering `num_blocks` blocks, kept across steps so attention never allocates them."""

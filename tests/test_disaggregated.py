@@ -12,6 +12,7 @@ from engine import SamplingParams
 from engine.protocol import GenerateRequest
 from router.dispatch import run_request
 from tests.hf_reference import hf_greedy
+from tests.pool_helpers import collect, only, run_all, wait_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -36,33 +37,9 @@ def colocated(ray_cluster, tiny_llama_dir):
     pools.shutdown()
 
 
-def only(pool):
-    return next(iter(pool.workers.values())).actor
-
-
 def prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 1000) for _ in range(rng.randrange(5, 60))] for _ in range(n)]
-
-
-async def collect(request, decode, prefill=None):
-    deltas = [d async for d in run_request(request, decode, prefill)]
-    return [t for d in deltas for t in d.token_ids], deltas
-
-
-def run_all(reqs, decode, prefill=None):
-    async def main():
-        return await asyncio.gather(*(collect(r, decode, prefill) for r in reqs))
-    return asyncio.run(main())
-
-
-def wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_disaggregated_equals_colocated_and_hf_for_concurrent_requests(pools, colocated, tiny_llama_dir):

@@ -19,6 +19,7 @@ from engine.layer_progress import decoder_layers
 from engine.protocol import GenerateRequest
 from router.dispatch import run_request
 from tests.hf_reference import hf_greedy
+from tests.pool_helpers import collect, only, run_all, wait_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # Small token budget: prompts over 32 tokens are prefilled in several chunks.
@@ -48,33 +49,13 @@ def normal(ray_cluster, tiny_llama_dir):
     pools.shutdown()
 
 
-def only(pool):
-    return next(iter(pool.workers.values())).actor
-
-
 def prompt(seed: int, length: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 1000) for _ in range(length)]
 
 
-async def collect(request, decode, prefill):
-    deltas = [d async for d in run_request(request, decode, prefill)]
-    return [t for d in deltas for t in d.token_ids], deltas
-
-
-def run_all(reqs, pools):
-    async def main():
-        return await asyncio.gather(*(collect(r, only(pools.decode), only(pools.prefill)) for r in reqs))
-    return asyncio.run(main())
-
-
-def wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+def run_on(pools, reqs):
+    return run_all(reqs, only(pools.decode), only(pools.prefill))
 
 
 def on_worker(actor, fn):
@@ -110,8 +91,8 @@ def test_layerwise_greedy_outputs_equal_normal_disaggregation_and_hf(layerwise, 
     lengths = [5, 17, 31, 48, 77, 120]  # one to four prefill chunks of 32 tokens
     prompts = [prompt(i, n) for i, n in enumerate(lengths)]
     before = ray.get(only(layerwise.prefill).transfer_stats.remote())["layerwise_leases"]
-    lw = run_all([GenerateRequest(f"lw-{i}", p, GREEDY) for i, p in enumerate(prompts)], layerwise)
-    base = run_all([GenerateRequest(f"nm-{i}", p, GREEDY) for i, p in enumerate(prompts)], normal)
+    lw = run_on(layerwise, [GenerateRequest(f"lw-{i}", p, GREEDY) for i, p in enumerate(prompts)])
+    base = run_on(normal, [GenerateRequest(f"nm-{i}", p, GREEDY) for i, p in enumerate(prompts)])
     for p, (lw_tokens, _), (base_tokens, _) in zip(prompts, lw, base):
         assert lw_tokens == base_tokens == hf_greedy(tiny_llama_dir, p, GREEDY.max_tokens)
     assert ray.get(only(layerwise.prefill).transfer_stats.remote())["layerwise_leases"] == before + len(prompts)
@@ -126,7 +107,7 @@ def test_decode_pull_is_open_before_the_prefill_forward_ends(layerwise, tiny_lla
     try:
         before = ray.get(prefill.transfer_stats.remote())
         p = prompt(40, 70)
-        [(tokens, deltas)] = run_all([GenerateRequest("overlap-1", p, GREEDY)], layerwise)
+        [(tokens, deltas)] = run_on(layerwise, [GenerateRequest("overlap-1", p, GREEDY)])
         after = ray.get(prefill.transfer_stats.remote())
     finally:
         release_forward(prefill)
@@ -182,8 +163,7 @@ def test_max_tokens_one_pulls_nothing(layerwise, tiny_llama_dir):
     prefill, decode = only(layerwise.prefill), only(layerwise.decode)
     before_p, before_d = ray.get(prefill.transfer_stats.remote()), ray.get(decode.transfer_stats.remote())
     p = prompt(43, 50)
-    [(tokens, deltas)] = run_all([GenerateRequest("one-1", p, SamplingParams(temperature=0.0, max_tokens=1))],
-                                 layerwise)
+    [(tokens, deltas)] = run_on(layerwise, [GenerateRequest("one-1", p, SamplingParams(temperature=0.0, max_tokens=1))])
     after_p, after_d = ray.get(prefill.transfer_stats.remote()), ray.get(decode.transfer_stats.remote())
     assert tokens == hf_greedy(tiny_llama_dir, p, 1)
     assert deltas[-1].finished and deltas[-1].finish_reason == "length"
@@ -198,7 +178,7 @@ def test_request_stopped_by_its_first_token_leaves_no_lease(layerwise, tiny_llam
     first = hf_greedy(tiny_llama_dir, p, 1)[0]
     params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[first])
     before = ray.get(only(layerwise.decode).transfer_stats.remote())
-    [(tokens, deltas)] = run_all([GenerateRequest("stop-1", p, params)], layerwise)
+    [(tokens, deltas)] = run_on(layerwise, [GenerateRequest("stop-1", p, params)])
     assert tokens == [first] and deltas[-1].finish_reason == "stop"
     assert ray.get(only(layerwise.decode).transfer_stats.remote())["remote_prefills"] == before["remote_prefills"]
     assert_nothing_held(layerwise)
@@ -216,7 +196,7 @@ def test_prefill_failing_after_its_early_lease_releases_it(layerwise):
     on_worker(prefill, install)
     before = ray.get(prefill.transfer_stats.remote())["layerwise_leases"]
     try:
-        [(tokens, deltas)] = run_all([GenerateRequest("fail-1", prompt(45, 40), GREEDY)], layerwise)
+        [(tokens, deltas)] = run_on(layerwise, [GenerateRequest("fail-1", prompt(45, 40), GREEDY)])
     finally:
         release_forward(prefill)
     assert tokens == [] and deltas[-1].finish_reason == "error"

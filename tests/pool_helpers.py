@@ -1,0 +1,34 @@
+"""Helpers shared by the tests that drive real prefill/decode actors through router.dispatch.run_request."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from router.dispatch import run_request
+
+
+def only(pool):
+    """The actor of a one-worker pool."""
+    return next(iter(pool.workers.values())).actor
+
+
+async def collect(request, decode, prefill=None):
+    """(all token ids, the deltas) of one request."""
+    deltas = [d async for d in run_request(request, decode, prefill)]
+    return [t for d in deltas for t in d.token_ids], deltas
+
+
+def run_all(reqs, decode, prefill=None):
+    """Run requests concurrently to the end; one (tokens, deltas) per request."""
+    async def main():
+        return await asyncio.gather(*(collect(r, decode, prefill) for r in reqs))
+    return asyncio.run(main())
+
+
+def wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
