@@ -62,8 +62,11 @@ class LayerProgress:
 class KVClientBase:
     """A decode worker's side of KV transfer into its own `cache`."""
 
+    default_chunk_bytes = 4 << 20
+
     def __init__(self, cache: KVCache, token: str, *, timeout_s: float = 30.0,
-                 max_message_bytes: int = 16 << 20, max_chunk_bytes: int = 4 << 20):
+                 max_message_bytes: int = 16 << 20, max_chunk_bytes: int | None = None):
+        max_chunk_bytes = max_chunk_bytes or self.default_chunk_bytes
         if max_chunk_bytes > max_message_bytes - (64 << 10):
             raise ValueError("max_chunk_bytes must leave 64 KiB of max_message_bytes for framing")
         self.cache = cache

@@ -19,6 +19,7 @@ from engine.kv_cache import KVCache, KVLayout
 from kv_transfer import (KVAuthError, KVChecksumError, KVLayoutMismatchError, KVLeaseNotFoundError,
                          KVServerConfig, KVTransferError, KVTransferServer)
 from kv_transfer.dist_client import DistKVClient
+from kv_transfer import grpc_client
 from kv_transfer.grpc_client import GrpcKVClient
 from protos import kv_transfer_pb2 as pb
 from protos.kv_transfer_pb2_grpc import KVTransferStub
@@ -109,6 +110,37 @@ def test_collective_pull_without_checksums_is_still_exact(peers):
     dst = KVCache(LAYOUT, 64)
     peers.client(dst, **SMALL_CHUNKS).pull(handle, [1, 2, 3], [0, 1, 2])
     assert_blocks_equal(src, [5, 9, 2], dst, [1, 2, 3])
+
+
+class CountingServer(KVTransferServer):
+    """Records how many blocks each gRPC Pull call asked for."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pulls: list[int] = []
+
+    def _pull(self, request, context):
+        self.pulls.append(len(request.block_indices))
+        return super()._pull(request, context)
+
+
+@pytest.mark.parametrize("transport", ["grpc"])
+def test_a_grpc_pull_split_over_parallel_streams_is_exact(peers, monkeypatch):
+    monkeypatch.setattr(grpc_client, "MIN_STREAM_BYTES", 1)  # tiny test layout: split even a few blocks
+    src, src_ids, dst_ids = random_cache(), [3, 7, 8, 30, 21, 40, 41], list(range(10, 17))
+    server = peers.server(src, cls=CountingServer)
+    handle = server.lease("req", src_ids, [], 7 * 16, Released())
+    dst = KVCache(LAYOUT, 64)
+    stats = peers.client(dst, num_streams=3, **SMALL_CHUNKS).pull(handle, dst_ids, list(range(7)))
+    assert_blocks_equal(src, src_ids, dst, dst_ids)
+    assert sorted(server.pulls) == [2, 2, 3]  # three calls, each on its own connection
+    assert stats.num_bytes == 7 * BLOCK_BYTES
+
+
+@pytest.mark.parametrize("cores,streams", [(1, 1), (2, 1), (4, 1), (8, 2), (16, 4), (96, 4)])
+def test_default_grpc_streams_follow_the_cores(monkeypatch, cores, streams):
+    monkeypatch.setattr(grpc_client.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert grpc_client.default_num_streams() == streams
 
 
 def test_wrong_or_missing_token_is_unauthenticated(peers):
