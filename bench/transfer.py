@@ -96,10 +96,9 @@ def send_tandem(args, case, conn) -> None:
                 server.mark_layers_ready(request_id, layer + 1)
 
 
-def send_bare_grpc(args, case, conn) -> None:
-    if case.get("heap_tuning"):
-        keep_message_buffers_in_heap(16 << 20)
-    payload = torch.randn(case["nbytes"] // 4).numpy().view("uint8")
+def bare_grpc_server(nbytes: int) -> grpc.Server:
+    """A started server streaming `nbytes` of raw 4 MiB bytes messages per call on `server.address`."""
+    payload = torch.randn(nbytes // 4).numpy().view("uint8")
 
     def stream(request, context):
         for off in range(0, len(payload), BARE_CHUNK):
@@ -108,20 +107,58 @@ def send_bare_grpc(args, case, conn) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_send_message_length", 16 << 20)])
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
         "bench.Bytes", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})])
-    port = server.add_insecure_port("127.0.0.1:0")
+    server.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
-    conn.send(f"127.0.0.1:{port}")
+    return server
+
+
+def send_interleaved(args, case, conn) -> None:
+    """Our server(s) and the bare baseline in one process: the receiver alternates between them."""
+    layout = layout_for("cpu")
+    cache = KVCache(layout, args.blocks + 8, "cpu")
+    for t in cache.k + cache.v:
+        t.normal_()
+    ids = block_ids(args.blocks, False, seed=1)
+    servers, handles = [], {}
+    for name, checksums in case["tandem"].items():
+        config = KVServerConfig(dist=case["dist"], max_message_bytes=16 << 20, dist_checksums=checksums)
+        servers.append(KVTransferServer(cache, TOKEN, config).start())
+        handles[name] = servers[-1].lease("bench", ids, [], args.blocks * layout.block_size, lambda _: None,
+                                          ttl=3600)
+    if case["dist"]:
+        conn.send((handles, bare_gloo_sender(case["nbytes"])))
+    else:
+        servers.append(bare_grpc_server(case["nbytes"]))
+        conn.send((handles, servers[-1].address))
     threading.Event().wait()
 
 
-def send_bare_gloo(args, case, conn) -> None:
+def send_bare_grpc(args, case, conn) -> None:
+    if case.get("heap_tuning"):
+        keep_message_buffers_in_heap(16 << 20)
+    server = bare_grpc_server(case["nbytes"])
+    conn.send(server.address)
+    threading.Event().wait()
+
+
+def bare_gloo_sender(nbytes: int) -> int:
+    """A thread that sends `nbytes` in one message over a two-rank Gloo group per receiver request;
+    returns the group's store port."""
     store = open_store("127.0.0.1", 0, True, 60)
-    conn.send(store.port)
-    group = _bare_group(store, 0)
-    buf = torch.randn(case["nbytes"] // 4)
-    while True:
-        group.recv([torch.empty(1)], 1, 0).wait()  # the receiver asks for the next round
-        group.send([buf], 1, 1).wait()
+
+    def serve():
+        group = _bare_group(store, 0)
+        buf = torch.randn(nbytes // 4)
+        while True:
+            group.recv([torch.empty(1)], 1, 0).wait()  # the receiver asks for the next round
+            group.send([buf], 1, 1).wait()
+    threading.Thread(target=serve, daemon=True).start()
+    return store.port
+
+
+def send_bare_gloo(args, case, conn) -> None:
+    conn.send(bare_gloo_sender(case["nbytes"]))
+    threading.Event().wait()
 
 
 def send_raw_tcp(args, case, conn) -> None:
@@ -179,25 +216,58 @@ def recv_tandem(args, case, handle, sender) -> dict:
     return result
 
 
-def recv_bare_grpc(args, case, address, sender) -> dict:
-    if case.get("heap_tuning"):
-        keep_message_buffers_in_heap(16 << 20)
+def bare_grpc_pull(address: str, nbytes: int):
     channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 16 << 20)])
     call = channel.unary_stream("/bench.Bytes/Stream")
 
     def pull():
-        assert sum(len(m) for m in call(b"", timeout=60)) == case["nbytes"]
-    return timed(args, pull)
+        assert sum(len(m) for m in call(b"", timeout=60)) == nbytes
+    return pull
 
 
-def recv_bare_gloo(args, case, port, sender) -> dict:
+def bare_gloo_pull(port: int, nbytes: int):
     group = _bare_group(open_store("127.0.0.1", port, False, 60), 1)
-    buf = torch.empty(case["nbytes"] // 4)
+    buf = torch.empty(nbytes // 4)
 
     def pull():
         group.send([torch.empty(1)], 0, 0).wait()
         group.recv([buf], 0, 1).wait()
-    return timed(args, pull)
+    return pull
+
+
+def recv_bare_grpc(args, case, address, sender) -> dict:
+    if case.get("heap_tuning"):
+        keep_message_buffers_in_heap(16 << 20)
+    return timed(args, bare_grpc_pull(address, case["nbytes"]))
+
+
+def recv_bare_gloo(args, case, port, sender) -> dict:
+    return timed(args, bare_gloo_pull(port, case["nbytes"]))
+
+
+def recv_interleaved(args, case, info, sender) -> dict:
+    """One pull of each kind per round, in an order that rotates every round; seconds per kind."""
+    handles, bare = info
+    layout = layout_for("cpu")
+    cache = KVCache(layout, args.blocks + 8, "cpu")
+    client_type = DistKVClient if case["dist"] else GrpcKVClient
+    everything = list(range(args.blocks))
+    pulls = {}
+    for name, handle in handles.items():
+        client = client_type(cache, TOKEN, max_message_bytes=16 << 20)
+        pulls[name] = lambda client=client, handle=handle: client.pull(handle, everything, everything)
+    baseline = case["baseline"]
+    pulls[baseline] = (bare_gloo_pull if case["dist"] else bare_grpc_pull)(bare, case["nbytes"])
+    names = list(pulls)
+    for name in names:
+        pulls[name]()  # warm-up
+    seconds = {name: [] for name in names}
+    for r in range(args.repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.perf_counter()
+            pulls[name]()
+            seconds[name].append(time.perf_counter() - start)
+    return {"interleaved": seconds}
 
 
 def recv_raw_tcp(args, case, port, sender) -> dict:
@@ -250,6 +320,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--layer-ms", type=float, default=3.0, help="simulated prefill time per layer")
     parser.add_argument("--only", default="", help="run only the cases whose name contains this text")
+    parser.add_argument("--interleaved-repeats", type=int, default=60,
+                        help="rounds of the interleaved comparison (one pull of each kind per round)")
     args = parser.parse_args()
     args.blocks = args.tokens // 16
     layout = layout_for("cpu")
@@ -289,6 +361,25 @@ def main() -> None:
               f"{result['cpu'] * 1e3:12.0f}", flush=True)
         if "pipelining" in result:
             pipelining[name] = (statistics.median(secs), result["pipelining"])
+    interleaved = {
+        "gRPC": dict(dist=False, tandem={"tandem gRPC": True}, baseline="bare gRPC byte stream + heap tuning"),
+        "torch.distributed (gloo)": dict(dist=True, baseline="bare Gloo send/recv", tandem={
+            "tandem torch.distributed (gloo)": True, "tandem torch.distributed (gloo), no checksums": False}),
+    }
+    print(f"\nInterleaved: our transport and its bare baseline in the same two processes, one pull of each per "
+          f"round in rotating order, {args.interleaved_repeats} rounds; ratio = per-round time of the "
+          f"baseline / ours, median over rounds")
+    print(f"{'case':52s} {'median GB/s':>12s} {'vs baseline':>12s}")
+    for name, case in interleaved.items():
+        if args.only not in f"interleaved {name}" and not any(args.only in n for n in case["tandem"]):
+            continue
+        case.update(send=send_interleaved, recv=recv_interleaved, nbytes=nbytes)
+        seconds = run_case(argparse.Namespace(**{**vars(args), "repeats": args.interleaved_repeats}),
+                           case)["interleaved"]
+        base = seconds[case["baseline"]]
+        for kind, secs in seconds.items():
+            ratio = statistics.median(b / s for b, s in zip(base, secs))
+            print(f"{kind:52s} {nbytes / statistics.median(secs) / 1e9:12.2f} {ratio:11.2f}x", flush=True)
     compute = layout.num_layers * args.layer_ms / 1000
     print(f"\nLayer-wise pipelining: prefill = {layout.num_layers} layers x {args.layer_ms} ms busy compute "
           f"= {compute * 1000:.0f} ms; medians in ms")

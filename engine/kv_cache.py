@@ -1,4 +1,9 @@
-"""The paged KV cache: per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+"""The paged KV cache: per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim].
+
+All of it is one tensor `kv` of shape [num_layers, 2, num_blocks, ...]; `k[layer]` and `v[layer]` are
+its (contiguous) slices, so attention sees a plain per-layer cache while KV transfer moves a block
+range across many layers with one tensor op.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,8 +24,7 @@ class KVLayout:
     @property
     def bytes_per_block_per_layer(self) -> int:
         """Bytes of K (or of V) for one block in one layer."""
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.block_size * self.num_kv_heads * self.head_dim * getattr(torch, self.dtype).itemsize
 
     @property
     def bytes_per_token(self) -> int:
@@ -33,10 +37,10 @@ class KVCache:
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu"):
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        dtype = getattr(torch, layout.dtype)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
+        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.kv = torch.zeros(shape, dtype=getattr(torch, layout.dtype), device=device)
+        self.k = list(self.kv[:, 0].unbind(0))
+        self.v = list(self.kv[:, 1].unbind(0))
 
     @staticmethod
     def num_blocks_for_budget(layout: KVLayout, memory_bytes: float) -> int:

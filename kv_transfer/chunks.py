@@ -5,8 +5,14 @@ blocks. Its payload, in wire order, is for each layer K then V of those
 blocks, each [num_blocks, block_size, num_kv_heads, head_dim] in C order.
 Both ends derive the same chunk plan from the pull request, so a receiver
 knows every chunk's size before it arrives. Reads and writes are one tensor
-op per layer (a slice when the block ids are consecutive, else
-`index_select` / `index_copy_`); nothing is done per element in Python.
+op for the whole chunk on the cache's single `kv` tensor (a slice when the
+block ids are consecutive, else `index_select` / `index_copy_` along the
+block dimension); nothing is done per element or per layer in Python.
+
+A chunk of few blocks over many layers is many small K/V segments. Below
+`COALESCE_BELOW_BYTES` per segment it moves as one buffer (one message,
+one checksum call) instead of a view per segment: the copy into that
+buffer costs less than the calls and messages it saves.
 """
 from __future__ import annotations
 
@@ -16,6 +22,11 @@ import torch
 import xxhash
 
 from engine.kv_cache import KVCache, KVLayout
+
+
+# Per K (or V) segment: a call or a point-to-point message per segment costs a few microseconds to tens of
+# them, more than copying 256 KiB at memory speed (bench/RESULTS.md, "small pulls").
+COALESCE_BELOW_BYTES = 256 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +65,11 @@ def plan_chunks(layout: KVLayout, num_blocks: int, layer_start: int, layer_end: 
             for layer in range(layer_start, layer_end) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
 
+def coalesced(layout: KVLayout, spec: ChunkSpec) -> bool:
+    """Whether the chunk moves as one buffer rather than as a segment per layer and K/V (same on both ends)."""
+    return spec.num_blocks * layout.bytes_per_block_per_layer < COALESCE_BELOW_BYTES
+
+
 def consecutive_start(block_ids: list[int]) -> int | None:
     """The first id when `block_ids` are consecutive ascending (the chunk is a slice), else None."""
     if block_ids and block_ids[-1] - block_ids[0] == len(block_ids) - 1 \
@@ -62,14 +78,17 @@ def consecutive_start(block_ids: list[int]) -> int | None:
     return None
 
 
+def _layers(cache: KVCache, spec: ChunkSpec) -> torch.Tensor:
+    """The cache's [layers, 2, num_blocks, ...] for the chunk's layers."""
+    return cache.kv[spec.layer_start:spec.layer_end]
+
+
 def cache_views(cache: KVCache, block_ids: list[int], spec: ChunkSpec) -> list[torch.Tensor] | None:
     """The chunk's payload as views of the cache (K, V per layer) when its blocks are a slice."""
     start = consecutive_start(block_ids)
     if start is None:
         return None
-    end = start + len(block_ids)
-    return [t[start:end] for layer in range(spec.layer_start, spec.layer_end)
-            for t in (cache.k[layer], cache.v[layer])]
+    return list(_layers(cache, spec)[:, :, start:start + len(block_ids)].flatten(0, 1).unbind(0))
 
 
 def chunk_shape(layout: KVLayout, spec: ChunkSpec) -> tuple[int, ...]:
@@ -79,39 +98,40 @@ def chunk_shape(layout: KVLayout, spec: ChunkSpec) -> tuple[int, ...]:
 
 def staging_buffer(cache: KVCache, spec: ChunkSpec) -> torch.Tensor:
     """An empty tensor of the chunk's payload shape on the cache's device."""
-    return torch.empty(chunk_shape(cache.layout, spec), dtype=cache.k[0].dtype, device=cache.k[0].device)
+    return torch.empty(chunk_shape(cache.layout, spec), dtype=cache.kv.dtype, device=cache.kv.device)
 
 
 def segments(staging: torch.Tensor) -> list[torch.Tensor]:
     """A staging buffer split like `cache_views`: K, V per layer."""
-    return [staging[i, kv] for i in range(staging.shape[0]) for kv in (0, 1)]
+    return list(staging.flatten(0, 1).unbind(0))
 
 
 def read_chunk(cache: KVCache, block_ids: list[int], spec: ChunkSpec) -> list[torch.Tensor]:
-    """The chunk's payload as K, V segments per layer: cache views if possible, else a gathered copy."""
-    views = cache_views(cache, block_ids, spec)
-    if views is not None:
-        return views
-    staging = staging_buffer(cache, spec)
-    index = torch.tensor(block_ids, dtype=torch.long, device=staging.device)
-    for i, layer in enumerate(range(spec.layer_start, spec.layer_end)):
-        torch.index_select(cache.k[layer], 0, index, out=staging[i, 0])
-        torch.index_select(cache.v[layer], 0, index, out=staging[i, 1])
-    return segments(staging)
+    """The chunk's payload: cache views (K, V per layer) if its blocks are a slice and it is not coalesced,
+    else a gathered copy, as one buffer if coalesced or split like the views otherwise."""
+    one_buffer = coalesced(cache.layout, spec)
+    start = consecutive_start(block_ids)
+    layers = _layers(cache, spec)
+    if start is not None and not one_buffer:
+        return cache_views(cache, block_ids, spec)
+    if start is not None:
+        return [layers[:, :, start:start + len(block_ids)].contiguous()]
+    index = torch.tensor(block_ids, dtype=torch.long, device=cache.kv.device)
+    staging = torch.index_select(_wide(layers), 2, index).view(cache.kv.dtype)
+    return [staging] if one_buffer else segments(staging)
 
 
 def write_chunk(cache: KVCache, block_ids: list[int], spec: ChunkSpec, payload: torch.Tensor) -> None:
     """Scatter a payload (any tensor holding the chunk's bytes in wire order) into `block_ids`."""
-    device = cache.k[0].device
-    src = payload.view(cache.k[0].dtype).view(chunk_shape(cache.layout, spec)).to(device)
+    device = cache.kv.device
+    src = payload.view(cache.kv.dtype).view(chunk_shape(cache.layout, spec)).to(device)
+    layers = _layers(cache, spec)
     start = consecutive_start(block_ids)
-    index = None if start is not None else torch.tensor(block_ids, dtype=torch.long, device=device)
-    for i, layer in enumerate(range(spec.layer_start, spec.layer_end)):
-        for kv, dst in enumerate((cache.k[layer], cache.v[layer])):
-            if index is None:
-                dst[start:start + len(block_ids)].copy_(src[i, kv])
-            else:
-                _wide(dst).index_copy_(0, index, _wide(src[i, kv]))
+    if start is not None:
+        layers[:, :, start:start + len(block_ids)].copy_(src)
+    else:
+        index = torch.tensor(block_ids, dtype=torch.long, device=device)
+        _wide(layers).index_copy_(2, index, _wide(src))
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Both ends derive the same chunk plan from the request, so receives are
 posted before their data arrives, straight into the cache when the
 destination blocks are consecutive, else into a staging buffer that one
-`index_copy_` per layer scatters. Any failure discards the pair (aborting
+`index_copy_` per layer scatters. A coalesced chunk (few blocks: see
+chunks.py) is one message into staging. Any failure discards the pair (aborting
 its pending receives), and the next pull connects a fresh one; when the
 server has discarded an idle pair, the pull itself reconnects once.
 """
@@ -21,8 +22,8 @@ import torch.distributed as dist
 import xxhash
 
 from engine.kv_cache import KVCache
-from kv_transfer.chunks import (ChunkSpec, cache_views, chunk_shape, host_bytes, plan_chunks, segments,
-                                staging_buffer, write_chunk)
+from kv_transfer.chunks import (ChunkSpec, cache_views, chunk_shape, coalesced, host_bytes, plan_chunks,
+                                segments, staging_buffer, write_chunk)
 from kv_transfer.client_base import KVClientBase, LayerProgress, OnLayers, transfer_error
 from kv_transfer.dist_group import (RECEIVER_RANK, SENDER_RANK, abort_group, local_address_toward, open_store,
                                     pair_group)
@@ -72,9 +73,10 @@ class _Receives:
         while self.plan and (not self.posted or self.staged < STAGING_WINDOW_BYTES):
             spec = self.plan.popleft()
             ids = self.dst_block_ids[spec.block_start:spec.block_end]
-            views = cache_views(self.cache, ids, spec)
+            one_buffer = coalesced(self.cache.layout, spec)  # the sender decides the same way
+            views = None if one_buffer else cache_views(self.cache, ids, spec)
             staging = None if views is not None else self._staging(spec)
-            buffers = views if views is not None else segments(staging)
+            buffers = views if views is not None else [staging] if one_buffer else segments(staging)
             works = [self.group.recv([b], SENDER_RANK, self.tag + i) for i, b in enumerate(buffers)]
             self.tag += len(buffers)
             self.staged += 0 if staging is None else spec.num_bytes(self.cache.layout)

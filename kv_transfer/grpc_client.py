@@ -70,6 +70,15 @@ class GrpcKVClient(KVClientBase):
         progress = LayerProgress(0, layout.num_layers, len(indices), on_layers)
         total = 2 * layout.num_layers * len(indices) * layout.bytes_per_block_per_layer
         streams = max(1, min(self.num_streams, len(indices), total // MIN_STREAM_BYTES))
+        if streams == 1:  # on this thread: no hand-off for the common, small pull
+            call = self._pull_method(handle.address, 0)(request, **self.call_options())
+            try:
+                num_bytes, num_chunks = self._consume(call, request, dst_block_ids, progress)
+            except grpc.RpcError as err:
+                raise transfer_error(err, handle.request_id) from None
+            finally:
+                call.cancel()  # stops the stream if we failed; nothing once it has ended
+            return PullStats(num_bytes, num_chunks, time.perf_counter() - start)
         bounds = [len(indices) * i // streams for i in range(streams + 1)]
         calls, jobs = [], []
         for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])):

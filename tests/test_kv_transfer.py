@@ -19,7 +19,7 @@ from engine.kv_cache import KVCache, KVLayout
 from kv_transfer import (KVAuthError, KVChecksumError, KVLayoutMismatchError, KVLeaseNotFoundError,
                          KVServerConfig, KVTransferError, KVTransferServer)
 from kv_transfer.dist_client import DistKVClient
-from kv_transfer import grpc_client
+from kv_transfer import chunks, grpc_client
 from kv_transfer.grpc_client import GrpcKVClient
 from protos import kv_transfer_pb2 as pb
 from protos.kv_transfer_pb2_grpc import KVTransferStub
@@ -85,12 +85,15 @@ def peers(transport):
         peer.close() if hasattr(peer, "close") else peer.stop()
 
 
+@pytest.mark.parametrize("coalesce", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("src_ids,dst_ids", [
     (list(range(8, 13)), list(range(20, 25))),  # consecutive: sent from and received into cache slices
     ([3, 7, 8, 30, 21], [0, 17, 2, 9, 40]),  # scattered: gathered and scattered per layer
+    (list(range(8, 13)), [0, 17, 2, 9, 40]),  # each end decides on its own
 ])
-def test_pulled_blocks_are_bit_identical(peers, transport, dtype, src_ids, dst_ids):
+def test_pulled_blocks_are_bit_identical(peers, transport, dtype, src_ids, dst_ids, coalesce, monkeypatch):
+    monkeypatch.setattr(chunks, "COALESCE_BELOW_BYTES", 1 << 40 if coalesce else 0)
     layout = KVLayout("tiny", dtype, 16, 4, 2, 8)
     src = random_cache(layout)
     server = peers.server(src)

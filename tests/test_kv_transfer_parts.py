@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.kv_cache import KVCache, KVLayout
-from kv_transfer.chunks import ChunkSpec, host_bytes, plan_chunks, read_chunk, write_chunk
+from kv_transfer import chunks
+from kv_transfer.chunks import ChunkSpec, coalesced, host_bytes, plan_chunks, read_chunk, write_chunk
 from kv_transfer.lease import LeaseTable
 from kv_transfer.wire import decode_chunk, encode_chunk
 from protos import generate
@@ -38,28 +39,53 @@ def test_small_pulls_group_layers_and_large_ones_split_blocks():
     assert plan_chunks(LAYOUT, 4, 0, 1, 2 * BLOCK_LAYER) == [ChunkSpec(0, 1, 0, 2), ChunkSpec(0, 1, 2, 4)]
 
 
+@pytest.fixture(params=["coalesced", "per segment"])
+def coalescing(request, monkeypatch) -> str:
+    """Every chunk moves as one buffer, or none does (the tiny test layout would otherwise always coalesce)."""
+    monkeypatch.setattr(chunks, "COALESCE_BELOW_BYTES", 1 << 40 if request.param == "coalesced" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_export_then_import_copies_blocks_exactly(dtype):
+def test_export_then_import_copies_blocks_exactly(dtype, coalescing):
     layout = KVLayout("tiny", dtype, 16, 6, 2, 8)
-    src, dst = KVCache(layout, 16), KVCache(layout, 16)
+    src = KVCache(layout, 16)
     for t in src.k + src.v:
         t.copy_(torch.randn(t.shape).to(t.dtype))
     spec = ChunkSpec(2, 5, 0, 3)
-    for src_ids, dst_ids in [([4, 5, 6], [9, 10, 11]), ([7, 1, 3], [0, 12, 5])]:
-        payload = torch.cat([s.reshape(-1) for s in read_chunk(src, src_ids, spec)])
+    for src_ids, dst_ids in [([4, 5, 6], [9, 10, 11]), ([7, 1, 3], [0, 12, 5]), ([4, 5, 6], [0, 12, 5]),
+                             ([7, 1, 3], [9, 10, 11])]:
+        dst = KVCache(layout, 16)
+        segments = read_chunk(src, src_ids, spec)
+        assert len(segments) == (1 if coalescing == "coalesced" else 2 * spec.num_layers)
+        payload = torch.cat([s.reshape(-1) for s in segments])
         assert payload.numel() * payload.element_size() == spec.num_bytes(layout)
         write_chunk(dst, dst_ids, spec, payload)
         for layer in range(2, 5):
             assert torch.equal(dst.k[layer][dst_ids], src.k[layer][src_ids])
             assert torch.equal(dst.v[layer][dst_ids], src.v[layer][src_ids])
-    assert not dst.k[0].any() and not dst.k[5].any()  # layers outside the chunk are untouched
+        assert not dst.k[0].any() and not dst.k[5].any()  # layers outside the chunk are untouched
 
 
-def test_consecutive_blocks_are_exported_as_cache_views_without_a_copy():
+def test_consecutive_blocks_are_exported_as_cache_views_without_a_copy(monkeypatch):
+    monkeypatch.setattr(chunks, "COALESCE_BELOW_BYTES", 0)
     cache = KVCache(LAYOUT, 16)
     segments = read_chunk(cache, [3, 4, 5], ChunkSpec(0, 2, 0, 3))
     assert [s.data_ptr() for s in segments] == [cache.k[0][3].data_ptr(), cache.v[0][3].data_ptr(),
                                                 cache.k[1][3].data_ptr(), cache.v[1][3].data_ptr()]
+
+
+def test_chunks_of_small_segments_move_as_one_buffer():
+    big = KVLayout("big", "float32", 16, 30, 3, 64)  # 12 KiB per block and layer
+    assert coalesced(big, ChunkSpec(0, 30, 0, 16)) and not coalesced(big, ChunkSpec(0, 1, 0, 128))
+    cache = KVCache(LAYOUT, 16)
+    for t in cache.k + cache.v:
+        t.normal_()
+    spec = ChunkSpec(1, 4, 0, 3)
+    [buffer] = read_chunk(cache, [3, 4, 5], spec)
+    assert buffer.is_contiguous() and buffer.numel() * buffer.element_size() == spec.num_bytes(LAYOUT)
+    expected = torch.cat([t[3:6].reshape(-1) for layer in range(1, 4) for t in (cache.k[layer], cache.v[layer])])
+    assert torch.equal(buffer.reshape(-1), expected)  # wire order: K then V of each layer
 
 
 def test_chunk_codec_is_plain_protobuf_both_ways():
