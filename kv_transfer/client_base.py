@@ -75,6 +75,7 @@ class KVClientBase:
         self.max_chunk_bytes = max_chunk_bytes
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._channels: dict[tuple[str, int], grpc.Channel] = {}
+        self._stubs: dict[str, KVTransferStub] = {}
         self._lock = threading.Lock()
         keep_message_buffers_in_heap(max_message_bytes)  # messages and staging buffers: chunk-sized
 
@@ -90,7 +91,11 @@ class KVClientBase:
             return self._channels[key]
 
     def stub(self, address: str) -> KVTransferStub:
-        return KVTransferStub(self.channel(address))
+        with self._lock:
+            stub = self._stubs.get(address)
+        if stub is None:
+            stub = self._stubs[address] = KVTransferStub(self.channel(address))
+        return stub
 
     def call_options(self) -> dict:
         return {"timeout": self.timeout_s, "metadata": self._metadata}
@@ -125,3 +130,4 @@ class KVClientBase:
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
+            self._stubs.clear()

@@ -151,13 +151,15 @@ class DistKVClient(KVClientBase):
         plan = plan_chunks(self.cache.layout, len(dst_block_ids), request.layer_start, request.layer_end,
                            request.max_chunk_bytes)
         progress = LayerProgress(request.layer_start, request.layer_end, len(dst_block_ids), on_layers)
-        try:
-            receives = _Receives(group, self.cache, plan, dst_block_ids)
-        except RuntimeError:  # the group broke while idle (the server discarded it); nothing landed yet
-            raise _PairGone from None
+        # Start the call first: the server opens the lease and gathers while we post the receives.
+        call = self.stub(handle.address).PullDist(request, **self.call_options())
         num_bytes = 0
         try:
-            for header in self.stub(handle.address).PullDist(request, **self.call_options()):
+            try:
+                receives = _Receives(group, self.cache, plan, dst_block_ids)
+            except RuntimeError:  # the group broke while idle (the server discarded it); nothing landed yet
+                raise _PairGone from None
+            for header in call:
                 # The server's KVServerConfig.dist_checksums decides whether there is a checksum.
                 chunk, checksum = receives.take(ChunkSpec(header.layer_start, header.layer_end, header.block_start,
                                                           header.block_end), header.HasField("xxh3_64"))
@@ -174,6 +176,8 @@ class DistKVClient(KVClientBase):
             raise type(err)(f"KV pull of {handle.request_id!r}: {err}") from None
         except RuntimeError as err:  # from the process group: the peer is gone or timed out
             raise KVTransferError(f"KV pull of {handle.request_id!r}: receive failed: {err}") from None
+        finally:
+            call.cancel()  # stops the server if we failed; nothing once the call has ended
         if not receives.done or not progress.complete:
             raise KVTransferError(f"KV pull of {handle.request_id!r} ended after {num_bytes} bytes")
         return num_bytes, len(plan)

@@ -26,17 +26,20 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from kv_transfer.chunks import ChunkSpec
 from kv_transfer.dist_group import RECEIVER_RANK, SENDER_RANK, abort_group, backend_for, open_store, pair_group
 from protos import kv_transfer_pb2 as pb
 
 if TYPE_CHECKING:
+    from kv_transfer.lease import Lease
     from kv_transfer.server import KVTransferServer
 
 logger = logging.getLogger(__name__)
 
-# Payload in flight per pull. Gathered (scattered-block) chunks sit in staging buffers that the gRPC handler
-# thread allocates from its own malloc arena, whose heaps are at most 64 MiB: a window that fits one heap keeps
-# freed buffers mapped, where a 64 MiB window had glibc unmap and re-fault them (~20 ms CPU per 94 MB pull).
+# Gathered payload in flight per pull (sends straight from cache views cost no memory and are not held back).
+# Gathered chunks sit in staging buffers that the gRPC handler thread allocates from its own malloc arena,
+# whose heaps are at most 64 MiB: a window that fits one heap keeps freed buffers mapped, where a 64 MiB
+# window had glibc unmap and re-fault them (~20 ms CPU per 94 MB pull).
 SEND_WINDOW_BYTES = 24 << 20
 
 
@@ -65,16 +68,18 @@ class _Sends:
         self.pending: deque[tuple[futures.Future, int]] = deque()
         self.tag = self.in_flight = 0
 
-    def post(self, segments: list[torch.Tensor]) -> None:
-        size = sum(s.numel() * s.element_size() for s in segments)
-        self.pending.append((self.thread.submit(self._send, segments, self.tag), size))
-        self.tag, self.in_flight = self.tag + len(segments), self.in_flight + size
+    def post(self, batch: list[tuple[ChunkSpec, list[torch.Tensor]]], staged: int) -> None:
+        """Post the sends of a batch of chunks, in one hand-off to the send thread; `staged` of their bytes
+        are gathered copies (the rest are views of the cache), and count toward the window."""
+        segments = [s for _, chunk in batch for s in chunk]
+        self.pending.append((self.thread.submit(self._send, segments, self.tag), staged))
+        self.tag, self.in_flight = self.tag + len(segments), self.in_flight + staged
 
     def _send(self, segments: list[torch.Tensor], tag: int) -> list[dist.Work]:
         return [self.group.send([s], RECEIVER_RANK, tag + i) for i, s in enumerate(segments)]
 
     def wait_below(self, limit: int) -> None:
-        """Wait for the oldest sends until at most `limit` bytes are in flight."""
+        """Wait for the oldest sends until at most `limit` staged bytes are in flight (all sends if negative)."""
         while self.pending and self.in_flight > limit:
             posted, size = self.pending.popleft()
             for work in posted.result():
@@ -163,6 +168,26 @@ class DistSender:
         finally:
             pair.lock.release()
 
+    def _ready_batches(self, lease: Lease, block_ids: list[int], request: pb.PullRequest, context: grpc.ServicerContext
+                       ) -> Iterator[tuple[list[tuple[ChunkSpec, list[torch.Tensor]]], int]]:
+        """The pull's exported chunks in plan order, with their gathered bytes, grouped: every chunk whose layers are ready goes into the
+        current batch, up to half the send window of gathered bytes. Posting a batch in one hand-off lets the
+        send thread write back to back (a whole pull, once prefill is done)."""
+        plan, wait_ready = self.server.chunk_plan(lease, len(block_ids), request, context)
+        cache = self.server.cache.kv.untyped_storage().data_ptr()
+        i = 0
+        while i < len(plan):
+            wait_ready(plan[i])
+            batch, staged = [], 0
+            while i < len(plan) and lease.layers_ready >= plan[i].layer_end and staged < SEND_WINDOW_BYTES // 2:
+                spec = plan[i]
+                segments = self.server.export_chunk(block_ids[spec.block_start:spec.block_end], spec, False)
+                batch.append((spec, segments))
+                if segments[0].untyped_storage().data_ptr() != cache:
+                    staged += sum(s.numel() * s.element_size() for s in segments)
+                i += 1
+            yield batch, staged
+
     def serve_pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.ChunkHeader]:
         with self._lock:
             pair = self._pairs.get(request.pair_id)
@@ -180,11 +205,12 @@ class DistSender:
             lease, block_ids = self.server.open_pull(request, context)
             sends, finished = _Sends(group, pair.sender), False
             try:
-                for spec, segments in self.server.chunks(lease, block_ids, request, context, to_host=False):
-                    sends.post(segments)
-                    yield self.server.chunk_header(spec, segments, checksum)  # hashed while the bytes go out
-                    sends.wait_below(SEND_WINDOW_BYTES)
-                sends.wait_below(0)
+                for batch, staged in self._ready_batches(lease, block_ids, request, context):
+                    sends.post(batch, staged)
+                    for spec, segments in batch:
+                        yield self.server.chunk_header(spec, segments, checksum)  # hashed while the bytes go out
+                    sends.wait_below(SEND_WINDOW_BYTES // 2)
+                sends.wait_below(-1)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # the blocks may be reused once the lease ends
                 finished = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -175,18 +175,30 @@ class KVTransferServer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block index beyond the request's blocks")
         return lease, [lease.block_ids[i] for i in request.block_indices]
 
-    def chunks(self, lease: Lease, block_ids: list[int], request: pb.PullRequest,
-               context: grpc.ServicerContext, to_host: bool) -> Iterator[tuple[ChunkSpec, list[torch.Tensor]]]:
-        """Export the pull's chunks in plan order, each once the producer has marked its layers ready."""
+    def chunk_plan(self, lease: Lease, num_blocks: int, request: pb.PullRequest,
+                   context: grpc.ServicerContext) -> tuple[list[ChunkSpec], Callable[[ChunkSpec], None]]:
+        """The pull's chunks in send order, and a function that blocks until a chunk's layers are ready
+        (aborting the call when the lease goes away or the deadline passes first)."""
         remaining = context.time_remaining()
         deadline = time.monotonic() + (remaining if remaining is not None else self.config.lease_ttl_s)
         context.add_callback(self.leases.wake)
-        for spec in plan_chunks(self.cache.layout, len(block_ids), request.layer_start,
-                                request.layer_end, request.max_chunk_bytes):
+
+        def wait_ready(spec: ChunkSpec) -> None:
             if not self.leases.wait_layers(lease, spec.layer_end, deadline, context.is_active):
                 if lease.released:
                     context.abort(grpc.StatusCode.NOT_FOUND, f"lease of {request.request_id!r} was released")
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "KV layers were not ready in time")
+
+        plan = plan_chunks(self.cache.layout, num_blocks, request.layer_start, request.layer_end,
+                           request.max_chunk_bytes)
+        return plan, wait_ready
+
+    def chunks(self, lease: Lease, block_ids: list[int], request: pb.PullRequest,
+               context: grpc.ServicerContext, to_host: bool) -> Iterator[tuple[ChunkSpec, list[torch.Tensor]]]:
+        """Export the pull's chunks in plan order, each once the producer has marked its layers ready."""
+        plan, wait_ready = self.chunk_plan(lease, len(block_ids), request, context)
+        for spec in plan:
+            wait_ready(spec)
             yield spec, self.export_chunk(block_ids[spec.block_start:spec.block_end], spec, to_host)
 
     def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
