@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import os
 import secrets
 from dataclasses import dataclass, replace
 
@@ -23,6 +24,12 @@ class WorkerInfo:
     ready: bool = False  # model loaded; only ready workers are routed to or health-checked
     healthy: bool = False
     draining: bool = False
+
+
+# glibc gives every thread that allocates its own arena, each faulted in anew; KV messages are handled by
+# pool threads that rotate, so a fresh worker's first 10-20 pulls paid that again and again (23-65 ms
+# instead of 10-13 ms for 11.8 MB between two actors). It is read at process start, hence an env var.
+WORKER_ENV = {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
 
 
 def _actor_class(pool: str):
@@ -53,7 +60,7 @@ class WorkerPool:
             num_gpus = 1.0 if self.config.device in ("auto", "cuda") and _cluster_has_gpus() else 0.0
         return {"num_cpus": pc.num_cpus, "num_gpus": num_gpus, "resources": dict(pc.resources),
                 "max_restarts": pc.max_restarts, "max_task_retries": 0, "max_concurrency": 1000,
-                "namespace": self.config.namespace}
+                "namespace": self.config.namespace, "runtime_env": {"env_vars": WORKER_ENV}}
 
     def add_worker(self) -> WorkerInfo:
         worker_id = f"{self.pool}-{next(self._ids)}"

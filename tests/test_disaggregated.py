@@ -1,5 +1,6 @@
 """Disaggregated prefill/decode on a real (simulated two-node) Ray cluster with real actors and gRPC."""
 import asyncio
+import os
 import random
 import time
 
@@ -50,6 +51,13 @@ def test_disaggregated_equals_colocated_and_hf_for_concurrent_requests(pools, co
     for prompt, (d_tokens, _), (c_tokens, _) in zip(batch, disagg, coloc):
         assert d_tokens == c_tokens == hf_greedy(tiny_llama_dir, prompt, GREEDY.max_tokens)
     assert ray.get(only(pools.decode).transfer_stats.remote())["remote_prefills"] >= 6
+
+
+def test_workers_run_with_few_malloc_arenas(pools):
+    """KV messages warm one arena for good, not one per pool thread (see cluster/pools.py)."""
+    for pool in (pools.prefill, pools.decode):
+        env = ray.get(only(pool).__ray_call__.remote(lambda self: os.environ.get("MALLOC_ARENA_MAX")))
+        assert env == "2"
 
 
 def test_first_token_arrives_while_decode_is_still_running(pools):
