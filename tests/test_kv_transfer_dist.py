@@ -10,10 +10,14 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from engine.kv_cache import KVCache
 from kv_transfer.dist_client import DistKVClient
+from kv_transfer.wire import layout_to_proto
+from protos import kv_transfer_pb2 as pb
+from protos.kv_transfer_pb2_grpc import KVTransferStub
 from tests.test_kv_transfer import LAYOUT, TOKEN, Released, _start, assert_blocks_equal, peers, random_cache  # noqa: F401
 
 def gloo_threads() -> int:
@@ -66,3 +70,22 @@ def test_a_client_that_vanishes_without_disconnect_leaves_no_gloo_threads_behind
     proc.kill()
     proc.join(30)
     assert wait_until(lambda: server.dist.num_pairs == 0 and gloo_threads() == before)
+
+
+@pytest.mark.parametrize("transport", ["torch_dist"])
+def test_a_pair_whose_client_never_joins_is_discarded(peers):
+    server = peers.server(dist_timeout_s=1.0, dist_pair_idle_s=0.5)
+    before = gloo_threads()
+    stub = KVTransferStub(grpc.insecure_channel(server.address))
+    auth = (("authorization", f"Bearer {TOKEN}"),)
+    stub.Connect(pb.ConnectRequest(pair_id="never-joins", layout=layout_to_proto(LAYOUT)), metadata=auth,
+                 timeout=10)
+    assert server.dist.num_pairs == 1  # joining in the background, waiting for rank 1
+    assert wait_until(lambda: server.dist.num_pairs == 0, timeout=15)
+    assert wait_until(lambda: gloo_threads() == before, timeout=5)  # its Gloo device's thread is gone too
+    request = pb.PullRequest(request_id="req", layout=layout_to_proto(LAYOUT), block_indices=[0], layer_start=0,
+                             layer_end=LAYOUT.num_layers, max_chunk_bytes=1 << 20, pair_id="never-joins")
+    server.lease("req", [0], [], 16, Released())
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.PullDist(request, metadata=auth, timeout=10))
+    assert err.value.code() == grpc.StatusCode.ABORTED  # the client would connect a new pair
