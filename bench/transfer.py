@@ -9,7 +9,8 @@ and thread settings never leak from one case into another:
   bare gRPC byte stream                     one server-streaming call of raw 4 MiB bytes messages
   bare Gloo send/recv                       one send/recv of the whole buffer on a two-rank Gloo group
   raw TCP                                   sendall / recv_into on one loopback socket
-  NCCL cases                                only with two visible GPUs (NCCL refuses two ranks on one GPU)
+  tandem gRPC (CUDA caches)                 with a GPU: both processes' caches on it
+  NCCL case                                 only with two visible GPUs (NCCL refuses two ranks on one GPU)
 
 "CPU ms/pull" is the user + system time of both processes per pull: on a shared
 box it says what the wall-clock numbers cannot (less is faster on idle cores).
@@ -202,8 +203,9 @@ def timed(args, fn) -> dict:
 
 
 def recv_tandem(args, case, handle, sender) -> dict:
-    layout = layout_for(case["device"])
-    cache = KVCache(layout, args.blocks + 8, case["device"])
+    device = case.get("recv_device", case["device"])
+    layout = layout_for(device)
+    cache = KVCache(layout, args.blocks + 8, device)
     client = (DistKVClient if case["dist"] else GrpcKVClient)(cache, TOKEN, max_message_bytes=16 << 20)
     dst = block_ids(args.blocks, case.get("scattered", False), seed=2)
     everything = list(range(args.blocks))
@@ -329,7 +331,6 @@ def main() -> None:
     args.blocks = args.tokens // 16
     layout = layout_for("cpu")
     nbytes = 2 * layout.num_layers * args.blocks * layout.bytes_per_block_per_layer
-    devices = ["cpu"] + (["cuda"] if torch.cuda.device_count() >= 2 else [])
     cases = {
         "tandem gRPC": dict(send=send_tandem, recv=recv_tandem, dist=False, device="cpu", pipelining=True),
         "tandem gRPC, scattered blocks": dict(send=send_tandem, recv=recv_tandem, dist=False, device="cpu",
@@ -345,13 +346,17 @@ def main() -> None:
         "bare Gloo send/recv": dict(send=send_bare_gloo, recv=recv_bare_gloo),
         "raw TCP": dict(send=send_raw_tcp, recv=recv_raw_tcp),
     }
-    if "cuda" in devices:
+    gpus = torch.cuda.device_count()
+    if gpus >= 1:  # gRPC between two processes sharing one GPU: device -> host -> wire -> host -> device
+        cases["tandem gRPC (CUDA caches)"] = dict(send=send_tandem, recv=recv_tandem, dist=False, device="cuda:0",
+                                                  recv_device="cuda:0")
+    if gpus >= 2:  # NCCL refuses two ranks on one GPU (since NCCL 2.5), so the receiver takes the second one
         cases["tandem torch.distributed (nccl)"] = dict(send=send_tandem, recv=recv_tandem, dist=True,
-                                                         device="cuda", pipelining=True)
+                                                         device="cuda:0", recv_device="cuda:1", pipelining=True)
     print(f"KV of {args.tokens} tokens: {nbytes / 1e6:.1f} MB ({layout}); {args.repeats} rounds after a warm-up; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    if "cuda" not in devices:
-        print("NCCL cases skipped: they need two visible GPUs")
+    if gpus < 2:
+        print(f"NCCL case skipped: it needs two visible GPUs ({gpus} here)")
     print(f"{'case':52s} {'median GB/s':>12s} {'best GB/s':>10s} {'CPU ms/pull':>12s}")
     pipelining = {}
     for name, case in cases.items():
