@@ -55,6 +55,9 @@ class _Pair:
         return self.group.done() and self.group.exception() is not None
 
 
+_Chunk = tuple[ChunkSpec, list[torch.Tensor]]  # a chunk's spec and its payload segments
+
+
 class _Sends:
     """A pull's point-to-point sends, posted in plan order on the pair's send thread.
 
@@ -68,7 +71,7 @@ class _Sends:
         self.pending: deque[tuple[futures.Future, int]] = deque()
         self.tag = self.in_flight = 0
 
-    def post(self, batch: list[tuple[ChunkSpec, list[torch.Tensor]]], staged: int) -> None:
+    def post(self, batch: list[_Chunk], staged: int) -> None:
         """Post the sends of a batch of chunks, in one hand-off to the send thread; `staged` of their bytes
         are gathered copies (the rest are views of the cache), and count toward the window."""
         segments = [s for _, chunk in batch for s in chunk]
@@ -168,11 +171,14 @@ class DistSender:
         finally:
             pair.lock.release()
 
-    def _ready_batches(self, lease: Lease, block_ids: list[int], request: pb.PullRequest, context: grpc.ServicerContext
-                       ) -> Iterator[tuple[list[tuple[ChunkSpec, list[torch.Tensor]]], int]]:
-        """The pull's exported chunks in plan order, with their gathered bytes, grouped: every chunk whose layers are ready goes into the
-        current batch, up to half the send window of gathered bytes. Posting a batch in one hand-off lets the
-        send thread write back to back (a whole pull, once prefill is done)."""
+    def _ready_batches(self, lease: Lease, block_ids: list[int], request: pb.PullRequest,
+                       context: grpc.ServicerContext) -> Iterator[tuple[list[_Chunk], int]]:
+        """The pull's exported chunks in plan order, in batches, each with its gathered (staged) bytes.
+
+        A batch holds every chunk whose layers are ready, up to half the send window of gathered bytes
+        (sends straight from cache views cost no memory). Posting a batch in one hand-off lets the send
+        thread write back to back: a whole pull of consecutive blocks, once prefill is done.
+        """
         plan, wait_ready = self.server.chunk_plan(lease, len(block_ids), request, context)
         cache = self.server.cache.kv.untyped_storage().data_ptr()
         i = 0

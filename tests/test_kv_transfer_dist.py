@@ -20,6 +20,7 @@ from protos import kv_transfer_pb2 as pb
 from protos.kv_transfer_pb2_grpc import KVTransferStub
 from tests.test_kv_transfer import LAYOUT, TOKEN, Released, _start, assert_blocks_equal, peers, random_cache  # noqa: F401
 
+
 def gloo_threads() -> int:
     """Gloo's I/O threads in this process: one per live pair group (once discarded ones are collected)."""
     gc.collect()
