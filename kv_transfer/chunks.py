@@ -89,7 +89,7 @@ def cache_views(cache: KVCache, block_ids: list[int], spec: ChunkSpec) -> list[t
     start = consecutive_start(block_ids)
     if start is None:
         return None
-    return list(_layers(cache, spec)[:, :, start:start + len(block_ids)].flatten(0, 1).unbind(0))
+    return segments(_layers(cache, spec)[:, :, start:start + len(block_ids)])
 
 
 def chunk_shape(layout: KVLayout, spec: ChunkSpec) -> tuple[int, ...]:
@@ -102,9 +102,9 @@ def staging_buffer(cache: KVCache, spec: ChunkSpec) -> torch.Tensor:
     return torch.empty(chunk_shape(cache.layout, spec), dtype=cache.kv.dtype, device=cache.kv.device)
 
 
-def segments(staging: torch.Tensor) -> list[torch.Tensor]:
-    """A staging buffer split like `cache_views`: K, V per layer."""
-    return list(staging.flatten(0, 1).unbind(0))
+def segments(payload: torch.Tensor) -> list[torch.Tensor]:
+    """A [layers, 2, blocks, ...] payload (staging, or a block slice of the cache) as K, V views per layer."""
+    return list(payload.flatten(0, 1).unbind(0))
 
 
 def read_chunk(cache: KVCache, block_ids: list[int], spec: ChunkSpec) -> list[torch.Tensor]:
@@ -113,10 +113,9 @@ def read_chunk(cache: KVCache, block_ids: list[int], spec: ChunkSpec) -> list[to
     one_buffer = coalesced(cache.layout, spec)
     start = consecutive_start(block_ids)
     layers = _layers(cache, spec)
-    if start is not None and not one_buffer:
-        return cache_views(cache, block_ids, spec)
     if start is not None:
-        return [layers[:, :, start:start + len(block_ids)].contiguous()]
+        block_slice = layers[:, :, start:start + len(block_ids)]
+        return [block_slice.contiguous()] if one_buffer else segments(block_slice)
     index = torch.tensor(block_ids, dtype=torch.long, device=cache.kv.device)
     staging = torch.index_select(_wide(layers), 2, index).view(cache.kv.dtype)
     return [staging] if one_buffer else segments(staging)

@@ -91,10 +91,9 @@ class KVClientBase:
             return self._channels[key]
 
     def stub(self, address: str) -> KVTransferStub:
-        with self._lock:
-            stub = self._stubs.get(address)
-        if stub is None:
-            stub = self._stubs[address] = KVTransferStub(self.channel(address))
+        stub = self._stubs.get(address)
+        if stub is None:  # two threads may both build one; either will do
+            stub = self._stubs.setdefault(address, KVTransferStub(self.channel(address)))
         return stub
 
     def call_options(self) -> dict:
