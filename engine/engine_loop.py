@@ -21,6 +21,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class EngineStopped(RuntimeError):
+    """The worker is shutting down: its engine takes no more commands."""
+
+
 class EngineLoop:
     """Owns the stepping thread; `subscribe` gives a queue of a request's outputs."""
 
@@ -37,11 +41,10 @@ class EngineLoop:
     def submit(self, fn: Callable[..., T], *args) -> Future:
         """Run `fn(*args)` on the loop thread before its next step; returns a future of the result."""
         future: Future = Future()
-        if self.stopped:
-            future.set_exception(RuntimeError("engine loop stopped"))
-            return future
         self.inbox.append((fn, args, future))
         self.wakeup.set()
+        if self.stopped:  # stop() may already have failed what was queued
+            self._fail_inbox()
         return future
 
     async def run(self, fn: Callable[..., T], *args) -> T:
@@ -60,6 +63,7 @@ class EngineLoop:
         self.stopped = True
         self.wakeup.set()
         self.thread.join(timeout=5)
+        self._fail_inbox()
 
     def _run(self) -> None:
         while not self.stopped:
@@ -85,6 +89,15 @@ class EngineLoop:
                 future.set_result(fn(*args))
             except Exception as exc:
                 future.set_exception(exc)
+
+    def _fail_inbox(self) -> None:
+        """Commands the stopped loop will never run fail instead of leaving their callers waiting."""
+        while True:
+            try:
+                _, _, future = self.inbox.popleft()
+            except IndexError:
+                return
+            future.set_exception(EngineStopped("the engine loop has stopped"))
 
     def _deliver(self, out: RequestOutput) -> None:
         target = self.queues.get(out.request_id)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import ray
 
 from cluster.metrics import Metrics
+from engine.engine_loop import EngineStopped
 from engine.protocol import WorkerStats
 from router.index import PrefixIndex
 from router.policy import RouteDecision, Router, WorkerLoad
@@ -37,6 +38,7 @@ class WorkerState:
     stats: WorkerStats | None = None
     stats_asked_at: float = 0.0  # monotonic time the current stats were asked for
     pending: dict[str, tuple[float, int]] = field(default_factory=dict)  # request id -> (routed at, prefill tokens)
+    ended: list[float] = field(default_factory=list)  # when requests the current stats may count ended
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -46,7 +48,8 @@ class WorkerState:
 
     def load(self) -> WorkerLoad:
         """The last reported load plus what this replica routed here since that report was asked for,
-        so a burst does not pile onto one worker between two stats polls."""
+        so a burst does not pile onto one worker between two stats polls, less the decode requests that
+        ended since, so a worker that just finished does not look busy until the next poll."""
         s = self.stats
         load = WorkerLoad(self.worker_id, healthy=self.schedulable)
         if s is not None:
@@ -60,7 +63,14 @@ class WorkerState:
                     load.num_running += 1
                 else:
                     load.num_waiting += 1
+        ended = sum(1 for t in self.ended if t >= self.stats_asked_at)
+        load.num_running = max(0, load.num_running - ended)
         return load
+
+    def report(self, stats: WorkerStats, asked_at: float) -> None:
+        """Take stats asked for at `asked_at`; requests that ended before then are no longer in them."""
+        self.stats, self.stats_asked_at = stats, asked_at
+        self.ended = [t for t in self.ended if t >= asked_at]
 
 
 class WorkerView:
@@ -124,9 +134,14 @@ class WorkerView:
                 self.workers[placement.worker_id].pending[request_id] = (now, tokens)
 
     def end(self, decision: RouteDecision, request_id: str) -> None:
+        now = time.monotonic()
         for placement in (decision.decode, decision.prefill):
-            if placement is not None and placement.worker_id in self.workers:
-                self.workers[placement.worker_id].pending.pop(request_id, None)
+            if placement is not None and (w := self.workers.get(placement.worker_id)) is not None:
+                routed_at, _ = w.pending.pop(request_id, (now, 0))
+                # Only a decode worker's batch holds the request to its end; its current stats,
+                # asked for after the request was routed, may still count it.
+                if w.pool == "decode" and routed_at < w.stats_asked_at:
+                    w.ended.append(now)
 
     def actor(self, worker_id: str):
         return self.workers[worker_id].actor
@@ -212,12 +227,14 @@ class WorkerView:
                 await asyncio.sleep(self.retry_s)
                 continue
             w.reachable = True
-            w.stats, w.stats_asked_at = stats, asked
+            w.report(stats, asked)
             self.metrics.workers.update(stats, transfer)
             await asyncio.sleep(self.stats_interval_s)
 
     def _failed(self, w: WorkerState, exc: Exception) -> None:
         if isinstance(exc, ray.exceptions.RayActorError):
             self.lost(w.worker_id, type(exc).__name__)
+        elif isinstance(exc, EngineStopped):  # being removed; membership will say so shortly
+            self.lost(w.worker_id, "shutting down")
         else:  # a bug, not a dead worker: keep its entries, say so, retry
             logger.exception("polling worker %s failed", w.worker_id, exc_info=exc)

@@ -132,3 +132,19 @@ def test_decode_without_prefill_worker_prefills_locally(pools, tiny_llama_dir):
     [(tokens, _)] = run_all([GenerateRequest("local-1", prompt, GREEDY)], decode, None)
     assert tokens == hf_greedy(tiny_llama_dir, prompt, GREEDY.max_tokens)
     assert ray.get(decode.transfer_stats.remote())["local_prefills"] == before + 1
+
+
+def test_a_worker_shutting_down_answers_engine_stopped_to_the_router(colocated):
+    """The router polls workers the controller is removing; their answer must read as "going away"
+    (EngineStopped, routed around quietly), not as a bug in the worker."""
+    from engine.engine_loop import EngineStopped
+
+    info = colocated.decode.scale_up(1)[0]
+    try:
+        colocated.decode.wait_ready([info])
+        ray.get(info.actor.shutdown.remote())
+        for call in (info.actor.stats.remote(), info.actor.kv_events.remote(-1, 0.0)):
+            with pytest.raises(EngineStopped):
+                ray.get(call, timeout=30)
+    finally:
+        colocated.decode.remove(info.worker_id)

@@ -1,0 +1,97 @@
+"""One ingress replica's view of its workers: load between stats polls, and workers going away."""
+import asyncio
+import logging
+import threading
+import time
+
+import pytest
+
+from cluster.metrics import Metrics
+from engine.engine_loop import EngineLoop, EngineStopped
+from engine.hashing import block_hashes
+from engine.kv_events import KVEvent, KVEventBatch
+from engine.protocol import WorkerStats
+from router.index import PrefixIndex
+from router.policy import Router
+from router.worker_view import WorkerState, WorkerView
+
+BLOCK = 16
+PROMPT = list(range(100, 140))  # two full blocks and a partial one
+
+
+def view_with(*workers: str) -> WorkerView:
+    view = WorkerView(controller=None, router=Router(PrefixIndex(), BLOCK), metrics=Metrics(), colocated=False)
+    for worker_id in workers:
+        view.workers[worker_id] = WorkerState(worker_id, "decode", actor=None, healthy=True, draining=False)
+        view.workers[worker_id].report(WorkerStats(worker_id, "decode", num_total_blocks=64), time.monotonic())
+    return view
+
+
+def poll(view: WorkerView, worker_id: str, **counters) -> None:
+    """A stats report asked for now, as `_poll_stats` takes it."""
+    view.workers[worker_id].report(WorkerStats(worker_id, "decode", num_total_blocks=64, **counters),
+                                   time.monotonic())
+
+
+def test_a_worker_that_just_finished_a_request_does_not_look_busy_until_the_next_poll():
+    view = view_with("decode-0", "decode-1")
+    view.index.apply(KVEventBatch("decode-0", 0, [KVEvent("stored", block_hashes(PROMPT, BLOCK))]))
+    first = view.route(block_hashes(PROMPT, BLOCK), len(PROMPT))
+    assert first.decode.worker_id == "decode-0" and first.decode.cached_tokens == 32
+    view.begin(first, "r1", len(PROMPT))
+    poll(view, "decode-0", num_running=1)  # asked while r1 runs
+    assert view.workers["decode-0"].load().num_running == 1
+    view.end(first, "r1")
+    assert view.workers["decode-0"].load().num_running == 0
+    # So the repeat goes where its blocks are, not to the idle worker that caches nothing.
+    assert view.route(block_hashes(PROMPT, BLOCK), len(PROMPT)).decode.worker_id == "decode-0"
+    poll(view, "decode-0", num_running=0)  # the next report no longer counts r1; nothing is subtracted twice
+    assert view.workers["decode-0"].ended == []
+    view.begin(first, "r2", len(PROMPT))
+    assert view.workers["decode-0"].load().num_running == 1
+
+
+def test_a_request_routed_after_the_report_is_counted_once_and_forgotten_at_its_end():
+    view = view_with("decode-0")
+    poll(view, "decode-0", num_running=2)  # two requests from another replica
+    decision = view.route([], 8)
+    view.begin(decision, "mine", 8)
+    assert view.workers["decode-0"].load().num_running == 3
+    view.end(decision, "mine")  # the report never counted it: nothing to subtract
+    assert view.workers["decode-0"].load().num_running == 2
+
+
+def test_a_worker_shutting_down_is_routed_around_without_an_error_log(caplog):
+    view = view_with("decode-0", "decode-1")
+    view.index.apply(KVEventBatch("decode-0", 0, [KVEvent("stored", block_hashes(PROMPT, BLOCK))]))
+    with caplog.at_level(logging.WARNING, logger="router.worker_view"):
+        view._failed(view.workers["decode-0"], EngineStopped("the engine loop has stopped"))
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "shutting down" in caplog.text and "Traceback" not in caplog.text
+    assert not view.workers["decode-0"].schedulable
+    assert view.route(block_hashes(PROMPT, BLOCK), len(PROMPT)).decode.worker_id == "decode-1"
+
+
+class IdleEngine:
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+
+def test_commands_to_a_stopped_engine_loop_fail_instead_of_hanging():
+    loop = EngineLoop(IdleEngine())
+    assert loop.submit(lambda: 7).result(timeout=5) == 7
+    blocked, release = threading.Event(), threading.Event()
+    running = loop.submit(lambda: (blocked.set(), release.wait(10)))
+    assert blocked.wait(5)
+    queued = loop.submit(lambda: "never")  # behind a command still running when stop() gives up
+    stopper = threading.Thread(target=loop.stop)
+    stopper.start()
+    stopper.join(timeout=10)
+    release.set()
+    with pytest.raises(EngineStopped):
+        queued.result(timeout=5)
+    assert running.result(timeout=5)[1] is True
+    with pytest.raises(EngineStopped):
+        loop.submit(lambda: 8).result(timeout=5)
+    with pytest.raises(EngineStopped):
+        asyncio.run(loop.run(lambda: 9))
