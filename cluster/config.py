@@ -51,6 +51,7 @@ class RouterOptions(_Strict):
     max_remote_prefill_cache_hit_ratio: float = Field(0.7, ge=0, le=1)
     max_prefill_queue_size: int = Field(2, ge=1)
     max_queued_requests: int = Field(256, ge=1)
+    migration_limit: int = Field(3, ge=0)  # moves of one request after its decode worker died mid-stream
 
 
 class ClusterConfig(_Strict):

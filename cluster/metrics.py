@@ -39,6 +39,8 @@ class Metrics:
                                registry=r)
         self.routing_hits = Counter("tandem:routing_prefix_hit_blocks", "Prompt blocks cached on the chosen worker.",
                                     ["pool", "worker"], registry=r)
+        self.migrations = Counter("tandem:request_migrations", "Requests moved on after their decode worker "
+                                  "failed mid-stream, by the worker that failed.", ["worker"], registry=r)
         self.rejected = Counter("tandem:requests_rejected", "Requests refused at admission.", ["reason"],
                                 registry=r)
         self.scaling = Counter("tandem:scaling_events",

@@ -64,8 +64,11 @@ class Engine:
                                                   return_dict=False)
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                     cache_salt: str | None = None) -> Request:
-        """Validate and build a request without queueing it (workers use this for their own bookkeeping)."""
+                     cache_salt: str | None = None, output_token_ids: Sequence[int] = ()) -> Request:
+        """Validate and build a request without queueing it (workers use this for their own bookkeeping).
+
+        `output_token_ids` are tokens the request already generated elsewhere (a migrated request): they
+        are prefilled with the prompt, count toward max_tokens and are not streamed again."""
         params.validate(self.runner.vocab_size)
         if params.n != 1:
             raise InvalidRequestError("a request yields one sequence; expand n into n requests "
@@ -85,9 +88,15 @@ class Engine:
             raise InvalidRequestError(f"prompt + max_tokens needs more KV blocks than this worker has "
                                       f"({self.block_manager.num_blocks} x {self.config.block_size} tokens)",
                                       field="max_tokens")
+        if output_token_ids:
+            vocab = self.runner.vocab_size
+            if len(output_token_ids) >= max_tokens or not all(0 <= t < vocab for t in output_token_ids):
+                raise InvalidRequestError(f"output_token_ids must be fewer than max_tokens={max_tokens} token ids "
+                                          f"below {vocab}", field="output_token_ids")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
         generator = None if params.greedy else torch.Generator(self.runner.device).manual_seed(seed)
-        return Request(request_id, prompt_ids, params, max_tokens, cache_salt, generator)
+        return Request(request_id, prompt_ids, params, max_tokens, cache_salt, generator,
+                       all_token_ids=[*prompt_ids, *output_token_ids])
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None) -> Request:

@@ -15,9 +15,17 @@ class GenerateRequest:
     sampling_params: SamplingParams
     cache_salt: str | None = None
     times: dict[str, float] = field(default_factory=lambda: {"arrival": time.time()})
+    # Set when the request is migrated: tokens another worker generated and the client already has.
+    # The new worker computes them as context and streams only what follows.
+    output_token_ids: list[int] = field(default_factory=list)
 
     def stamp(self, stage: str) -> None:
         self.times[stage] = time.time()
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Tokens a worker must hold KV for before it samples: the prompt and any migrated output."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 @dataclass(slots=True)

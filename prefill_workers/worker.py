@@ -13,6 +13,7 @@ import logging
 import secrets
 
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.layer_progress import LayerProgress
 from engine.protocol import GenerateRequest, PrefillResult, TokenDelta
 from engine.request import Request
@@ -54,6 +55,9 @@ class PrefillWorker(EngineServer):
         Layer-wise, the result may come back before the first token (`first` None): see `first_token`."""
         if self.draining:
             raise WorkerDraining(f"prefill worker {self.worker_id} is draining")
+        if request.output_token_ids:
+            raise InvalidRequestError("a prefill worker hands over prompt KV only; a migrated request "
+                                      "prefills on its decode worker", field="output_token_ids")
         request.stamp("prefill_queued")
         engine_req = self.build_request(request)
         engine_req.do_remote_decode = True

@@ -78,7 +78,9 @@ class Ingress:
         self.service = OpenAIService(model, tokenizer, Authenticator(config.api_keys),
                                      Admission(config.router.max_queued_requests,
                                                self.metrics.rejected.labels("admission_full")),
-                                     RequestRouter(self.view, self.metrics, latencies), config.engine.block_size)
+                                     RequestRouter(self.view, self.metrics, latencies,
+                                                   migration_limit=config.router.migration_limit),
+                                     config.engine.block_size)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         admin = build_admin_router(lambda: get_controller(self.config.name, self.config.namespace),

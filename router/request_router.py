@@ -1,8 +1,14 @@
-"""Runs one sequence through the cluster: place it, run it, re-place it if its worker fails early.
+"""Runs one sequence through the cluster: place it, run it, re-place it if its worker fails.
 
 A worker that is draining or dead before anything reached the client is excluded and the request is
-placed again (a bounded number of times). Once tokens went out, the stream ends with finish_reason
-"error": moving a half-generated request to another worker is future work (request migration).
+placed again (a bounded number of times). A decode worker that dies once tokens went out has its
+request migrated (Dynamo's name): placed on another decode worker with the tokens streamed so far, which
+it prefills locally (prompt + those tokens) and continues after, so the client's stream goes on. Only
+past `migration_limit` migrations does the stream end with finish_reason "error".
+
+A migrated request continues exactly where a greedy one would have: same tokens, same text. A seeded
+sampling request draws from a freshly seeded generator on the new worker, so its continuation is not
+the one it would have had.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from contextlib import aclosing
 import ray
 
 from cluster.metrics import Metrics
+from engine import hashing
 from engine.protocol import GenerateRequest, TokenDelta
 from engine.serving import WorkerDraining
 from router.dispatch import run_request
@@ -27,11 +34,13 @@ logger = logging.getLogger(__name__)
 class RequestRouter:
     """Places and runs GenerateRequests, and observes each one's latencies when it ends."""
 
-    def __init__(self, view: WorkerView, metrics: Metrics, latencies: LatencyReporter, max_attempts: int = 3):
+    def __init__(self, view: WorkerView, metrics: Metrics, latencies: LatencyReporter, max_attempts: int = 3,
+                 migration_limit: int = 3):
         self.view = view
         self.metrics = metrics
         self.latencies = latencies
-        self.max_attempts = max_attempts
+        self.max_attempts = max_attempts  # placements before the first token
+        self.migration_limit = migration_limit  # placements after it
 
     async def stream(self, request: GenerateRequest, block_hashes: Sequence[int]) -> AsyncIterator[TokenDelta]:
         """Yield the request's token deltas. Closing the iterator aborts it on every worker it runs on.
@@ -40,17 +49,20 @@ class RequestRouter:
         refuses it (both before anything was yielded)."""
         excluded: set[str] = set()
         token_times: list[float] = []
-        for attempt in range(self.max_attempts):
+        streamed: list[int] = []  # token ids the client has, over every worker the request ran on
+        attempts = migrations = 0
+        while attempts < self.max_attempts:
             decision = self._route(request, block_hashes, excluded)
             decode = decision.decode.worker_id
             prefill = decision.prefill.worker_id if decision.prefill else None
-            finished = False
+            finished = migrating = False
             try:
                 actors = self.view.actor(decode), prefill and self.view.actor(prefill)
                 async with aclosing(run_request(request, *actors)) as deltas:
                     async for delta in deltas:
                         if delta.token_ids:
                             token_times.append(time.time())
+                            streamed.extend(delta.token_ids)
                         # Each worker stamps its own copy of the request; gather the stages here.
                         request.times.update(delta.times)
                         if delta.finished:
@@ -63,29 +75,49 @@ class RequestRouter:
                 failed = prefill if prefill is not None and not token_times else decode
                 if isinstance(exc, ray.exceptions.RayActorError):
                     self.view.lost(failed, type(exc).__name__)
-                if token_times:
+                excluded.add(failed)
+                if not token_times:
+                    attempts += 1
+                    logger.info("re-routing %s away from %s (attempt %d): %s", request.request_id, failed,
+                                attempts, type(exc).__name__)
+                    continue
+                if migrations == self.migration_limit:
                     finished = True
                     self._observe(decode, request.times, token_times, "error")
                     yield _failed_delta(request, decision, exc)
                     return
-                excluded.add(failed)
-                logger.info("re-routing %s away from %s (attempt %d): %s", request.request_id, failed,
-                            attempt + 1, type(exc).__name__)
+                migrations += 1
+                migrating = True
+                self.metrics.migrations.labels(failed).inc()
+                logger.warning("migrating %s from %s after %d tokens (migration %d): %s", request.request_id,
+                               failed, len(streamed), migrations, type(exc).__name__)
+                block_hashes = self._resume(request, block_hashes, streamed)
             finally:
                 self.view.end(decision, request.request_id)
-                if not finished and token_times:  # the client went away mid-stream
+                if not finished and not migrating and token_times:  # the client went away mid-stream
                     self._observe(decode, request.times, token_times, "abort")
         self.metrics.rejected.labels("no_decode_worker").inc()
         raise NoDecodeWorker(f"no worker could take the request in {self.max_attempts} attempts")
 
+    def _resume(self, request: GenerateRequest, block_hashes: Sequence[int], streamed: list[int]) -> list[int]:
+        """Make `request` continue after the tokens already streamed; returns the block hashes of its
+        new context (prompt + those tokens), extending the prompt's."""
+        request.output_token_ids = list(streamed)
+        context = request.prompt_token_ids + request.output_token_ids
+        hashes = list(block_hashes)
+        parent = hashes[-1] if hashes else hashing.NONE_HASH
+        return hashes + hashing.block_hashes(context, self.view.block_size, request.cache_salt, len(hashes), parent)
+
     def _route(self, request: GenerateRequest, block_hashes: Sequence[int], excluded: set[str]) -> RouteDecision:
         try:
-            decision = self.view.route(block_hashes, len(request.prompt_token_ids), excluded)
+            # A migrated request prefills on its decode worker: a prefill worker hands over prompt KV only.
+            decision = self.view.route(block_hashes, request.num_context_tokens, excluded,
+                                       remote_prefill=not request.output_token_ids)
         except NoDecodeWorker:
             self.metrics.rejected.labels("no_decode_worker").inc()
             raise
         request.stamp("routed")
-        self.view.begin(decision, request.request_id, len(request.prompt_token_ids))
+        self.view.begin(decision, request.request_id, request.num_context_tokens)
         return decision
 
     def _observe(self, worker: str, times: dict, token_times: list[float], finish_reason: str | None) -> None:

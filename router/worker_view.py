@@ -108,15 +108,18 @@ class WorkerView:
 
     # ---- the request path ---------------------------------------------------------------------
 
-    def route(self, block_hashes: Sequence[int], prompt_tokens: int, exclude: Collection[str] = ()) -> RouteDecision:
-        """Place a request; raises NoDecodeWorker when no decode worker is schedulable."""
+    def route(self, block_hashes: Sequence[int], prompt_tokens: int, exclude: Collection[str] = (),
+              remote_prefill: bool = True) -> RouteDecision:
+        """Place a request; raises NoDecodeWorker when no decode worker is schedulable. Without
+        `remote_prefill` the decode worker prefills, whatever the disaggregation thresholds say."""
+        local_only = self.colocated or not remote_prefill
         loads = {"prefill": [], "decode": []}
         for w in self.workers.values():
-            if w.worker_id not in exclude and not (self.colocated and w.pool == "prefill"):
+            if w.worker_id not in exclude and not (local_only and w.pool == "prefill"):
                 loads[w.pool].append(w.load())
         decision = self.router.route(block_hashes, prompt_tokens, loads["prefill"], loads["decode"])
-        if self.colocated:
-            decision.reason = "colocated"
+        if local_only:
+            decision.reason = "colocated" if self.colocated else "migration"
         for pool, placement in (("decode", decision.decode), ("prefill", decision.prefill)):
             if placement is not None:
                 self.metrics.routing.labels(pool, placement.worker_id, decision.reason).inc()

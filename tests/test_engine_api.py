@@ -5,6 +5,7 @@ import torch
 
 import engine as engine_pkg
 from engine import Engine, EngineConfig, SamplingParams
+from engine.errors import InvalidRequestError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
@@ -125,3 +126,36 @@ def test_engine_config_device_and_dtype_resolve_to_torch(tiny_engine):
 def test_max_model_len_is_capped_by_the_model(tiny_llama_dir):
     engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=4, max_model_len=100_000))
     assert engine.max_model_len == engine.runner.max_position_embeddings == 512
+
+
+# ---- migrated requests --------------------------------------------------------------------------
+
+def stream_of(engine, request_id, prompt, params, output_token_ids=()):
+    """(new token ids, new text) of each output of one request, run alone to the end."""
+    engine.add(engine.make_request(request_id, prompt, params, output_token_ids=output_token_ids))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas.extend((out.new_token_ids, out.new_text, out.finish_reason) for out in engine.step())
+    return deltas
+
+
+@pytest.mark.parametrize("cut", [1, 7, 19])
+def test_a_migrated_request_continues_with_the_tokens_and_text_it_would_have_streamed(tiny_engine, cut):
+    # A stop string that never matches holds text back while streaming: the resumed worker must send it.
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=["never-said-here"])
+    prompt = "The answer is"
+    whole = stream_of(tiny_engine, "whole", prompt, params)
+    streamed = [t for ids, _, _ in whole[:cut] for t in ids]
+    sent_text = "".join(text for _, text, _ in whole[:cut])
+    rest = stream_of(tiny_engine, "rest", prompt, params, output_token_ids=streamed)
+    assert [ids for ids, _, _ in rest] == [ids for ids, _, _ in whole[cut:]]
+    assert sent_text + "".join(text for _, text, _ in rest) == "".join(text for _, text, _ in whole)
+    assert rest[-1][2] == "length" and len(rest) == 24 - cut
+    assert tiny_engine.block_manager.num_free_blocks == tiny_engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("outputs", [[5] * 4, [5, 10**9], [-1]])
+def test_migrated_output_tokens_must_be_fewer_than_max_tokens_and_in_the_vocabulary(tiny_engine, outputs):
+    with pytest.raises(InvalidRequestError) as err:
+        tiny_engine.make_request("bad-resume", [1, 2, 3], SamplingParams(max_tokens=4), output_token_ids=outputs)
+    assert err.value.field == "output_token_ids"

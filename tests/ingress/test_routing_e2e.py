@@ -129,6 +129,33 @@ def test_every_view_of_the_cluster_rebuilds_the_exact_index_of_each_worker(main_
     assert {w: info["indexed_blocks"] for w, info in indexed.items()} == {w: len(h) for w, h in snapshots.items()}
 
 
+def migrations(app) -> dict[str, float]:
+    return {s.labels["worker"]: s.value for family in text_string_to_metric_families(app.get("/metrics").text)
+            for s in family.samples if s.name == "tandem:request_migrations_total"}
+
+
+def test_a_stream_whose_decode_worker_dies_moves_to_another_worker_and_goes_on(aux_app):
+    """Request migration: the client sees one uninterrupted stream, token for token the one it would have
+    had. The worker killed here is an extra one, so the tests after this one find aux as they expect."""
+    ray.get(get_controller(aux_app.config.name, aux_app.config.namespace).scale.remote("decode", 4))
+    assert wait_for(lambda: aux_app.get("/health").json()["decode_workers"] == 4)
+    client, prompt = aux_app.client(key=None), token_prompt(40, seed=16)
+    params = {"model": MODEL, "prompt": prompt, "max_tokens": 450, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**params)
+    stream = client.completions.create(stream=True, stream_options={"include_usage": True}, **params)
+    chunks = [next(stream)]
+    serving = [w for w, s in aux_app.stats().items() if s.num_running]
+    assert len(serving) == 1
+    ray.kill(aux_app.actors()[serving[0]], no_restart=True)
+    chunks.extend(stream)
+    assert migrations(aux_app) == {serving[0]: 1.0}, "the kill must land mid-stream"
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (40, 450)
+    assert wait_for(lambda: not aux_app.ingress().workers.remote().result()[serving[0]]["schedulable"])
+
+
 def test_a_draining_worker_is_routed_around_before_any_token_is_sent(aux_app):
     client, prefix = aux_app.client(key=None), token_prompt(64, seed=15)
     hashes = block_hashes(prefix, BLOCK, None)
