@@ -203,3 +203,25 @@ def test_without_a_schedulable_decode_worker_requests_and_health_are_503(aux_app
     response = aux_app.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}, key=None)
     assert response.status_code == 503 and response.headers["Retry-After"] == "1"
     assert response.json()["error"]["type"] == "service_unavailable"
+
+
+def test_a_stream_migrates_after_a_remote_prefill_when_its_decode_worker_dies(main_app):
+    """Disaggregated: the first token came from the prefill worker and the KV moved; the decode worker dies
+    mid-stream, and the request continues on the other decode worker, which prefills it locally. Last in
+    the package: it leaves main with one decode worker."""
+    client, prompt = main_app.client("key-a"), token_prompt(60, seed=17)  # over max_local_prefill_length
+    params = {"model": MODEL, "prompt": prompt, "max_tokens": 440, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
+    prefill = main_app.actors()["prefill-0"]
+    before = ray.get(prefill.stats.remote()).prompt_tokens
+    stream = client.completions.create(stream=True, **params)
+    chunks = [next(stream)]
+    serving = [w for w, s in main_app.stats().items() if w.startswith("decode") and s.num_running]
+    assert len(serving) == 1
+    ray.kill(main_app.actors()[serving[0]], no_restart=True)
+    chunks.extend(stream)
+    assert migrations(main_app) == {serving[0]: 1.0}, "the kill must land mid-stream"
+    assert ray.get(prefill.stats.remote()).prompt_tokens - before == 60  # its prompt was prefilled remotely
+    whole = client.completions.create(**params)  # on the surviving decode worker
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
