@@ -47,11 +47,12 @@ def in_flight_at(client, worker_id, moment):
     return [o for o in client.outcomes if worker_id in (o.decode, o.prefill) and o.started < moment < o.finished]
 
 
-def under_load(controller, operations, seed, max_requests=200, interval_s=0.08, max_tokens=(64, 128)):
+def under_load(controller, operations, seed, max_requests=800, interval_s=0.08, max_tokens=(64, 128)):
     """Run `operations(client)` while a LoadClient sends a request every `interval_s`; let the load run
     on for a second afterwards, stop it and wait for every request to end. Requests are long enough
     (`max_tokens`) that every worker has some in flight at any moment, even the least loaded one,
-    which is the one a scale-down drains."""
+    which is the one a scale-down drains. `max_requests` only bounds the loop: on a loaded machine
+    starting a worker can take most of a minute, and the load must still be running when it is ready."""
     client = LoadClient(controller, seed=seed, max_tokens=max_tokens)
 
     async def main():
