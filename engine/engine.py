@@ -16,7 +16,7 @@ from engine.model_loader import load_tokenizer, resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import Sampler, skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -108,13 +108,16 @@ class Engine:
         return req
 
     def add(self, req: Request) -> None:
-        """Queue an already built request. Output tokens it already has (sampled by a prefill worker)
-        count as streamed: their text is not handed out again."""
+        """Queue an already built request. Output tokens it already has (sampled by a prefill worker, or
+        before a migration) count as streamed: their text is not handed out again, and its generator
+        skips the draws they took."""
         self.requests[req.request_id] = req
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params)
         for token in req.output_token_ids:
             detok.append(token)
         detok.take_new_text(finished=False)
+        if req.generator is not None:
+            skip_draws(req.generator, self.runner.vocab_size, req.num_output_tokens)
         self.detokenizers[req.request_id] = detok
         self.num_prompt_tokens += req.num_prompt_tokens
         self.scheduler.add(req)

@@ -29,7 +29,7 @@ class Sampler:
         if random:
             probs = filtered_probs(logits[random], [reqs[i] for i in random])
             for row, i in enumerate(random):
-                tokens[i] = int(torch.multinomial(probs[row], 1, generator=reqs[i].generator))
+                tokens[i] = draw(probs[row], reqs[i].generator)
         logprobs = [None] * len(reqs)
         for i, want in enumerate(want_logprobs):
             if want:
@@ -54,6 +54,22 @@ class Sampler:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
             if banned:
                 row[list(banned)] = float("-inf")
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a row of probabilities: argmax(p / q), q ~ Exp(1) per entry, picks token i with
+    probability p_i (torch.multinomial does the same for one sample). It always takes one float32 Exp(1)
+    per vocabulary entry from the generator, so `skip_draws` can replay what earlier tokens took."""
+    q = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(generator=generator)
+    return int((probs.float() / q.clamp_min_(torch.finfo(torch.float32).tiny)).argmax())
+
+
+def skip_draws(generator: torch.Generator, vocab_size: int, n: int) -> None:
+    """Advance `generator` past `n` draws, as if it had sampled the tokens a request got elsewhere (its
+    first token on a prefill worker, or its output before a migration): a seeded request then continues
+    with the samples it would have drawn on one worker."""
+    for _ in range(n):
+        torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
 
 
 def filtered_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -6,9 +6,9 @@ request migrated (Dynamo's name): placed on another decode worker with the token
 it prefills locally (prompt + those tokens) and continues after, so the client's stream goes on. Only
 past `migration_limit` migrations does the stream end with finish_reason "error".
 
-A migrated request continues exactly where a greedy one would have: same tokens, same text. A seeded
-sampling request draws from a freshly seeded generator on the new worker, so its continuation is not
-the one it would have had.
+A migrated request continues with the tokens and text it would have had on one worker: greedy ones
+because the new worker recomputes the same context, seeded ones because its generator first skips the
+draws the streamed tokens took (Engine.add).
 """
 from __future__ import annotations
 

@@ -53,6 +53,17 @@ def test_disaggregated_equals_colocated_and_hf_for_concurrent_requests(pools, co
     assert ray.get(only(pools.decode).transfer_stats.remote())["remote_prefills"] >= 6
 
 
+def test_a_seeded_request_samples_the_same_tokens_disaggregated_and_colocated(pools, colocated):
+    """The prefill worker draws the first token; decode's generator skips that draw, not repeats it."""
+    batch = prompts(4, seed=3)
+    params = [SamplingParams(temperature=1.0, seed=40 + i, max_tokens=12, ignore_eos=True) for i in range(4)]
+    disagg = run_all([GenerateRequest(f"ds{i}", p, params[i]) for i, p in enumerate(batch)],
+                     only(pools.decode), only(pools.prefill))
+    coloc = run_all([GenerateRequest(f"cs{i}", p, params[i]) for i, p in enumerate(batch)], only(colocated.decode))
+    assert [tokens for tokens, _ in disagg] == [tokens for tokens, _ in coloc]
+    assert all(len(set(tokens)) > 3 for tokens, _ in disagg)  # really sampled
+
+
 def test_workers_run_with_few_malloc_arenas(pools):
     """KV messages warm one arena for good, not one per pool thread (see cluster/pools.py)."""
     for pool in (pools.prefill, pools.decode):

@@ -154,6 +154,16 @@ def test_a_migrated_request_continues_with_the_tokens_and_text_it_would_have_str
     assert tiny_engine.block_manager.num_free_blocks == tiny_engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("cut", [1, 9])
+def test_a_migrated_seeded_request_draws_the_samples_it_would_have_drawn(tiny_engine, cut):
+    params = SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
+    whole = stream_of(tiny_engine, "seeded-whole", [7, 8, 9], params)
+    streamed = [t for ids, _, _ in whole[:cut] for t in ids]
+    rest = stream_of(tiny_engine, "seeded-rest", [7, 8, 9], params, output_token_ids=streamed)
+    assert [ids for ids, _, _ in rest] == [ids for ids, _, _ in whole[cut:]]
+    assert len({t for ids, _, _ in whole for t in ids}) > 3  # really sampled, not one repeated token
+
+
 @pytest.mark.parametrize("outputs", [[5] * 4, [5, 10**9], [-1]])
 def test_migrated_output_tokens_must_be_fewer_than_max_tokens_and_in_the_vocabulary(tiny_engine, outputs):
     with pytest.raises(InvalidRequestError) as err:
