@@ -51,8 +51,15 @@ class RequestRouter:
         token_times: list[float] = []
         streamed: list[int] = []  # token ids the client has, over every worker the request ran on
         attempts = migrations = 0
+        failure: tuple[str, Exception] | None = None  # the worker and error that ended the last placement
         while attempts < self.max_attempts:
-            decision = self._route(request, block_hashes, excluded)
+            try:
+                decision = self._route(request, block_hashes, excluded)
+            except NoDecodeWorker:
+                if not token_times:
+                    raise
+                yield self._give_up(request, *failure, token_times)  # the last worker left as we migrated
+                return
             decode = decision.decode.worker_id
             prefill = decision.prefill.worker_id if decision.prefill else None
             finished = migrating = False
@@ -76,15 +83,15 @@ class RequestRouter:
                 if isinstance(exc, ray.exceptions.RayActorError):
                     self.view.lost(failed, type(exc).__name__)
                 excluded.add(failed)
+                failure = failed, exc
                 if not token_times:
                     attempts += 1
                     logger.info("re-routing %s away from %s (attempt %d): %s", request.request_id, failed,
                                 attempts, type(exc).__name__)
                     continue
-                if migrations == self.migration_limit:
+                if migrations == self.migration_limit or not self.view.num_schedulable("decode"):
                     finished = True
-                    self._observe(decode, request.times, token_times, "error")
-                    yield _failed_delta(request, decision, exc)
+                    yield self._give_up(request, decode, exc, token_times)
                     return
                 migrations += 1
                 migrating = True
@@ -108,6 +115,12 @@ class RequestRouter:
         parent = hashes[-1] if hashes else hashing.NONE_HASH
         return hashes + hashing.block_hashes(context, self.view.block_size, request.cache_salt, len(hashes), parent)
 
+    def _give_up(self, request: GenerateRequest, worker: str, exc: Exception, token_times: list[float]) -> TokenDelta:
+        """The last delta of a stream that cannot go on: finish_reason "error", naming the failed worker."""
+        self._observe(worker, request.times, token_times, "error")
+        return TokenDelta(request.request_id, [], "", finished=True, finish_reason="error",
+                          error=f"worker {worker} failed mid-stream: {type(exc).__name__}")
+
     def _route(self, request: GenerateRequest, block_hashes: Sequence[int], excluded: set[str]) -> RouteDecision:
         try:
             # A migrated request prefills on its decode worker: a prefill worker hands over prompt KV only.
@@ -124,7 +137,3 @@ class RequestRouter:
         self.metrics.observe_finished("decode", worker, times, token_times, finish_reason)
         self.latencies.add(times.get("arrival"), token_times)
 
-
-def _failed_delta(request: GenerateRequest, decision: RouteDecision, exc: Exception) -> TokenDelta:
-    return TokenDelta(request.request_id, [], "", finished=True, finish_reason="error",
-                      error=f"worker {decision.decode.worker_id} failed mid-stream: {type(exc).__name__}")

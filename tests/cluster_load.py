@@ -44,13 +44,19 @@ class LoadClient:
         self.actors: dict[str, object] = {}  # every worker the client has seen, by id
         self.outcomes: list[Outcome] = []
 
-    async def run(self, stop: asyncio.Event, max_requests: int, interval_s: float) -> list[Outcome]:
-        """Start a request every `interval_s` until `stop` is set or `max_requests` were sent; wait for all."""
+    async def run(self, stop: asyncio.Event, max_requests: int, interval_s: float,
+                  max_in_flight: int | None = None) -> list[Outcome]:
+        """Start a request every `interval_s` until `stop` is set or `max_requests` were sent; wait for all.
+        With `max_in_flight`, a new request waits for a slot, so a slow machine is not buried in work."""
         tasks = []
+        slots = asyncio.Semaphore(max_in_flight or max_requests)
         for i in range(max_requests):
+            await slots.acquire()
             if stop.is_set():
                 break
-            tasks.append(asyncio.create_task(self.one(f"load-{id(self)}-{i}")))
+            task = asyncio.create_task(self.one(f"load-{id(self)}-{i}"))
+            task.add_done_callback(lambda _: slots.release())
+            tasks.append(task)
             try:
                 await asyncio.wait_for(stop.wait(), interval_s)
             except asyncio.TimeoutError:

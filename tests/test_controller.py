@@ -47,17 +47,19 @@ def in_flight_at(client, worker_id, moment):
     return [o for o in client.outcomes if worker_id in (o.decode, o.prefill) and o.started < moment < o.finished]
 
 
-def under_load(controller, operations, seed, max_requests=800, interval_s=0.08, max_tokens=(64, 128)):
+def under_load(controller, operations, seed, max_requests=800, interval_s=0.08, max_tokens=(64, 128),
+               max_in_flight=48):
     """Run `operations(client)` while a LoadClient sends a request every `interval_s`; let the load run
     on for a second afterwards, stop it and wait for every request to end. Requests are long enough
     (`max_tokens`) that every worker has some in flight at any moment, even the least loaded one,
-    which is the one a scale-down drains. `max_requests` only bounds the loop: on a loaded machine
-    starting a worker can take most of a minute, and the load must still be running when it is ready."""
+    which is the one a scale-down drains. On a loaded machine starting a worker can take most of a
+    minute, and the load must still run when it is ready: `max_requests` only bounds the loop, and
+    `max_in_flight` keeps the work that piles up meanwhile bounded."""
     client = LoadClient(controller, seed=seed, max_tokens=max_tokens)
 
     async def main():
         stop = asyncio.Event()
-        load = asyncio.create_task(client.run(stop, max_requests, interval_s))
+        load = asyncio.create_task(client.run(stop, max_requests, interval_s, max_in_flight))
         await wait_until(lambda: len(client.outcomes) >= 5)
         await operations(client)
         await asyncio.sleep(1.0)

@@ -215,7 +215,7 @@ def test_a_stream_migrates_after_a_remote_prefill_when_its_decode_worker_dies(ma
     prefill = main_app.actors()["prefill-0"]
     before = ray.get(prefill.stats.remote()).prompt_tokens
     stream = client.completions.create(stream=True, **params)
-    chunks = [next(stream)]
+    chunks = [next(stream), next(stream)]  # the prefill worker's first token, then decode's
     serving = [w for w, s in main_app.stats().items() if w.startswith("decode") and s.num_running]
     assert len(serving) == 1
     ray.kill(main_app.actors()[serving[0]], no_restart=True)
@@ -225,3 +225,21 @@ def test_a_stream_migrates_after_a_remote_prefill_when_its_decode_worker_dies(ma
     whole = client.completions.create(**params)  # on the surviving decode worker
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_stream_whose_last_decode_worker_dies_ends_with_an_error_not_a_hang(main_app):
+    """Nowhere to migrate to: the client gets what was generated and finish_reason "error". Runs after the
+    test above, when main has one decode worker left."""
+    (last,) = [w for w in main_app.actors() if w.startswith("decode") and main_app.ingress().workers.remote()
+               .result()[w]["schedulable"]]
+    client, prompt = main_app.client("key-a"), token_prompt(20, seed=18)
+    params = {"model": MODEL, "prompt": prompt, "max_tokens": 480, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**params)
+    stream = client.completions.create(stream=True, **params)
+    chunks = [next(stream)]
+    ray.kill(main_app.actors()[last], no_restart=True)
+    chunks.extend(stream)
+    assert chunks[-1].choices[0].finish_reason == "error"
+    text = "".join(c.choices[0].text for c in chunks)
+    assert whole.choices[0].text.startswith(text) and len(text) < len(whole.choices[0].text)
