@@ -25,7 +25,8 @@ class PoolConfig(_Strict):
     num_gpus: float | None = Field(None, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)
     num_threads: int | None = Field(None, ge=1)
-    max_restarts: int = Field(3, ge=-1)
+    max_restarts: int = Field(3, ge=-1)  # Ray restarts a crashed worker in place this often
+    replace_dead: bool = True  # then, or once killed, the controller starts a new worker in its place
 
 
 class EngineOptions(_Strict):

@@ -214,6 +214,33 @@ class ClusterController:
                         for wid in changed:
                             self._record(pool.pool, "recovered" if after[wid] else "unhealthy", wid, "health check")
                         self._bump()
+                dead = [w for w in list(pool.workers.values()) if w.dead and not w.draining]  # a drain ends its own
+                if dead:
+                    self._remove_dead(pool, dead)
+
+    def _remove_dead(self, pool: WorkerPool, infos: list[WorkerInfo]) -> None:
+        """Take workers that died for good out of the pool, and (`replace_dead`) start new ones in their
+        place, in the background: the pool is back at its desired size once they are ready."""
+        with self.lock:
+            for info in infos:
+                pool.workers.pop(info.worker_id, None)
+                self._record(pool.pool, "remove", info.worker_id, "died")
+            self._bump()
+        for info in infos:
+            stop_worker(info)
+        if pool.pool_config.replace_dead:
+            names = ", ".join(info.worker_id for info in infos)
+            threading.Thread(target=self._replace, args=(pool, f"replacing {names}"), daemon=True).start()
+
+    def _replace(self, pool: WorkerPool, reason: str) -> None:
+        with self.pool_locks[pool.pool]:  # after any scaling in progress, against the target it leaves
+            missing = self.desired[pool.pool] - len(self._active(pool))
+            if missing <= 0 or self._stop.is_set():
+                return
+            try:
+                self._add(pool, missing, reason)
+            except RuntimeError as exc:  # the next death, or the operator, tries again
+                logger.warning("%s %s", reason, exc)
 
     def _check_target(self, pool: str, replicas: int) -> WorkerPool:
         target = self._pool(pool)

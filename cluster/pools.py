@@ -24,6 +24,14 @@ class WorkerInfo:
     ready: bool = False  # model loaded; only ready workers are routed to or health-checked
     healthy: bool = False
     draining: bool = False
+    died: int = 0  # health checks in a row that found the actor dead (not restarting)
+
+    @property
+    def dead(self) -> bool:
+        """Dead for good: Ray will not restart it (restarts used up, or killed). Two checks in a row, as a
+        ping in flight when the process crashed fails alike even if Ray restarts it; a ping sent while it
+        restarts waits for the new process instead."""
+        return self.died >= 2
 
 
 # glibc gives every thread that allocates its own arena, each faulted in anew; KV messages are handled by
@@ -97,15 +105,18 @@ class WorkerPool:
         ready = set(ready)
         health = {}
         for wid, ref in refs.items():
-            ok = ref in ready
+            ok, died = ref in ready, False
             if ok:
                 try:
                     ray.get(ref)
+                except ray.exceptions.ActorDiedError:
+                    ok, died = False, True
                 except ray.exceptions.RayError:
                     ok = False
             health[wid] = ok
             if (info := self.workers.get(wid)) is not None:
                 info.healthy = ok
+                info.died = info.died + 1 if died else 0
         return health
 
     def remove(self, worker_id: str) -> None:

@@ -8,6 +8,9 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.controller import start_controller
+from engine import SamplingParams
+from engine.protocol import GenerateRequest
+from router.dispatch import run_request
 from tests.cluster_load import LoadClient, failures
 
 
@@ -159,3 +162,27 @@ def test_scaling_beyond_max_replicas_is_refused_with_the_limit(controller):
 def test_draining_an_unknown_worker_names_the_command_that_lists_workers(controller):
     with pytest.raises(KeyError, match="tandem status"):
         ray.get(controller.drain.remote("decode-99"))
+
+
+def test_a_worker_that_dies_for_good_is_replaced_by_a_new_one(controller):
+    """Ray restarts a crashed worker in place up to max_restarts; one killed outright (or out of restarts)
+    is removed and a new worker, with a new id, takes its place."""
+    membership = ray.get(controller.membership.remote())
+    [victim] = [w for w in membership.workers if w.pool == "decode"]
+    since = time.time()
+    ray.kill(victim.actor, no_restart=True)
+    deadline = time.monotonic() + 120
+    while (workers := members(controller, "decode")) in ([victim.worker_id], []):
+        assert time.monotonic() < deadline, "no replacement"
+        time.sleep(0.2)
+    [new] = workers
+    events = [(e.action, e.worker_id, e.reason) for e in ray.get(controller.scaling_events.remote(since))]
+    assert ("remove", victim.worker_id, "died") in events
+    assert ("add", new, f"replacing {victim.worker_id}") in events
+    actor = next(w.actor for w in ray.get(controller.membership.remote()).workers if w.worker_id == new)
+
+    async def one():
+        request = GenerateRequest("after-replacement", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4))
+        return [d async for d in run_request(request, actor)]
+
+    assert sum(len(d.token_ids) for d in asyncio.run(one())) == 4

@@ -28,6 +28,7 @@ def test_killed_decode_worker_is_restarted_and_serves_again(ray_cluster, tiny_ll
         assert pools.decode.check_health(timeout_s=2)[info.worker_id] is False
         deadline = time.monotonic() + 120
         while not pools.decode.check_health(timeout_s=5)[info.worker_id]:
+            assert not info.dead, "a restarting worker must not be replaced"
             assert time.monotonic() < deadline, "worker did not come back"
             time.sleep(0.5)
         assert pid_of(info.actor) != old_pid

@@ -78,9 +78,11 @@ def apps(ray_cluster, tiny_llama_dir):
     main = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-main", api_keys=KEYS,
                          admin_key=ADMIN_KEY,
                          engine=engine, router={"max_local_prefill_length": 48},
-                         prefill={"num_cpus": 0.5}, decode={"replicas": 2, "num_cpus": 0.5})
+                         prefill={"num_cpus": 0.5}, decode={"replicas": 2, "num_cpus": 0.5, "replace_dead": False})
+    # Workers these tests kill stay dead (not replaced), so each test knows which workers there are.
     aux = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-aux", mode="colocated",
-                        engine=engine, router={"max_queued_requests": 2}, decode={"replicas": 3, "num_cpus": 0.5})
+                        engine=engine, router={"max_queued_requests": 2},
+                        decode={"replicas": 3, "num_cpus": 0.5, "replace_dead": False})
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
