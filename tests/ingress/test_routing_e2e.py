@@ -33,6 +33,15 @@ def decode_overlap(app, hashes: list[int]) -> dict[str, int]:
     return {w: n for w, n in overlap.items() if w.startswith("decode")}
 
 
+def view_of(app, worker: str) -> dict | None:
+    """What the app's ingress knows of `worker`; None once the worker has left the membership."""
+    return app.ingress().workers.remote().result().get(worker)
+
+
+def schedulable(app, worker: str) -> bool:
+    return (view_of(app, worker) or {}).get("schedulable", False)
+
+
 def routed_to(app) -> dict[str, float]:
     """Decode placements so far per worker, from the app's /metrics."""
     counts: dict[str, float] = {}
@@ -153,7 +162,7 @@ def test_a_stream_whose_decode_worker_dies_moves_to_another_worker_and_goes_on(a
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (40, 450)
-    assert wait_for(lambda: not aux_app.ingress().workers.remote().result()[serving[0]]["schedulable"])
+    assert wait_for(lambda: not schedulable(aux_app, serving[0]))
 
 
 def test_a_draining_worker_is_routed_around_before_any_token_is_sent(aux_app):
@@ -167,7 +176,7 @@ def test_a_draining_worker_is_routed_around_before_any_token_is_sent(aux_app):
     # Until its stats say so, the ingress prefers the holder for this prefix; the holder refuses, and the
     # request is placed on another worker.
     assert complete(client, prefix + [2]).choices[0].finish_reason == "length"
-    assert wait_for(lambda: not aux_app.ingress().workers.remote().result()[holder]["schedulable"])
+    assert wait_for(lambda: not schedulable(aux_app, holder))
     before = routed_to(aux_app).get(holder, 0)
     assert complete(client, prefix + [3]).choices[0].finish_reason == "length"
     assert routed_to(aux_app).get(holder, 0) == before
@@ -184,8 +193,11 @@ def test_a_killed_worker_is_never_chosen_again_and_its_index_entries_vanish(aux_
 
     # Placed on the victim for its cached prefix, the request fails there and is placed again.
     assert complete(client, prefix + [2]).choices[0].finish_reason == "length"
-    assert wait_for(lambda: aux_app.ingress().workers.remote().result()[victim] == {
-        "pool": "decode", "schedulable": False, "indexed_blocks": 0})
+    # Unschedulable with no index entries at once; gone from the membership once the controller is sure
+    # it died (aux does not replace dead workers).
+    assert wait_for(lambda: view_of(aux_app, victim) in (
+        None, {"pool": "decode", "schedulable": False, "indexed_blocks": 0}))
+    assert wait_for(lambda: victim not in aux_app.actors() and view_of(aux_app, victim) is None)
     before = routed_to(aux_app).get(victim, 0)
     for i in range(6):
         assert complete(client, prefix + [3 + i] if i % 2 else token_prompt(30, seed=200 + i)).choices
@@ -230,8 +242,7 @@ def test_a_stream_migrates_after_a_remote_prefill_when_its_decode_worker_dies(ma
 def test_a_stream_whose_last_decode_worker_dies_ends_with_an_error_not_a_hang(main_app):
     """Nowhere to migrate to: the client gets what was generated and finish_reason "error". Runs after the
     test above, when main has one decode worker left."""
-    (last,) = [w for w in main_app.actors() if w.startswith("decode") and main_app.ingress().workers.remote()
-               .result()[w]["schedulable"]]
+    (last,) = [w for w in main_app.actors() if w.startswith("decode") and schedulable(main_app, w)]
     client, prompt = main_app.client("key-a"), token_prompt(20, seed=18)
     params = {"model": MODEL, "prompt": prompt, "max_tokens": 480, "temperature": 0,
               "extra_body": {"ignore_eos": True}}
