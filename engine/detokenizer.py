@@ -11,9 +11,12 @@ class IncrementalDetokenizer:
     no longer ends in a replacement character, and up to len(longest stop) - 1 characters are held
     back while streaming in case they begin a stop string."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: frozenset[int] | set[int] = frozenset()):
         self.tokenizer = tokenizer
         self.params = params
+        # Token ids that end the request: their text is not output (as vLLM), EOS unless it is ignored.
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -25,11 +28,12 @@ class IncrementalDetokenizer:
     def append(self, token_id: int) -> str | None:
         """Add one token; returns the stop string it completed, if any (the text is then cut before it).
 
-        Like vLLM, stop strings and stop token ids count only once min_tokens are out, and a stop
-        token's own text stays out of the output unless include_stop_str_in_output."""
+        Like vLLM, stop strings and stop token ids count only once min_tokens are out, and the text of a
+        token that ends the request (a stop token id, or EOS) stays out of the output unless
+        include_stop_str_in_output; it shows only with skip_special_tokens=False for EOS."""
         self.num_output_tokens += 1
         stops_now = self.num_output_tokens >= self.params.min_tokens
-        if stops_now and token_id in self.params.stop_token_ids and not self.params.include_stop_str_in_output:
+        if stops_now and token_id in self.stop_ids and not self.params.include_stop_str_in_output:
             return None
         self.ids.append(token_id)
         skip = self.params.skip_special_tokens

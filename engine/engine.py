@@ -112,7 +112,7 @@ class Engine:
         before a migration) count as streamed: their text is not handed out again, and its generator
         skips the draws they took."""
         self.requests[req.request_id] = req
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params, self.eos_token_ids)
         for token in req.output_token_ids:
             detok.append(token)
         detok.take_new_text(finished=False)

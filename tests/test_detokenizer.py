@@ -177,6 +177,21 @@ def test_engine_eos_finishes_with_stop_and_no_stop_reason(tiny_engine):
     assert (out.finish_reason, out.stop_reason, out.text) == ("stop", None, "")
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_engine_eos_text_stays_out_unless_asked_for_like_a_stop_token(tiny_engine, include):
+    eos = min(tiny_engine.eos_token_ids)
+    text = tiny_engine.tokenizer.decode([eos], skip_special_tokens=False)
+    assert text
+    params = SamplingParams(temperature=0.0, logit_bias={eos: 100.0}, skip_special_tokens=False,
+                            include_stop_str_in_output=include)
+    out = tiny_engine.generate(["Hi"], params)[0]
+    assert (out.token_ids, out.finish_reason, out.text) == ([eos], "stop", text if include else "")
+    # Ignored, EOS is an ordinary token: its text is output.
+    params = SamplingParams(temperature=0.0, logit_bias={eos: 100.0}, skip_special_tokens=False, ignore_eos=True,
+                            max_tokens=2)
+    assert tiny_engine.generate(["Hi"], params)[0].text == text * 2
+
+
 def test_engine_ignore_eos_runs_to_max_tokens(tiny_engine):
     eos = min(tiny_engine.eos_token_ids)
     params = SamplingParams(temperature=0.0, logit_bias={eos: 100.0}, ignore_eos=True, max_tokens=3)
