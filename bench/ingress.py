@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -26,15 +25,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 import requests  # noqa: E402
-from ray import serve  # noqa: E402
 
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.controller import get_controller  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 from engine.model_loader import build_random_model, load_tokenizer  # noqa: E402
 from engine.protocol import GenerateRequest  # noqa: E402
-from router.app import build_app, shutdown_cluster  # noqa: E402
 from router.dispatch import run_request  # noqa: E402
+from local_serve import serve_app  # noqa: E402  (bench/, beside this script)
 
 PROMPT = "Benchmarks measure what the ingress adds to every request, " * 2
 
@@ -90,14 +88,7 @@ def main() -> None:
     ids = load_tokenizer(model).encode(PROMPT)
     config = ClusterConfig(model=model, served_model_name="tiny", name="bench-ingress", mode="colocated",
                            engine={"num_kv_blocks": 256})
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(build_app(config), name="bench", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
+    with serve_app(config) as url:
         [decode] = [w.actor for w in ray.get(get_controller(config.name).membership.remote()).workers]
         through_ingress(url, 8, 2, args.max_tokens)  # warm both paths
         direct(decode, ids, 8, 2, args.max_tokens)
@@ -108,10 +99,6 @@ def main() -> None:
             print(f"concurrency {concurrency:2d}  direct run_request  {percentiles(base)}")
             print(f"concurrency {concurrency:2d}  through ingress     {percentiles(ours)}   "
                   f"({(statistics.median(ours) - statistics.median(base)) * 1000:+.1f} ms at p50)")
-    finally:
-        serve.shutdown()
-        shutdown_cluster(config.name)
-        ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import statistics
 import sys
 import threading
@@ -27,11 +26,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import openai  # noqa: E402
 import ray  # noqa: E402
-from ray import serve  # noqa: E402
 
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.controller import get_controller  # noqa: E402
-from router.app import build_app, shutdown_cluster  # noqa: E402
+from local_serve import serve_app  # noqa: E402  (bench/, beside this script)
 
 MODEL = "smollm2"
 
@@ -71,15 +69,9 @@ def main() -> None:
 
     config = ClusterConfig(served_model_name=MODEL, name="bench-migration", mode="colocated",
                            decode={"replicas": args.rounds + 1, "num_cpus": 0.5})
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(build_app(config), name="bench", route_prefix="/")
+    with serve_app(config) as url:
         controller = get_controller(config.name)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
         rng = random.Random(0)
         context = args.prompt_len + args.kill_after
         stream(client, [rng.randrange(100, 40000) for _ in range(32)], 8)  # warm up
@@ -108,10 +100,6 @@ def main() -> None:
             print(f"round {r}: killed {killed['id']}; stall {gaps[stall] * 1000:7.1f} ms after chunk {stall + 1}, "
                   f"ordinary gap {ordinary * 1000:5.1f} ms, fresh {context}-token TTFT {ttft * 1000:7.1f} ms; "
                   f"text {'identical' if text == whole else 'DIFFERS'}")
-    finally:
-        serve.shutdown()
-        shutdown_cluster(config.name)
-        ray.shutdown()
 
 
 if __name__ == "__main__":

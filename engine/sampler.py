@@ -68,8 +68,9 @@ def skip_draws(generator: torch.Generator, vocab_size: int, n: int) -> None:
     """Advance `generator` past `n` draws, as if it had sampled the tokens a request got elsewhere (its
     first token on a prefill worker, or its output before a migration): a seeded request then continues
     with the samples it would have drawn on one worker."""
+    q = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
     for _ in range(n):
-        torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+        q.exponential_(generator=generator)
 
 
 def filtered_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
