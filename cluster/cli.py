@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers prefill too")
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"],
                        help="where workers run (default auto: CUDA when present)")
-    serve.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="model precision (default float32)")
+    serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                       help="model precision (default auto: bfloat16 on CUDA, float32 on CPU)")
     serve.add_argument("--host", type=_non_empty, help="API address (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, help="API port (default 8000)")
     serve.add_argument("--api-key", type=_api_key, action="append", metavar="KEY[:TENANT]",

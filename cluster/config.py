@@ -60,7 +60,7 @@ class ClusterConfig(_Strict):
     model: str | None = None
     served_model_name: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     seed: int = 0
     prefill: PoolConfig = Field(default_factory=PoolConfig)

@@ -7,13 +7,30 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` is CUDA when present, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: str | torch.device) -> str:
+    """The dtype a model runs in on `device`: `auto` is bfloat16 on CUDA and float32 elsewhere
+    (CPU bf16 matmuls are slower than fp32, and the CPU paged-attention kernel is fp32 only)."""
+    if dtype != "auto":
+        return dtype
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    return "bfloat16" if device.type == "cuda" else "float32"
 
 
 @dataclass(slots=True)
 class EngineConfig:
     """`model` is None or "smollm2-135m-instruct" for the default model, or a local HF directory."""
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     block_size: int = 16
@@ -28,8 +45,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -38,14 +55,17 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_gb must be positive")
 
     @property
+    def resolved_dtype(self) -> str:
+        """The concrete dtype name (never `auto`), as the KV layout and status report it."""
+        return resolve_dtype(self.dtype, self.torch_device)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+        return getattr(torch, self.resolved_dtype)
 
     @property
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return resolve_device(self.device)
 
     @property
     def model_id(self) -> str:

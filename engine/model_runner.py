@@ -33,7 +33,7 @@ class ModelRunner:
             use_onednn_linears(self.model)
         hf = self.model.config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.layout = KVLayout(model_id=config.model_id, dtype=config.dtype, block_size=config.block_size,
+        self.layout = KVLayout(model_id=config.model_id, dtype=config.resolved_dtype, block_size=config.block_size,
                                num_layers=hf.num_hidden_layers, num_kv_heads=hf.num_key_value_heads,
                                head_dim=head_dim)
         num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_budget(
