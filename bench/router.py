@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.hashing import block_hashes  # noqa: E402
+from engine.hashing import block_hashes, extend_block_hashes  # noqa: E402
 from engine.kv_events import KVEvent, KVEventBatch  # noqa: E402
 from router.index import PrefixIndex  # noqa: E402
 from router.policy import PoolPolicy, WorkerLoad  # noqa: E402
@@ -117,9 +117,7 @@ def make_trace(num_requests: int, rate: float, seed: int, tenants: int = 16, doc
         if rng.random() < shared_fraction:
             salt, head, head_hashes = docs[bisect.bisect(cumulative, rng.random() * cumulative[-1])]
             tail = array("I", (rng.randrange(32000) for _ in range(rng.randint(32, 512))))
-            full = len(head) // BLOCK_SIZE
-            hashes = head_hashes + block_hashes(head + tail.tolist(), BLOCK_SIZE, salt, start=full,
-                                                parent_hash=head_hashes[-1])
+            hashes = extend_block_hashes(list(head_hashes), head + tail.tolist(), BLOCK_SIZE, salt)
         else:
             salt, head = f"tenant-{rng.randrange(tenants)}", []
             tail = array("I", (rng.randrange(32000) for _ in range(rng.randint(256, 2048))))

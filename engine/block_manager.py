@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.hashing import NONE_HASH, hash_block, salt_bytes
+from engine.hashing import extend_block_hashes
 from engine.kv_events import KVEvent
 from engine.request import Request
 
@@ -47,12 +47,8 @@ class BlockManager:
 
     def update_block_hashes(self, req: Request) -> None:
         """Extend `req.block_hashes` to cover every full block of its tokens."""
-        bs = self.block_size
-        while len(req.block_hashes) < req.num_tokens // bs:
-            i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if i else NONE_HASH
-            extra = salt_bytes(req.cache_salt) if i == 0 else b""
-            req.block_hashes.append(hash_block(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
+        if len(req.block_hashes) < req.num_tokens // self.block_size:  # most decode steps fill no block
+            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt)
 
     def lookup(self, block_hash: int, token_ids=None) -> int | None:
         """The block caching `block_hash` (confirmed by token ids when given), or None."""

@@ -27,16 +27,24 @@ def salt_bytes(cache_salt: str | None) -> bytes:
     return b"" if not cache_salt else b"salt:" + cache_salt.encode()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-                 start: int = 0, parent_hash: int = NONE_HASH) -> list[int]:
-    """Hashes of the full blocks of `token_ids`, from block index `start` on.
+def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int,
+                        cache_salt: str | None = None) -> list[int]:
+    """The chain rule, the one implementation router and workers share: appends to `hashes` the
+    hashes of the full blocks of `token_ids` it does not cover yet, and returns it.
 
-    `parent_hash` must be the hash of block `start - 1` when `start > 0`.
+    `hashes` must hold the hashes of the first `len(hashes)` full blocks of these same tokens (and
+    salt), so a caller that keeps its list hashes each block once, as it fills. Block 0 mixes in the
+    tenant salt; every block mixes in its parent's hash.
     """
-    out = []
-    salt = salt_bytes(cache_salt)
-    for i in range(start, len(token_ids) // block_size):
-        block = token_ids[i * block_size:(i + 1) * block_size]
-        parent_hash = hash_block(parent_hash, block, salt if i == 0 else b"")
-        out.append(parent_hash)
-    return out
+    start, end = len(hashes), len(token_ids) // block_size
+    parent = hashes[-1] if start else NONE_HASH
+    for i in range(start, end):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
+                            salt_bytes(cache_salt) if i == 0 else b"")
+        hashes.append(parent)
+    return hashes
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[int]:
+    """Hashes of the full blocks of `token_ids`."""
+    return extend_block_hashes([], token_ids, block_size, cache_salt)

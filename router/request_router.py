@@ -19,7 +19,7 @@ from contextlib import aclosing
 
 import ray
 
-from cluster.metrics import Metrics
+from router.metrics import Metrics
 from engine import hashing
 from engine.protocol import GenerateRequest, TokenDelta
 from engine.serving import WorkerDraining
@@ -111,9 +111,7 @@ class RequestRouter:
         new context (prompt + those tokens), extending the prompt's."""
         request.output_token_ids = list(streamed)
         context = request.prompt_token_ids + request.output_token_ids
-        hashes = list(block_hashes)
-        parent = hashes[-1] if hashes else hashing.NONE_HASH
-        return hashes + hashing.block_hashes(context, self.view.block_size, request.cache_salt, len(hashes), parent)
+        return hashing.extend_block_hashes(list(block_hashes), context, self.view.block_size, request.cache_salt)
 
     def _give_up(self, request: GenerateRequest, worker: str, exc: Exception, token_times: list[float]) -> TokenDelta:
         """The last delta of a stream that cannot go on: finish_reason "error", naming the failed worker."""
