@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import copy
 import functools
-import inspect
 import json
 import re
 import subprocess
@@ -16,12 +15,14 @@ from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
-import pydantic
 import pytest
 import yaml
 from kubernetes_validate.utils import all_versions
 from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 from ray.serve.schema import ServeDeploySchema
+
+from cluster.config import ClusterConfig
+from engine.config import resolve_dtype
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
@@ -213,24 +214,57 @@ def test_kubernetes_validator_rejects_a_broken_secret():
 # -- the Serve application and the pools --------------------------------------------
 
 @pytest.mark.parametrize("name", DEPLOYABLE)
-def test_serve_config_builds_the_app_with_router_app_build_app(name):
+def test_serve_config_builds_the_app_with_cluster_app_build_app(name):
     app = serve_app(the(rendered(name), "RayService"))
-    assert app["import_path"] == "router.app:build_app"
-    module = REPO / "router" / "app.py"
-    if module.exists():
-        tree = ast.parse(module.read_text())
-        assert "build_app" in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert app["import_path"] == "cluster.app:build_app"
+    tree = ast.parse((REPO / "cluster" / "app.py").read_text())
+    assert "build_app" in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
 
 
 @pytest.mark.parametrize("name", DEPLOYABLE)
-def test_serve_args_are_accepted_by_build_app(name):
-    if not (REPO / "router" / "app.py").exists():
-        pytest.skip("router/app.py is not written yet")
-    from router.app import build_app
-    [parameter] = inspect.signature(build_app).parameters.values()
-    if not (inspect.isclass(parameter.annotation) and issubclass(parameter.annotation, pydantic.BaseModel)):
-        pytest.skip("build_app's args are not a pydantic model, so Serve does not validate them")
-    parameter.annotation.model_validate(serve_app(the(rendered(name), "RayService"))["args"])
+def test_serve_args_are_a_valid_cluster_config(name):
+    """build_app validates its args as a ClusterConfig, which forbids unknown fields."""
+    config = ClusterConfig.model_validate(serve_app(the(rendered(name), "RayService"))["args"])
+    assert config.transfer.bind_host == "0.0.0.0"
+    assert config.autoscaler.enabled
+
+
+@pytest.mark.parametrize("name", DEPLOYABLE)
+def test_both_worker_groups_advertise_their_pod_ip_for_kv(name):
+    """Each worker pod's KV server is reached at its pod IP (the downward API's status.podIP)."""
+    groups = the(rendered(name), "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert {group["groupName"] for group in groups} == {"prefill", "decode"}
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            env = {e["name"]: e for e in container["env"]}
+            assert env["TANDEM_KV_ADVERTISE_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+@pytest.mark.parametrize("name", DEPLOYABLE)
+def test_kv_servers_listen_on_every_interface_of_their_pod(name):
+    args = serve_app(the(rendered(name), "RayService"))["args"]
+    assert args["transfer"]["bind_host"] == "0.0.0.0"
+    assert "advertise_host" not in args["transfer"]  # one address for every pod would be wrong for all but one
+
+
+@pytest.mark.parametrize("name, dtype", [("base", "bfloat16"), ("overlays/cpu", "float32")])
+def test_gpu_pods_run_bfloat16_and_cpu_pods_float32(name, dtype):
+    args = serve_app(the(rendered(name), "RayService"))["args"]
+    assert args["dtype"] == "auto"
+    assert resolve_dtype(args["dtype"], args["device"]) == dtype
+
+
+@pytest.mark.parametrize("name", DEPLOYABLE)
+def test_autoscaler_runs_within_the_worker_groups_bounds(name):
+    """tandem's autoscaler picks the worker count of each pool; one worker per pod, so a pool's bounds
+    are its group's."""
+    rayservice = the(rendered(name), "RayService")
+    args = serve_app(rayservice)["args"]
+    assert args["autoscaler"]["enabled"] is True
+    for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        pool = args[group["groupName"]]
+        assert group["minReplicas"] <= pool["min_replicas"] <= pool["replicas"] <= pool["max_replicas"]
+        assert pool["max_replicas"] == group["maxReplicas"]
 
 
 @pytest.mark.parametrize("name", DEPLOYABLE)
@@ -278,13 +312,13 @@ def test_cpu_overlay_drops_every_gpu_and_runs_one_pod_per_pool():
     assert {c["image"] for c in containers(rayservice)} == {"tandem-serve:0.1.0-cpu"}
 
 
-def test_cpu_overlay_changes_only_device_and_gpu_counts_in_serve_args():
+def test_cpu_overlay_changes_only_device_gpu_counts_and_pool_bounds_in_serve_args():
     base = serve_app(the(rendered("base"), "RayService"))
     cpu = serve_app(the(rendered("overlays/cpu"), "RayService"))
     for app in (base, cpu):
         app["args"]["device"] = "any"
         for pool in ("prefill", "decode"):
-            app["args"][pool].update(num_cpus=0, num_gpus=0)
+            app["args"][pool].update(num_cpus=0, num_gpus=0, max_replicas=0)
     assert cpu == base
 
 
@@ -293,7 +327,8 @@ def test_every_ray_container_reads_both_keys_from_secrets_that_exist(name):
     docs = rendered(name)
     secrets = {doc["metadata"]["name"]: doc["stringData"] for doc in docs if doc["kind"] == "Secret"}
     for container in containers(the(docs, "RayService")):
-        refs = {env["name"]: env["valueFrom"]["secretKeyRef"] for env in container["env"] if "valueFrom" in env}
+        refs = {env["name"]: env["valueFrom"]["secretKeyRef"] for env in container["env"]
+                if "secretKeyRef" in env.get("valueFrom", {})}
         assert set(refs) == {"TANDEM_API_KEYS", "TANDEM_ADMIN_KEY"}
         for ref in refs.values():
             assert ref["key"] in secrets[ref["name"]]
