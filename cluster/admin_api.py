@@ -13,7 +13,6 @@ JSON bodies: 400 bad body (naming the field), 401 wrong or missing key, 403 admi
 """
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Literal
@@ -24,6 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.auth import bearer_token, token_matches
+from engine.errors import first_field_error
 
 
 class AdminError(Exception):
@@ -82,9 +84,8 @@ class _AdminRoute(APIRoute):
             except AdminError as exc:
                 return exc.response()
             except RequestValidationError as exc:
-                first = exc.errors()[0]
-                param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-                return AdminError(400, f"invalid admin request: {first['msg']}", param).response()
+                first = first_field_error(exc, root="body")
+                return AdminError(400, f"invalid admin request: {first.message}", first.path or None).response()
 
         return guarded
 
@@ -96,8 +97,7 @@ def build_admin_router(get_controller: Callable[[], object], admin_key: str | No
     async def authorize(request: Request) -> None:
         if not admin_key:
             raise AdminError(403, "admin API disabled: set TANDEM_ADMIN_KEY (or `tandem serve --admin-key`)")
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_key.encode()):
+        if not token_matches(bearer_token(request.headers.get("authorization")), admin_key):
             raise AdminError(401, "missing or wrong admin key: send `Authorization: Bearer <admin key>`")
 
     router = APIRouter(prefix="/admin", dependencies=[Depends(authorize)], route_class=_AdminRoute,

@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.config import EngineConfig
+from engine.errors import first_field_error
 from engine.transfer_config import TransferConfig
 
 
@@ -139,6 +140,5 @@ def load_config(path: str | Path | None = None, **overrides) -> ClusterConfig:
     try:
         return ClusterConfig.model_validate(data).with_env()
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"invalid config field {field!r}: {first['msg']}") from None
+        first = first_field_error(exc)
+        raise ConfigError(f"invalid config field {first.path!r}: {first.message}") from None

@@ -7,7 +7,6 @@ refused with RESOURCE_EXHAUSTED instead of queueing without limit.
 """
 from __future__ import annotations
 
-import hmac
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from engine.auth import bearer_token, token_matches
 from engine.kv_cache import KVCache
 from kv_transfer.chunks import ChunkSpec, host_bytes, payload_checksum, plan_chunks, read_chunk
 from kv_transfer.dist_server import DistSender
@@ -66,12 +66,12 @@ class _BearerTokenAuth(grpc.ServerInterceptor):
     """Refuses every call whose `authorization` metadata is not `Bearer <token>` (constant-time compare)."""
 
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        given = dict(details.invocation_metadata).get("authorization", "")
-        if handler is None or hmac.compare_digest(given.encode(), self._expected):
+        given = bearer_token(dict(details.invocation_metadata).get("authorization"))
+        if handler is None or token_matches(given, self._token):
             return handler
 
         def deny(request, context):

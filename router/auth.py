@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 
+from engine.auth import bearer_token
 from router.openai_api import APIError
 
 
@@ -21,10 +22,10 @@ class Authenticator:
         """The caller's tenant; raises a 401 APIError for a missing or unknown key."""
         if not self.enabled:
             return None
-        scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key = bearer_token(authorization)
+        if key is None:
             raise _unauthorized("missing API key: send `Authorization: Bearer <key>`")
-        tenant = self.tenants.get(_digest(key.strip()))
+        tenant = self.tenants.get(_digest(key))
         if tenant is None:
             raise _unauthorized("invalid API key")
         return tenant

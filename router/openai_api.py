@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, first_field_error
 from engine.sampling_params import SamplingParams
 
 
@@ -186,13 +186,11 @@ def parse_body(model: type[_Body], body: bytes) -> _Body:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = [str(part) for part in first["loc"]]
-        if first["type"] == "json_invalid":
-            raise APIError.bad_request(f"the body is not valid JSON: {first['msg']}", None) from None
-        where = ".".join(loc)
-        message = f"{where}: {first['msg']}" if where else first["msg"]
-        raise APIError.bad_request(message, loc[0] if loc else None) from None
+        first = first_field_error(exc)
+        if first.type == "json_invalid":
+            raise APIError.bad_request(f"the body is not valid JSON: {first.message}", None) from None
+        message = f"{first.path}: {first.message}" if first.path else first.message
+        raise APIError.bad_request(message, first.loc[0] if first.loc else None) from None
 
 
 def _default(value, default):

@@ -37,7 +37,8 @@ HISTOGRAMS = {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seco
               "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "tandem:kv_transfer_seconds"}
 COUNTERS = {"vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens", "vllm:generation_tokens",
             "vllm:num_preemptions", "tandem:kv_transfer_bytes", "tandem:routing_decisions",
-            "tandem:routing_prefix_hit_blocks", "tandem:scaling_events"}
+            "tandem:routing_prefix_hit_blocks", "tandem:scaling_events", "tandem:prefills",
+            "tandem:kv_transfer_failures"}
 GAUGES = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "tandem:pool_replicas"}
 # prometheus_client's exposition: counters gain _total, histograms _bucket/_sum/_count.
 SERIES = ({f"{h}{s}" for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}

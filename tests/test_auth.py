@@ -1,0 +1,82 @@
+"""Bearer tokens: engine.auth parses `Authorization` once, and the OpenAI API's keys, the admin API's
+key and the KV transfer servers' token all go through it, so they accept and refuse the same headers."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from cluster.admin_api import build_admin_router
+from engine.auth import bearer_token, token_matches
+from kv_transfer.server import _BearerTokenAuth
+from router.auth import Authenticator
+from router.openai_api import APIError
+
+KEY = "s3cret-Key"
+
+# header value -> the token it carries (None: refused)
+HEADERS = [
+    (None, None),                          # no header
+    ("", None),
+    ("   ", None),
+    ("Bearer", None),                      # scheme, no token
+    ("Bearer ", None),                     # empty token
+    ("Bearer    ", None),
+    ("Basic czNjcmV0LUtleQ==", None),      # another scheme
+    ("Token s3cret-Key", None),
+    ("s3cret-Key", None),                  # a bare key is no bearer header
+    ("Bearers3cret-Key", None),
+    (f"Bearer {KEY}", KEY),
+    (f"bearer {KEY}", KEY),                # the scheme is case-insensitive
+    (f"BEARER {KEY}", KEY),
+    (f"BeArEr {KEY}", KEY),
+    (f"Bearer   {KEY}  ", KEY),            # extra spaces around the token
+    (f"  Bearer {KEY}", KEY),
+    (f"Bearer\t{KEY}", KEY),
+    (f"Bearer {KEY.lower()}", KEY.lower()),  # the token is case-sensitive (and then does not match)
+    (f"Bearer {KEY} x", f"{KEY} x"),       # the token is everything after the scheme
+]
+
+
+@pytest.mark.parametrize("header,token", HEADERS)
+def test_bearer_token(header, token):
+    assert bearer_token(header) == token
+
+
+def test_token_matches():
+    assert token_matches(KEY, KEY)
+    assert not token_matches(KEY.lower(), KEY)
+    assert not token_matches(KEY + "x", KEY) and not token_matches(KEY[:-1], KEY)
+    assert not token_matches(None, KEY)
+    assert not token_matches("", "")  # an unset secret lets nobody in
+    assert token_matches("ключ", "ключ") and not token_matches("ключ", "ключи")  # non-ASCII compares as UTF-8
+
+
+@pytest.mark.parametrize("header,token", HEADERS)
+def test_the_ingress_the_admin_api_and_the_kv_server_agree(header, token):
+    accepted = token == KEY
+
+    auth = Authenticator({KEY: "tenant"})
+    if accepted:
+        assert auth.tenant(header) == "tenant"
+    else:
+        with pytest.raises(APIError) as info:
+            auth.tenant(header)
+        assert info.value.status == 401
+
+    def no_controller():
+        raise ValueError("no controller in this test")
+
+    app = FastAPI()
+    app.include_router(build_admin_router(no_controller, KEY))
+    headers = {} if header is None else {"Authorization": header}
+    status = TestClient(app).get("/admin/status", headers=headers).status_code
+    assert status == (503 if accepted else 401)  # 503: past the key check, then no controller
+
+    handler = SimpleNamespace(response_streaming=False, request_deserializer=None)
+    metadata = () if header is None else (("authorization", header),)
+    details = SimpleNamespace(invocation_metadata=metadata)
+    got = _BearerTokenAuth(KEY).intercept_service(lambda _: handler, details)
+    assert (got is handler) == accepted
