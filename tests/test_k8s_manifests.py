@@ -1,8 +1,7 @@
-"""The Kubernetes manifests under k8s/: rendered the way `kubectl kustomize` renders
-them, validated against KubeRay's CRD schema and Kubernetes' own schemas, and
-checked for what the deployment promises (pools pinned to their worker groups,
-a CPU overlay without GPUs, monitoring that scrapes real ports, a dashboard on
-the metrics tandem exports)."""
+"""The Kubernetes manifests under k8s/: rendered by `kubectl kustomize`, validated against KubeRay's CRD
+schema and Kubernetes' own schemas, and checked for what the deployment promises (pools pinned to their
+worker groups, KV reachable across pods, bf16 on GPUs, a CPU overlay without GPUs, monitoring that scrapes
+real ports, a dashboard on the metrics tandem exports)."""
 from __future__ import annotations
 
 import ast
