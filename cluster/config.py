@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from engine.config import EngineConfig
 from engine.errors import first_field_error
 from engine.transfer_config import TransferConfig
+from kv_transfer.addresses import check_host
 
 
 class _Strict(BaseModel):
@@ -46,6 +47,16 @@ class TransferOptions(_Strict):
     lease_ttl_s: float = Field(30.0, gt=0)
     timeout_s: float = Field(30.0, gt=0)
     layerwise: bool = False
+    # Per node, TANDEM_KV_ADVERTISE_HOST / TANDEM_KV_BIND_HOST in a worker's environment win over these.
+    advertise_host: str | None = None  # None: the node's IP as Ray sees it
+    bind_host: str | None = None  # None: the advertised address itself; "0.0.0.0": every interface
+
+    @field_validator("advertise_host", "bind_host")
+    @classmethod
+    def _host(cls, value: str | None, info) -> str | None:
+        if value is None:
+            return None
+        return check_host(value, f"transfer.{info.field_name}", wildcard_ok=info.field_name == "bind_host")
 
 
 class RouterOptions(_Strict):
@@ -94,7 +105,8 @@ class ClusterConfig(_Strict):
     def transfer_config(self) -> TransferConfig:
         token = self.transfer.token or os.environ.get("TANDEM_KV_TOKEN", "")
         return TransferConfig(backend=self.transfer.backend, token=token, lease_ttl_s=self.transfer.lease_ttl_s,
-                              timeout_s=self.transfer.timeout_s, layerwise=self.transfer.layerwise)
+                              timeout_s=self.transfer.timeout_s, layerwise=self.transfer.layerwise,
+                              advertise_host=self.transfer.advertise_host, bind_host=self.transfer.bind_host)
 
     def with_env(self) -> ClusterConfig:
         """Fill keys from the environment: TANDEM_API_KEYS ("key:tenant,key2:tenant2") and TANDEM_ADMIN_KEY."""

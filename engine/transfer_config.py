@@ -10,10 +10,16 @@ class TransferConfig:
     """`backend` grpc works on any network; torch_dist uses NCCL on GPUs and Gloo on CPUs.
 
     `layerwise`: the prefill worker leases a request's blocks when its last prompt chunk is scheduled and
-    marks layers ready as the forward passes them, so decode pulls while prefill still runs."""
+    marks layers ready as the forward passes them, so decode pulls while prefill still runs.
+
+    `advertise_host` is the address a prefill worker's KV server puts into its handles (None: the node's IP
+    as Ray sees it); `bind_host` is where it listens (None: the advertised address). Each worker resolves
+    them on its own node (kv_transfer/addresses.py), where TANDEM_KV_ADVERTISE_HOST / TANDEM_KV_BIND_HOST
+    override them."""
     backend: Literal["grpc", "torch_dist"] = "grpc"
     token: str = ""
-    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    bind_host: str | None = None
     lease_ttl_s: float = 30.0
     timeout_s: float = 30.0
     max_workers: int = 8

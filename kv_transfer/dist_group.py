@@ -23,15 +23,35 @@ def backend_for(device: torch.device) -> str:
 
 def local_address_toward(host: str) -> str:
     """The local IP that routes to `host` (what the peer can reach us on); no packet is sent."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, 9))
         return probe.getsockname()[0]
 
 
 def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
-    """The server hosts the store (port 0 picks a free one); clients connect to it."""
+    """Connect to the store at host:port (clients)."""
     return dist.TCPStore(host, port, None, is_master, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
+
+
+def host_store(advertise_host: str, bind_host: str, timeout_s: float) -> dist.TCPStore:
+    """Host a store listening on `bind_host` (a free port), reached at `advertise_host`.
+
+    TCPStore alone listens on every interface; handing it a socket we bound keeps it where we were told.
+    """
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((bind_host, 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(advertise_host, port, None, True, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False, master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the socket now
+    return store
 
 
 def pair_group(backend: str, store: dist.Store, pair_id: str, rank: int, timeout_s: float,

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer.chunks import ChunkSpec
-from kv_transfer.dist_group import RECEIVER_RANK, SENDER_RANK, abort_group, backend_for, open_store, pair_group
+from kv_transfer.dist_group import RECEIVER_RANK, SENDER_RANK, abort_group, backend_for, host_store, pair_group
 from protos import kv_transfer_pb2 as pb
 
 if TYPE_CHECKING:
@@ -100,14 +100,14 @@ class _Sends:
 class DistSender:
     """Process groups with connected decode clients, and the PullDist send loop."""
 
-    def __init__(self, server: KVTransferServer, host: str, timeout_s: float, idle_s: float):
+    def __init__(self, server: KVTransferServer, host: str, bind_host: str, timeout_s: float, idle_s: float):
         self.server = server
         self.device = server.cache.k[0].device
         self.backend = backend_for(self.device)
-        self.host = host
+        self.host = host  # advertised: in every ConnectResponse, and our Gloo device's address
         self.timeout_s = timeout_s
         self.idle_s = idle_s
-        self.store = open_store(host, 0, True, timeout_s)
+        self.store = host_store(host, bind_host, timeout_s)
         self._pairs: dict[str, _Pair] = {}
         self._lock = threading.Lock()
         self._joiner = futures.ThreadPoolExecutor(4, "kv-pair-join")

@@ -18,6 +18,7 @@ import torch
 
 from engine.auth import bearer_token, token_matches
 from engine.kv_cache import KVCache
+from kv_transfer.addresses import check_host, host_port
 from kv_transfer.chunks import ChunkSpec, host_bytes, payload_checksum, plan_chunks, read_chunk
 from kv_transfer.dist_server import DistSender
 from kv_transfer.handle import KVHandle
@@ -30,7 +31,9 @@ from protos import kv_transfer_pb2 as pb
 class KVServerConfig:
     """Where the server listens and how much it accepts; `dist` adds the torch.distributed data plane.
 
-    `host` goes into every handle, so it must be an address decode workers can reach.
+    `advertise_host` goes into every handle (and the TCPStore's address into every ConnectResponse), so it
+    must be an address decode workers can reach; `bind_host` (default: the advertised address) is where the
+    gRPC server and the TCPStore listen. A prefill worker resolves both on its node (addresses.py).
 
     gRPC chunks always carry a checksum. Over torch.distributed, host payloads
     carry one unless `dist_checksums` is off (TCP already checks the bytes;
@@ -38,7 +41,8 @@ class KVServerConfig:
     device payloads (NCCL) never do. A decode client's process group that
     sees no pull for `dist_pair_idle_s` is discarded (the client reconnects).
     """
-    host: str = "127.0.0.1"
+    advertise_host: str = "127.0.0.1"
+    bind_host: str | None = None
     port: int = 0
     max_workers: int = 16
     max_message_bytes: int = 16 << 20
@@ -100,13 +104,16 @@ class KVTransferServer:
                                    interceptors=[_BearerTokenAuth(token)], options=limits,
                                    maximum_concurrent_rpcs=self.config.max_workers)
         self._server.add_generic_rpc_handlers([self._handlers()])
-        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        self.dist = DistSender(self, self.config.host, self.config.dist_timeout_s,
+        advertise = check_host(self.config.advertise_host, "advertise_host", wildcard_ok=False)
+        bind = check_host(self.config.bind_host or advertise, "bind_host", wildcard_ok=True)
+        try:
+            self.port = self._server.add_insecure_port(host_port(bind, self.config.port))
+        except RuntimeError as err:  # e.g. an address that is not this host's
+            raise OSError(f"the KV transfer server cannot listen on {host_port(bind, self.config.port)} "
+                          f"(transfer.bind_host / TANDEM_KV_BIND_HOST): {err}") from None
+        self.address = host_port(advertise, self.port)
+        self.dist = DistSender(self, advertise, bind, self.config.dist_timeout_s,
                                self.config.dist_pair_idle_s) if self.config.dist else None
-
-    @property
-    def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
 
     def start(self) -> KVTransferServer:
         self._server.start()

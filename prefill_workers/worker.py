@@ -12,6 +12,8 @@ import asyncio
 import logging
 import secrets
 
+import ray
+
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.layer_progress import LayerProgress
@@ -19,6 +21,7 @@ from engine.protocol import GenerateRequest, PrefillResult, TokenDelta
 from engine.request import Request
 from engine.serving import EngineServer, WorkerDraining
 from engine.transfer_config import TransferConfig
+from kv_transfer.addresses import KVAddresses, is_loopback, resolve_kv_addresses
 from kv_transfer.handle import KVHandle
 from kv_transfer.server import KVServerConfig, KVTransferServer
 
@@ -33,8 +36,10 @@ class PrefillWorker(EngineServer):
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig):
         super().__init__(worker_id, engine_config)
-        server_config = KVServerConfig(host=transfer.host, lease_ttl_s=transfer.lease_ttl_s,
-                                       max_workers=transfer.max_workers, dist=transfer.backend == "torch_dist")
+        addresses = node_kv_addresses(transfer)
+        server_config = KVServerConfig(advertise_host=addresses.advertise_host, bind_host=addresses.bind_host,
+                                       lease_ttl_s=transfer.lease_ttl_s, max_workers=transfer.max_workers,
+                                       dist=transfer.backend == "torch_dist")
         self.kv_server = KVTransferServer(self.engine.kv_cache, transfer.token or secrets.token_hex(16),
                                           server_config).start()
         self.lease_ttl_s = transfer.lease_ttl_s
@@ -214,3 +219,18 @@ def _resolve(future: asyncio.Future, handle: KVHandle | None) -> None:
 
 def _aborted(request_id: str) -> TokenDelta:
     return TokenDelta(request_id, [], "", finished=True, finish_reason="abort")
+
+
+def node_kv_addresses(transfer: TransferConfig) -> KVAddresses:
+    """This worker's KV addresses, resolved on its own node (its environment, then the config, then Ray's
+    node IP); warns when it would advertise loopback while the Ray cluster spans several hosts."""
+    node_ip = ray.util.get_node_ip_address()
+    addresses = resolve_kv_addresses(transfer.advertise_host, transfer.bind_host, node_ip)
+    if is_loopback(addresses.advertise_host):
+        others = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} - {node_ip})
+        if others:
+            logger.warning("this prefill worker advertises its KV server at %s, a loopback address, but the "
+                           "Ray cluster has nodes on other hosts (%s) that cannot pull from it; set "
+                           "TANDEM_KV_ADVERTISE_HOST or transfer.advertise_host to this node's routable IP",
+                           addresses.advertise_host, ", ".join(others))
+    return addresses
