@@ -22,6 +22,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import ClusterConfig
 from engine.config import resolve_dtype
+from kv_transfer.addresses import ADVERTISE_HOST_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
@@ -237,7 +238,7 @@ def test_both_worker_groups_advertise_their_pod_ip_for_kv(name):
     for group in groups:
         for container in group["template"]["spec"]["containers"]:
             env = {e["name"]: e for e in container["env"]}
-            assert env["TANDEM_KV_ADVERTISE_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+            assert env[ADVERTISE_HOST_ENV]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
 
 
 @pytest.mark.parametrize("name", DEPLOYABLE)
