@@ -9,7 +9,7 @@ import ray
 from ray import serve
 
 from cluster.config import ClusterConfig
-from router.app import build_app, shutdown_cluster
+from cluster.app import build_app, shutdown_cluster
 
 
 @contextmanager

@@ -14,65 +14,12 @@ import threading
 import time
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.config import ClusterConfig
+from cluster.config import AutoscalerConfig, ClusterConfig
 from cluster.controller import enable_info_logging, get_controller
-from cluster.scaling_policy import Decision, ScalingPolicy, Thresholds, pool_signals
+from cluster.scaling_policy import Decision, ScalingPolicy, pool_signals
 
 logger = logging.getLogger(__name__)
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class PrefillScaling(_Strict):
-    """Per prefill worker: prompt tokens accepted but not yet computed; TTFT quantile over the window."""
-    queued_tokens_up: float = Field(4096, gt=0)
-    queued_tokens_down: float = Field(512, ge=0)
-    ttft_up_s: float = Field(2.0, gt=0)
-    ttft_down_s: float = Field(0.5, ge=0)
-
-
-class DecodeScaling(_Strict):
-    """Per decode worker: KV cache usage and running sequences (means over the pool); ITL quantile."""
-    kv_usage_up: float = Field(0.85, gt=0, le=1)
-    kv_usage_down: float = Field(0.4, ge=0, lt=1)
-    running_up: float = Field(48, gt=0)
-    running_down: float = Field(8, ge=0)
-    itl_up_s: float = Field(0.15, gt=0)
-    itl_down_s: float = Field(0.05, ge=0)
-
-
-class AutoscalerConfig(_Strict):
-    """Thresholds come in up/down pairs (up must be above down); cooldowns are in seconds."""
-    interval_s: float = Field(5.0, gt=0)
-    upscale_cooldown_s: float = Field(30.0, ge=0)
-    downscale_cooldown_s: float = Field(120.0, ge=0)
-    latency_window_s: float = Field(60.0, gt=0)
-    latency_quantile: float = Field(0.9, gt=0, le=1)
-    prefill: PrefillScaling = Field(default_factory=PrefillScaling)
-    decode: DecodeScaling = Field(default_factory=DecodeScaling)
-
-    @model_validator(mode="after")
-    def _up_above_down(self) -> AutoscalerConfig:
-        for pool in ("prefill", "decode"):
-            try:
-                self.thresholds(pool)
-            except ValueError as exc:
-                raise ValueError(f"{pool}: {exc}") from None
-        return self
-
-    def thresholds(self, pool: str) -> dict[str, Thresholds]:
-        if pool == "prefill":
-            p = self.prefill
-            return {"queued_prefill_tokens": Thresholds(p.queued_tokens_up, p.queued_tokens_down),
-                    "ttft_s": Thresholds(p.ttft_up_s, p.ttft_down_s, per_worker=False)}
-        d = self.decode
-        return {"kv_usage": Thresholds(d.kv_usage_up, d.kv_usage_down),
-                "num_running": Thresholds(d.running_up, d.running_down),
-                "itl_s": Thresholds(d.itl_up_s, d.itl_down_s, per_worker=False)}
 
 
 class Autoscaler:
@@ -138,9 +85,16 @@ class Autoscaler:
                 logger.exception("autoscaler round failed")
 
 
-def start_autoscaler(config: AutoscalerConfig, name: str = "tandem", namespace: str = "tandem"):
-    """Start the autoscaler actor next to the controller named `name`; it lives as long as its creator."""
-    actor = ray.remote(Autoscaler).options(name=f"{name}-autoscaler", namespace=namespace, num_cpus=0,
-                                           max_concurrency=4).remote(config, name, namespace)
-    ray.get(actor.recent_decisions.remote())
+def start_autoscaler(config: AutoscalerConfig, name: str = "tandem", namespace: str = "tandem",
+                     detached: bool = False, wait: bool = True):
+    """Start the autoscaler actor next to the controller named `name`, or adopt the one running; with
+    `wait`, until it is up (its pools started). Not detached, it lives as long as its creator; detached,
+    until `cluster.app.shutdown_cluster`."""
+    options = {"name": f"{name}-autoscaler", "namespace": namespace, "num_cpus": 0, "max_concurrency": 4,
+               "get_if_exists": True}
+    if detached:
+        options["lifetime"] = "detached"
+    actor = ray.remote(Autoscaler).options(**options).remote(config, name, namespace)
+    if wait:
+        ray.get(actor.recent_decisions.remote())
     return actor

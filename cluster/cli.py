@@ -46,7 +46,8 @@ def serve_command(args, parser) -> int:
     overrides = {"model": args.model, "device": args.device, "dtype": args.dtype,
                  "mode": "colocated" if args.colocated else None, "prefill.replicas": args.prefill,
                  "decode.replicas": args.decode, "host": args.host, "port": args.port, "admin_key": args.admin_key,
-                 "api_keys": dict(args.api_key) if args.api_key else None}
+                 "api_keys": dict(args.api_key) if args.api_key else None,
+                 "autoscaler.enabled": True if args.autoscale else None}
     try:
         config = load_config(args.config, **overrides)
     except ConfigError as exc:
@@ -65,7 +66,7 @@ def serve_command(args, parser) -> int:
     from cluster.launcher import serve_until_stopped
 
     try:
-        serve_until_stopped(config, address, args.autoscale, say)
+        serve_until_stopped(config, address, say)
     except CLIError:
         raise
     except Exception as exc:  # a failed start is reported, not dumped; Ray's logs have the details
@@ -113,18 +114,28 @@ def format_status(status: dict, url: str) -> str:
     lines = [f"tandem at {url}: model {status['model']}, {status['mode']}, membership version {status['version']}",
              ""]
     pools = [["POOL", "WORKERS", "DESIRED", "MIN..MAX"]]
-    workers = [["WORKER", "POOL", "STATE", "RUNNING", "WAITING", "QUEUED TOKENS", "KV USAGE", "PREFIX HITS"]]
+    workers = [["WORKER", "POOL", "STATE", "RUNNING", "WAITING", "QUEUED TOKENS", "KV USAGE", "PREFIX HITS",
+                "KV FAILURES"]]
     for name, pool in status["pools"].items():
         pools.append([name, str(pool["replicas"]), str(pool["desired"]),
                       f"{pool['min_replicas']}..{pool['max_replicas']}"])
         for w in pool["workers"]:
             if "running" not in w:
-                workers.append([w["worker_id"], name, w["state"], *["-"] * 5])
+                workers.append([w["worker_id"], name, w["state"], *["-"] * 6])
                 continue
             hits = f"{w['prefix_hit_rate']:.1%} ({w['prefix_cache_hits']}/{w['prefix_cache_queries']} tokens)"
             workers.append([w["worker_id"], name, w["state"], str(w["running"]), str(w["waiting"]),
-                            str(w["queued_prefill_tokens"]), f"{w['kv_usage']:.1%}", hits])
+                            str(w["queued_prefill_tokens"]), f"{w['kv_usage']:.1%}", hits, _kv_failures(w)])
     return "\n".join(lines + _table(pools) + [""] + _table(workers))
+
+
+def _kv_failures(worker: dict) -> str:
+    """A decode worker's pulls that fell back to local recompute, e.g. "3 (unreachable 2, timeout 1)"."""
+    if "kv_transfer_failures" not in worker:
+        return "-"
+    reasons = sorted(worker["kv_transfer_failures_by_reason"].items(), key=lambda item: -item[1])
+    detail = ", ".join(f"{reason} {n}" for reason, n in reasons)
+    return f"{worker['kv_transfer_failures']} ({detail})" if detail else str(worker["kv_transfer_failures"])
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -160,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", type=_non_empty, metavar="ADDR",
                        help="join this Ray cluster (or RAY_ADDRESS) instead of starting a local one")
     serve.add_argument("--autoscale", action="store_true",
-                       help="resize the pools from their load within min_replicas..max_replicas")
+                       help="resize the pools from their load within min_replicas..max_replicas "
+                            "(the config's autoscaler section sets the thresholds)")
     serve.set_defaults(command=serve_command)
 
     def admin_command(name: str, help: str, run) -> argparse.ArgumentParser:

@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import EngineConfig
 from engine.errors import first_field_error
+from cluster.scaling_policy import Thresholds
 from engine.transfer_config import TransferConfig
 from kv_transfer.addresses import check_host
 
@@ -67,6 +68,56 @@ class RouterOptions(_Strict):
     migration_limit: int = Field(3, ge=0)  # moves of one request after its decode worker died mid-stream
 
 
+class PrefillScaling(_Strict):
+    """Per prefill worker: prompt tokens accepted but not yet computed; TTFT quantile over the window."""
+    queued_tokens_up: float = Field(4096, gt=0)
+    queued_tokens_down: float = Field(512, ge=0)
+    ttft_up_s: float = Field(2.0, gt=0)
+    ttft_down_s: float = Field(0.5, ge=0)
+
+
+class DecodeScaling(_Strict):
+    """Per decode worker: KV cache usage and running sequences (means over the pool); ITL quantile."""
+    kv_usage_up: float = Field(0.85, gt=0, le=1)
+    kv_usage_down: float = Field(0.4, ge=0, lt=1)
+    running_up: float = Field(48, gt=0)
+    running_down: float = Field(8, ge=0)
+    itl_up_s: float = Field(0.15, gt=0)
+    itl_down_s: float = Field(0.05, ge=0)
+
+
+class AutoscalerConfig(_Strict):
+    """`enabled` starts the autoscaler with the cluster. Thresholds come in up/down pairs (up must be above
+    down); cooldowns are in seconds."""
+    enabled: bool = False
+    interval_s: float = Field(5.0, gt=0)
+    upscale_cooldown_s: float = Field(30.0, ge=0)
+    downscale_cooldown_s: float = Field(120.0, ge=0)
+    latency_window_s: float = Field(60.0, gt=0)
+    latency_quantile: float = Field(0.9, gt=0, le=1)
+    prefill: PrefillScaling = Field(default_factory=PrefillScaling)
+    decode: DecodeScaling = Field(default_factory=DecodeScaling)
+
+    @model_validator(mode="after")
+    def _up_above_down(self) -> AutoscalerConfig:
+        for pool in ("prefill", "decode"):
+            try:
+                self.thresholds(pool)
+            except ValueError as exc:
+                raise ValueError(f"{pool}: {exc}") from None
+        return self
+
+    def thresholds(self, pool: str) -> dict[str, Thresholds]:
+        if pool == "prefill":
+            p = self.prefill
+            return {"queued_prefill_tokens": Thresholds(p.queued_tokens_up, p.queued_tokens_down),
+                    "ttft_s": Thresholds(p.ttft_up_s, p.ttft_down_s, per_worker=False)}
+        d = self.decode
+        return {"kv_usage": Thresholds(d.kv_usage_up, d.kv_usage_down),
+                "num_running": Thresholds(d.running_up, d.running_down),
+                "itl_s": Thresholds(d.itl_up_s, d.itl_down_s, per_worker=False)}
+
+
 class ClusterConfig(_Strict):
     """Everything `tandem serve` needs; every field has a working default for a laptop."""
     model: str | None = None
@@ -80,6 +131,8 @@ class ClusterConfig(_Strict):
     engine: EngineOptions = Field(default_factory=EngineOptions)
     transfer: TransferOptions = Field(default_factory=TransferOptions)
     router: RouterOptions = Field(default_factory=RouterOptions)
+    autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
+    ingress_replicas: int = Field(1, ge=1, le=64)  # Serve replicas of the HTTP ingress
     api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant")
     admin_key: str | None = None
     host: str = "127.0.0.1"

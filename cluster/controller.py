@@ -109,13 +109,17 @@ class ClusterController:
         return pool.pool
 
     def status(self) -> dict:
-        """Pools and workers with health, load, KV usage and prefix hit rates, for `tandem status`."""
+        """Pools and workers with health, load, KV usage, prefix hit rates and (decode workers) KV pulls that
+        fell back to local recompute, per reason, for `tandem status`."""
         out = {"version": self.version, "mode": self.config.mode, "model": self.config.model_name, "pools": {}}
         for pool in self.pools.pools():
             workers = list(pool.workers.values())
             refs = [w.actor.stats.remote() if w.ready else None for w in workers]
+            # Decode workers count the pulls that fell back to local recompute, per reason.
+            transfer = [w.actor.transfer_stats.remote() if w.ready and pool.pool == "decode" else None
+                        for w in workers]
             rows = []
-            for w, ref in zip(workers, refs):
+            for w, ref, transfer_ref in zip(workers, refs, transfer):
                 state = "starting" if not w.ready else "draining" if w.draining else \
                     "healthy" if w.healthy else "unhealthy"
                 row = {"worker_id": w.worker_id, "state": state}
@@ -127,6 +131,10 @@ class ClusterController:
                                    prefix_cache_queries=s.prefix_cache_queries,
                                    prefix_cache_hits=s.prefix_cache_hits,
                                    prefix_hit_rate=round(s.prefix_cache_hits / max(s.prefix_cache_queries, 1), 4))
+                        if transfer_ref is not None:
+                            failures = ray.get(transfer_ref, timeout=5)["transfer_failures_by_reason"]
+                            row.update(kv_transfer_failures=sum(failures.values()),
+                                       kv_transfer_failures_by_reason={r: n for r, n in failures.items() if n})
                     except ray.exceptions.RayError as exc:
                         row["error"] = type(exc).__name__
                 rows.append(row)
@@ -294,15 +302,17 @@ def enable_info_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def start_controller(config: ClusterConfig, detached: bool = False, **options):
-    """Create the named controller actor (which starts the pools) and wait until it is up. `options` go to
-    ClusterController (health_interval_s, drain_grace_s)."""
+def start_controller(config: ClusterConfig, detached: bool = False, wait: bool = True, **options):
+    """Create the named controller actor (which starts the pools), or get the one of that name already
+    running; with `wait`, until it is up. `options` go to ClusterController (health_interval_s,
+    drain_grace_s)."""
     actor_options = {"name": f"{config.name}-{CONTROLLER_NAME}", "namespace": config.namespace, "num_cpus": 0,
-                     "max_concurrency": 32}
+                     "max_concurrency": 32, "get_if_exists": True}
     if detached:
         actor_options["lifetime"] = "detached"
     actor = ray.remote(ClusterController).options(**actor_options).remote(config, **options)
-    ray.get(actor.membership.remote())
+    if wait:
+        ray.get(actor.membership.remote())
     return actor
 
 

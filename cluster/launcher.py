@@ -17,8 +17,7 @@ from cluster.config import ClusterConfig
 SERVE_CPUS = 4
 
 
-def serve_until_stopped(config: ClusterConfig, address: str | None, autoscale: bool,
-                        say: Callable[[str], None]) -> None:
+def serve_until_stopped(config: ClusterConfig, address: str | None, say: Callable[[str], None]) -> None:
     """Start everything, print where the API is, block until a signal, then stop everything."""
     if address is None:
         check_port_free(config.host, config.port)
@@ -38,7 +37,7 @@ def serve_until_stopped(config: ClusterConfig, address: str | None, autoscale: b
         # After ray.init, which installs its own SIGTERM handler: ours stops everything cleanly.
         signal.signal(signal.SIGTERM, _interrupt)
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
-        _run_app(config, autoscale, say)
+        _run_app(config, say)
         say(f"ready in {time.monotonic() - started:.0f} s: OpenAI API at http://{config.host}:{config.port}/v1, "
             f"metrics at /metrics, admin API at /admin ({'on' if config.admin_key else 'off: no admin key'}); "
             f"Ctrl-C stops")
@@ -53,10 +52,10 @@ def serve_until_stopped(config: ClusterConfig, address: str | None, autoscale: b
         _stop(config, say)
 
 
-def _run_app(config: ClusterConfig, autoscale: bool, say: Callable[[str], None]) -> None:
+def _run_app(config: ClusterConfig, say: Callable[[str], None]) -> None:
     from ray import serve
 
-    from router.app import build_app
+    from cluster.app import build_app
 
     serve.start(http_options={"host": config.host, "port": config.port}, proxy_location="HeadOnly",
                 logging_config={"log_level": "WARNING"})
@@ -66,9 +65,7 @@ def _run_app(config: ClusterConfig, autoscale: bool, say: Callable[[str], None])
     with _Ticker("still starting: loading the model in the workers", say):
         serve.run(build_app(config), name=config.name, route_prefix="/",
                   logging_config={"log_level": "WARNING", "enable_access_log": False})
-    if autoscale:
-        from cluster.autoscaler import AutoscalerConfig, start_autoscaler
-        start_autoscaler(AutoscalerConfig(), config.name, config.namespace)
+    if config.autoscaler.enabled:
         say(f"autoscaler on: prefill {config.prefill.min_replicas}..{config.prefill.max_replicas}, "
             f"decode {max(config.decode.min_replicas, 1)}..{config.decode.max_replicas} workers")
 
@@ -79,12 +76,8 @@ def _stop(config: ClusterConfig, say: Callable[[str], None]) -> None:
 
     if not ray.is_initialized():
         return
-    try:
-        ray.kill(ray.get_actor(f"{config.name}-autoscaler", namespace=config.namespace))
-    except ValueError:
-        pass  # no autoscaler was started
     serve.shutdown()  # lets the ingress finish the requests it is serving
-    from router.app import shutdown_cluster
+    from cluster.app import shutdown_cluster
     shutdown_cluster(config.name, config.namespace)
     ray.shutdown()
     say("stopped")

@@ -1,28 +1,31 @@
-"""The Serve deployment: each replica connects to the cluster controller, follows the workers, and
-serves the OpenAI API, /health and /metrics from a FastAPI app built in the replica."""
+"""The Serve deployment: each replica follows the workers through the cluster controller and serves the
+OpenAI API, /health and /metrics from a FastAPI app built in the replica.
+
+The ingress is bound by `cluster.app.build_app` with everything it needs passed in (the controller's
+handle, the metrics hub, the admin routes): it starts nothing and knows no cluster internals.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import ray
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException
 from transformers import AutoConfig
 
-from cluster.admin_api import build_admin_router
-from cluster.config import ClusterConfig
-from cluster.controller import CONTROLLER_NAME, ClusterController, get_controller
-from cluster.metrics import Metrics
 from engine.model_loader import load_tokenizer, resolve_model_dir
 from router.admission import Admission
 from router.auth import Authenticator
 from router.index import PrefixIndex
 from router.latency_report import LatencyReporter
+from router.metrics import Metrics
 from router.openai_api import APIError
 from router.policy import DisaggConfig, Router
 from router.request_router import RequestRouter
@@ -31,24 +34,31 @@ from router.worker_view import WorkerView
 
 logger = logging.getLogger(__name__)
 
-
-def connect_controller(config: ClusterConfig):
-    """The cluster's controller, created (with its pools) by whichever replica comes first.
-
-    It is detached: it and the pools outlive any one replica, so a replica restart or a redeploy does
-    not restart the workers. `router.app.shutdown_cluster` stops them."""
-    return ray.remote(ClusterController).options(
-        name=f"{config.name}-{CONTROLLER_NAME}", namespace=config.namespace, get_if_exists=True,
-        lifetime="detached", num_cpus=0, max_concurrency=32).remote(config)
+# How often a replica publishes its own series to the metrics hub between scrapes.
+METRICS_PUBLISH_S = 5.0
 
 
-def load_model_info(config: ClusterConfig):
+@dataclass(slots=True)
+class IngressConfig:
+    """What an ingress replica needs to know; `cluster.app.build_app` derives it from the cluster config."""
+    model: str | None  # the model directory (or the default model), resolved where the replica runs
+    model_name: str
+    max_model_len: int | None
+    block_size: int
+    disagg: DisaggConfig
+    max_queued_requests: int
+    migration_limit: int
+    api_keys: dict[str, str]
+    colocated: bool
+
+
+def load_model_info(config: IngressConfig):
     """The tokenizer (with its chat template) and the limits the workers will apply, read from the same
     model directory the workers load."""
     model_dir = resolve_model_dir(config.model)
     hf = AutoConfig.from_pretrained(model_dir)
     max_position = getattr(hf, "max_position_embeddings", 2048)
-    max_model_len = min(config.engine.max_model_len or max_position, max_position)
+    max_model_len = min(config.max_model_len or max_position, max_position)
     info = ModelInfo(config.model_name, hf.vocab_size, max_model_len, int(time.time()))
     return load_tokenizer(model_dir), info
 
@@ -56,36 +66,60 @@ def load_model_info(config: ClusterConfig):
 @serve.deployment(name="ingress")
 @serve.ingress()
 class Ingress:
-    """One ingress replica: an exact prefix index of its own, fed by every worker's KV events."""
+    """One ingress replica: an exact prefix index of its own, fed by every worker's KV events.
 
-    async def __init__(self, config: dict):
-        self.config = config = ClusterConfig.model_validate(config)
-        self.controller = connect_controller(config)
-        # Starting the pools can take minutes with a large model: load the tokenizer meanwhile.
-        (tokenizer, model), running = await asyncio.gather(
-            asyncio.to_thread(load_model_info, config), self.controller.config_dict.remote())
-        if running != config.model_dump():
-            logger.warning("controller %s-%s was started with another config; it keeps its own (scale it with "
-                           "`tandem scale`, or shut it down to apply the new one)", config.name, CONTROLLER_NAME)
+    `controller`: the cluster controller's actor handle (membership, latency reports, scaling report);
+    `metrics_hub`: a `router.metrics.MetricsHub` actor shared by the replicas; `extra_routes`: makes the
+    routes mounted beside the API (the admin API)."""
+
+    async def __init__(self, config: IngressConfig, controller, metrics_hub,
+                       extra_routes: Callable[[], APIRouter] | None = None):
+        self.config = config
+        self.controller = controller
+        self.metrics_hub = metrics_hub
+        self.extra_routes = extra_routes
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        tokenizer, model = await asyncio.to_thread(load_model_info, config)
         self.metrics = Metrics()
-        router = Router(PrefixIndex(), config.engine.block_size, DisaggConfig(
-            config.router.max_local_prefill_length, config.router.max_remote_prefill_cache_hit_ratio,
-            config.router.max_prefill_queue_size))
-        self.view = WorkerView(self.controller, router, self.metrics, colocated=config.mode == "colocated")
+        router = Router(PrefixIndex(), config.block_size, config.disagg)
+        self.view = WorkerView(controller, router, self.metrics, colocated=config.colocated)
         await self.view.start()
-        latencies = LatencyReporter(self.controller)
-        self._latency_task = asyncio.create_task(latencies.run())
+        latencies = LatencyReporter(controller)
+        self._tasks = [asyncio.create_task(latencies.run()), asyncio.create_task(self._publish_metrics())]
         self.service = OpenAIService(model, tokenizer, Authenticator(config.api_keys),
-                                     Admission(config.router.max_queued_requests,
+                                     Admission(config.max_queued_requests,
                                                self.metrics.rejected.labels("admission_full")),
                                      RequestRouter(self.view, self.metrics, latencies,
-                                                   migration_limit=config.router.migration_limit),
-                                     config.engine.block_size)
+                                                   migration_limit=config.migration_limit),
+                                     config.block_size)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        admin = build_admin_router(lambda: get_controller(self.config.name, self.config.namespace),
-                                   self.config.admin_key)
-        return build_api(self.service, self.view, self.metrics, self.controller, admin)
+        app = build_api(self.service, self.view, self.scrape)
+        if self.extra_routes is not None:
+            app.include_router(self.extra_routes())
+        return app
+
+    async def scrape(self) -> bytes:
+        """/metrics: every live replica's own series (through the hub) and the shared series."""
+        own = self.metrics.own_series()
+        try:
+            replicas = await asyncio.wait_for(self.metrics_hub.publish.remote(self.replica_id, own), timeout=5.0)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+            logger.warning("the metrics hub did not answer (%s): this scrape holds only this replica's series", exc)
+            replicas = {self.replica_id: own}
+        try:  # scaling series come from the controller, which owns the pools
+            self.metrics.observe_scaling(await asyncio.wait_for(self.controller.scaling_report.remote(), 2.0))
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+            logger.warning("scaling metrics are stale: the controller did not answer (%s)", exc)
+        return self.metrics.exposition(replicas)
+
+    async def _publish_metrics(self) -> None:
+        while True:
+            try:
+                await self.metrics_hub.publish.remote(self.replica_id, self.metrics.own_series())
+            except ray.exceptions.RayError as exc:
+                logger.warning("cannot publish metrics to the hub: %s", exc)
+            await asyncio.sleep(METRICS_PUBLISH_S)
 
     # ---- through a DeploymentHandle, for operators and tests: this replica's view -------------
     # (async, so they run on the replica's event loop, between the view's updates)
@@ -100,16 +134,29 @@ class Ingress:
         """How many leading blocks of a hash chain each known worker caches, per this replica's index."""
         return self.view.index.overlap(block_hashes, list(self.view.workers))
 
+    async def index_report(self, block_hashes: list[int]) -> dict:
+        """This replica's id and, per known worker, how many blocks its index holds and which of
+        `block_hashes` they include: what shows that several replicas agree."""
+        index = self.view.index
+        return {"replica": self.replica_id,
+                "workers": {w: {"num_blocks": index.num_blocks(w),
+                                "held": [h for h in block_hashes if index.overlap([h], [w])[w] == 1]}
+                            for w in self.view.workers}}
+
     async def __del__(self):
-        self._latency_task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        try:
+            await self.metrics_hub.forget.remote(self.replica_id)
+        except ray.exceptions.RayError:
+            pass  # the hub drops a silent replica's series after its ttl anyway
         await self.view.close()
 
 
-def build_api(service: OpenAIService, view: WorkerView, metrics: Metrics, controller, admin: APIRouter) -> FastAPI:
-    """The HTTP surface: the OpenAI API, /health, /metrics, and the admin API under /admin (its own key).
-    Every error, including unknown routes, has OpenAI's error shape."""
+def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awaitable[bytes]]) -> FastAPI:
+    """The HTTP surface: the OpenAI API, /health and /metrics (`scrape` makes its body). Every error,
+    including unknown routes, has OpenAI's error shape."""
     app = FastAPI(title="tandem", description="OpenAI-compatible disaggregated inference")
-    app.include_router(admin)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -146,11 +193,7 @@ def build_api(service: OpenAIService, view: WorkerView, metrics: Metrics, contro
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        try:  # scaling series come from the controller, which owns the pools
-            metrics.observe_scaling(await asyncio.wait_for(controller.scaling_report.remote(), timeout=2.0))
-        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
-            logger.warning("scaling metrics are stale: the controller did not answer (%s)", exc)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await scrape(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

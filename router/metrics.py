@@ -2,12 +2,24 @@
 
 Request-level histograms are observed by the ingress as token deltas arrive. Per-worker gauges and
 counters come from the workers' own stats, which the ingress polls anyway for routing; a collector
-turns the latest snapshot into series labelled with pool and worker.
+turns the latest snapshot into series labelled with pool and worker. Scaling series mirror the
+controller's report.
+
+Several ingress replicas: Serve's proxy sends a scrape to any one replica, so each replica's request
+series would show only its own share, and a counter would jump backwards from one scrape to the next.
+Each replica therefore publishes its own series to a `MetricsHub` actor, and a scrape answers with every
+live replica's series, each labelled `replica` (sum them away: `sum without (replica) (...)`). The
+per-worker and scaling series have one source each (the worker, the controller) and carry no replica label.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import threading
+import time
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
@@ -16,7 +28,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 
 
 class Metrics:
-    """All of tandem's series in one registry (one per ingress replica)."""
+    """One ingress replica's series: `registry` holds what this replica observes (published to the hub
+    and labelled with the replica there), `shared` what it mirrors from the workers and the controller."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
@@ -43,16 +56,11 @@ class Metrics:
                                   "failed mid-stream, by the worker that failed.", ["worker"], registry=r)
         self.rejected = Counter("tandem:requests_rejected", "Requests refused at admission.", ["reason"],
                                 registry=r)
-        self.scaling = Counter("tandem:scaling_events",
-                               "Scaling decisions (scale_up, scale_down) and worker changes (add, drain, remove, "
-                               "unhealthy, recovered).", ["pool", "action"], registry=r)
-        self.replicas = Gauge("tandem:pool_replicas", "Workers per pool.", ["pool"], registry=r)
-        self.desired_replicas = Gauge("tandem:autoscaler_desired_replicas",
-                                      "Workers the last scaling decision (autoscaler or operator) asked for.",
-                                      ["pool"], registry=r)
-        self._scaling_seen: dict[tuple[str, str], int] = {}
         self.workers = WorkerStatsCollector()
-        r.register(self.workers)
+        self.scaling = ScalingCollector()
+        self.shared = CollectorRegistry()
+        self.shared.register(self.workers)
+        self.shared.register(self.scaling)
 
     def observe_finished(self, pool: str, worker: str, times: dict[str, float], token_times: list[float],
                          finish_reason: str | None) -> None:
@@ -73,17 +81,83 @@ class Metrics:
         self.requests.labels(pool, worker, finish_reason or "unknown").inc()
 
     def observe_scaling(self, report) -> None:
-        """Mirror the controller's `scaling_report()` (cluster.membership.ScalingReport). Its event counts are
-        totals since the controller started, so only the growth since the previous report is added."""
-        for (pool, action), count in report.events.items():
-            grown = count - self._scaling_seen.get((pool, action), 0)
-            if grown > 0:
-                self.scaling.labels(pool, action).inc(grown)
-            self._scaling_seen[(pool, action)] = count
-        for pool, n in report.replicas.items():
-            self.replicas.labels(pool).set(n)
-        for pool, n in report.desired.items():
-            self.desired_replicas.labels(pool).set(n)
+        """Mirror the controller's `scaling_report()` (cluster.membership.ScalingReport)."""
+        self.scaling.report = report
+
+    def own_series(self) -> bytes:
+        """This replica's own series in the text format, as published to the hub."""
+        return generate_latest(self.registry)
+
+    def exposition(self, replicas: dict[str, bytes]) -> bytes:
+        """The scrape: every replica's own series (`replicas`: replica id -> `own_series()`) labelled
+        with its replica, then the shared series."""
+        merged = CollectorRegistry()
+        merged.register(_ReplicaSeries(replicas))
+        return generate_latest(merged) + generate_latest(self.shared)
+
+
+class _ReplicaSeries:
+    """A collector of several replicas' published series, each sample labelled with its replica."""
+
+    def __init__(self, replicas: dict[str, bytes]):
+        self.replicas = replicas
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, Metric] = {}
+        for replica, text in sorted(self.replicas.items()):
+            for family in text_string_to_metric_families(text.decode()):
+                if family.name.endswith("_created"):
+                    continue  # creation times are per replica and mean nothing summed
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                merged.samples += [s._replace(labels={**s.labels, "replica": replica}) for s in family.samples
+                                   if not s.name.endswith("_created")]
+        return families.values()
+
+
+class MetricsHub:
+    """Holds each ingress replica's latest published series (a Ray actor, one per cluster). A replica not
+    heard from within `ttl_s` is gone, and so are its series, as a pod's are when the pod goes."""
+
+    def __init__(self, ttl_s: float = 30.0):
+        self.ttl_s = ttl_s
+        self.series: dict[str, tuple[float, bytes]] = {}
+        self.lock = threading.Lock()
+
+    def publish(self, replica: str, text: bytes) -> dict[str, bytes]:
+        """Store `replica`'s series; returns every live replica's."""
+        now = time.monotonic()
+        with self.lock:
+            self.series[replica] = (now, text)
+            self.series = {r: (t, s) for r, (t, s) in self.series.items() if now - t <= self.ttl_s}
+            return {r: s for r, (_, s) in self.series.items()}
+
+    def forget(self, replica: str) -> None:
+        with self.lock:
+            self.series.pop(replica, None)
+
+
+class ScalingCollector:
+    """The controller's scaling report as series: event totals since the controller started, and each
+    pool's current and desired size."""
+
+    def __init__(self):
+        self.report = None
+
+    def collect(self) -> Iterable[Metric]:
+        events = CounterMetricFamily("tandem:scaling_events", "Scaling decisions (scale_up, scale_down) and worker "
+                                     "changes (add, drain, remove, unhealthy, recovered).", labels=["pool", "action"])
+        replicas = GaugeMetricFamily("tandem:pool_replicas", "Workers per pool.", labels=["pool"])
+        desired = GaugeMetricFamily("tandem:autoscaler_desired_replicas",
+                                    "Workers the last scaling decision (autoscaler or operator) asked for.",
+                                    labels=["pool"])
+        if self.report is not None:
+            for (pool, action), count in sorted(self.report.events.items()):
+                events.add_metric([pool, action], float(count))
+            for pool, n in self.report.replicas.items():
+                replicas.add_metric([pool], float(n))
+            for pool, n in self.report.desired.items():
+                desired.add_metric([pool], float(n))
+        return [events, replicas, desired]
 
 
 class WorkerStatsCollector:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from cluster.metrics import Metrics
+from router.metrics import Metrics
 from engine.engine_loop import EngineStopped
 from engine.protocol import WorkerStats
 from router.index import PrefixIndex

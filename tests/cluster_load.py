@@ -1,47 +1,62 @@
-"""A load client for the scaling tests that routes the way the ingress does: workers come from the
-controller's membership (ready, healthy, not draining), the one with the fewest outstanding requests
-wins, and only a request a draining worker refused before its first token is sent elsewhere. Any
-other error is a failed request."""
+"""Load through what users run: a tandem app assembled by `cluster.app.build_app` on a real Serve instance,
+and a client that streams completions to it over HTTP. Routing, retries on a draining worker and
+migration are the ingress's; the client only counts what it receives. Worker-side facts (which worker
+had requests in flight, which served any) are read from the workers' own stats."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from engine import SamplingParams
-from engine.protocol import GenerateRequest
-from engine.serving import WorkerDraining
-from router.dispatch import run_request
+import aiohttp
+import ray
 
 
 @dataclass(slots=True)
 class Outcome:
     request_id: str
     started: float
-    decode: str | None = None
-    prefill: str | None = None
     finished: float = 0.0
     num_tokens: int = 0
     max_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
-    reroutes: int = 0
     token_times: list[float] = field(default_factory=list)
 
 
-class LoadClient:
-    """Sends requests to the cluster behind `controller`; `report_latencies` feeds the controller the
-    TTFT and ITL samples the ingress would report."""
+@contextmanager
+def serve_tandem(config) -> Iterator[str]:
+    """Serve `config` through `cluster.app:build_app` on a free loopback port (on the session's Ray);
+    yields the base URL; stops the app and its cluster afterwards."""
+    from ray import serve
 
-    def __init__(self, controller, seed: int = 0, max_tokens: tuple[int, int] = (16, 48),
-                 report_latencies: bool = False):
-        self.controller = controller
+    from cluster.app import build_app, shutdown_cluster
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(config), name=config.name, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        shutdown_cluster(config.name, config.namespace)
+
+
+class LoadClient:
+    """Streams greedy completions of random token-id prompts to `base_url`, one every `interval_s`."""
+
+    def __init__(self, base_url: str, model: str, seed: int = 0, max_tokens: tuple[int, int] = (16, 48)):
+        self.base_url = base_url
+        self.model = model
         self.rng = random.Random(seed)
         self.max_tokens = max_tokens
-        self.report_latencies = report_latencies
-        self.outstanding: dict[str, int] = {}
-        self.actors: dict[str, object] = {}  # every worker the client has seen, by id
         self.outcomes: list[Outcome] = []
 
     async def run(self, stop: asyncio.Event, max_requests: int, interval_s: float,
@@ -50,75 +65,75 @@ class LoadClient:
         With `max_in_flight`, a new request waits for a slot, so a slow machine is not buried in work."""
         tasks = []
         slots = asyncio.Semaphore(max_in_flight or max_requests)
-        for i in range(max_requests):
-            await slots.acquire()
-            if stop.is_set():
-                break
-            task = asyncio.create_task(self.one(f"load-{id(self)}-{i}"))
-            task.add_done_callback(lambda _: slots.release())
-            tasks.append(task)
-            try:
-                await asyncio.wait_for(stop.wait(), interval_s)
-            except asyncio.TimeoutError:
-                pass
-        await asyncio.gather(*tasks)
+        connector = aiohttp.TCPConnector(limit=max_in_flight or 100)
+        async with aiohttp.ClientSession(self.base_url, connector=connector,
+                                         timeout=aiohttp.ClientTimeout(total=300)) as http:
+            for i in range(max_requests):
+                await slots.acquire()
+                if stop.is_set():
+                    break
+                task = asyncio.create_task(self.one(http, f"load-{id(self)}-{i}"))
+                task.add_done_callback(lambda _: slots.release())
+                tasks.append(task)
+                try:
+                    await asyncio.wait_for(stop.wait(), interval_s)
+                except asyncio.TimeoutError:
+                    pass
+            await asyncio.gather(*tasks)
         return self.outcomes
 
-    async def one(self, request_id: str) -> Outcome:
+    async def one(self, http: aiohttp.ClientSession, request_id: str) -> Outcome:
         prompt = [self.rng.randrange(3, 1000) for _ in range(self.rng.randrange(5, 60))]
         n = self.rng.randrange(*self.max_tokens)
         outcome = Outcome(request_id, time.time(), max_tokens=n)
         self.outcomes.append(outcome)
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        while True:
-            decode, prefill = await self._pick()
-            outcome.decode, outcome.prefill = decode[0], prefill[0] if prefill else None
-            request = GenerateRequest(f"{request_id}-{outcome.reroutes}", prompt, params)
-            for wid in (decode[0], prefill[0] if prefill else None):
-                if wid:
-                    self.outstanding[wid] = self.outstanding.get(wid, 0) + 1
-            try:
-                async for delta in run_request(request, decode[1], prefill[1] if prefill else None):
-                    outcome.token_times.extend([time.time()] * len(delta.token_ids))
-                    outcome.num_tokens += len(delta.token_ids)
-                    outcome.finish_reason = delta.finish_reason if delta.finished else None
-                break
-            except WorkerDraining:
-                if outcome.num_tokens or outcome.reroutes >= 5:
-                    outcome.error = "WorkerDraining after tokens were streamed"
-                    break
-                outcome.reroutes += 1
-            except Exception as exc:  # noqa: BLE001 - every other error is what the test counts
-                outcome.error = f"{type(exc).__name__}: {exc}"
-                break
-            finally:
-                for wid in (decode[0], prefill[0] if prefill else None):
-                    if wid:
-                        self.outstanding[wid] -= 1
+        body = {"model": self.model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            async with http.post("/v1/completions", json=body) as response:
+                if response.status != 200:
+                    outcome.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                else:
+                    await self._read(response, outcome)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            outcome.error = f"{type(exc).__name__}: {exc}"
         outcome.finished = time.time()
-        if self.report_latencies and outcome.token_times:
-            times = outcome.token_times
-            gaps = [b - a for a, b in zip(times, times[1:])]
-            self.controller.report_latencies.remote([times[0] - outcome.started], gaps)
         return outcome
 
-    async def _pick(self):
-        membership = await self.controller.membership.remote()
-        self.actors.update((w.worker_id, w.actor) for w in membership.workers)
-        usable = [w for w in membership.workers if w.healthy and not w.draining]
-
-        def least_loaded(pool):
-            candidates = [w for w in usable if w.pool == pool]
-            if not candidates:
-                return None
-            self.rng.shuffle(candidates)
-            w = min(candidates, key=lambda w: self.outstanding.get(w.worker_id, 0))
-            return w.worker_id, w.actor
-
-        return least_loaded("decode"), least_loaded("prefill")
+    @staticmethod
+    async def _read(response: aiohttp.ClientResponse, outcome: Outcome) -> None:
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                outcome.error = f"error event: {event['error'].get('message')}"
+                continue
+            for choice in event.get("choices", []):
+                if choice.get("text"):
+                    outcome.token_times.append(time.time())
+                if choice.get("finish_reason"):
+                    outcome.finish_reason = choice["finish_reason"]
+            if event.get("usage"):
+                outcome.num_tokens = event["usage"]["completion_tokens"]
 
 
 def failures(outcomes: list[Outcome]) -> list[Outcome]:
     """Requests that did not finish normally with all their tokens."""
     return [o for o in outcomes if o.error or o.finish_reason not in ("length", "stop")
             or (o.finish_reason == "length" and o.num_tokens != o.max_tokens)]
+
+
+def in_flight(actor) -> int:
+    """Requests a worker holds right now (0 for a dead one)."""
+    try:
+        return ray.get(actor.num_in_flight.remote(), timeout=10)
+    except ray.exceptions.RayError:
+        return 0
+
+
+def has_served(actor) -> bool:
+    """Whether a worker has computed any prompt or generated any token."""
+    stats = ray.get(actor.stats.remote(), timeout=10)
+    return stats.prompt_tokens > 0 or stats.generation_tokens > 0

@@ -1,19 +1,18 @@
-"""The autoscaler: its policy on synthetic snapshots, and the actor resizing a real pool under real load."""
+"""The autoscaler: its policy on synthetic snapshots, and the actor, started by `cluster.app.build_app` from
+the config's `autoscaler` section, resizing a real pool under real load sent through the ingress."""
 import asyncio
 import time
 
 import pytest
 import ray
-from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.autoscaler import AutoscalerConfig, start_autoscaler
-from cluster.config import ClusterConfig
-from cluster.controller import start_controller
-from cluster.metrics import Metrics
+from cluster.config import AutoscalerConfig, ClusterConfig
+from cluster.controller import get_controller
 from cluster.scaling_policy import LatencyWindow, ScalingPolicy, Thresholds, pool_signals
 from engine.protocol import WorkerStats
-from tests.cluster_load import LoadClient, failures
+from router.metrics import Metrics
+from tests.cluster_load import LoadClient, failures, serve_tandem
 
 DECODE = {"kv_usage": Thresholds(0.8, 0.3), "num_running": Thresholds(32, 8),
           "itl_s": Thresholds(0.1, 0.03, per_worker=False)}
@@ -123,21 +122,20 @@ def test_autoscaler_config_rejects_a_down_threshold_not_below_up():
 
 # ---- the actor on a real pool -------------------------------------------------------------------
 
-AGGRESSIVE = AutoscalerConfig(interval_s=0.5, upscale_cooldown_s=1.0, downscale_cooldown_s=3.0,
-                              decode={"running_up": 1.5, "running_down": 0.5, "kv_usage_up": 0.9,
-                                      "kv_usage_down": 0.05, "itl_up_s": 60.0, "itl_down_s": 30.0})
+AGGRESSIVE = {"enabled": True, "interval_s": 0.5, "upscale_cooldown_s": 1.0, "downscale_cooldown_s": 3.0,
+              "decode": {"running_up": 1.5, "running_down": 0.5, "kv_usage_up": 0.9, "kv_usage_down": 0.05,
+                         "itl_up_s": 60.0, "itl_down_s": 30.0}}
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster, tiny_llama_dir):
-    config = ClusterConfig(model=tiny_llama_dir, mode="colocated", name="autoscale", namespace="tandem-tests",
-                           engine={"num_kv_blocks": 256}, decode={"min_replicas": 1, "max_replicas": 2})
-    controller = start_controller(config, drain_grace_s=0.5)
-    autoscaler = start_autoscaler(AGGRESSIVE, "autoscale", "tandem-tests")
-    yield controller, autoscaler
-    ray.kill(autoscaler)
-    ray.get(controller.shutdown.remote())
-    ray.kill(controller)
+    """A colocated app whose config turns the autoscaler on: `build_app` starts it, nothing else does."""
+    config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", mode="colocated", name="autoscale",
+                           namespace="tandem-tests", engine={"num_kv_blocks": 256},
+                           decode={"min_replicas": 1, "max_replicas": 2, "num_cpus": 0.5}, autoscaler=AGGRESSIVE)
+    with serve_tandem(config) as url:
+        autoscaler = ray.get_actor("autoscale-autoscaler", namespace="tandem-tests")
+        yield get_controller("autoscale", "tandem-tests"), autoscaler, url
 
 
 def decode_workers(controller):
@@ -145,8 +143,8 @@ def decode_workers(controller):
 
 
 def test_load_scales_the_decode_pool_up_and_idleness_scales_it_back_down(cluster):
-    controller, autoscaler = cluster
-    client = LoadClient(controller, seed=5, max_tokens=(64, 128), report_latencies=True)
+    controller, autoscaler, url = cluster
+    client = LoadClient(url, "tiny", seed=5, max_tokens=(64, 128))
 
     async def load_until_scaled_up():
         stop = asyncio.Event()
@@ -169,19 +167,19 @@ def test_load_scales_the_decode_pool_up_and_idleness_scales_it_back_down(cluster
     assert [(d.action, d.current, d.desired) for d in decisions] == [("scale_up", 1, 2), ("scale_down", 2, 1)]
     assert decisions[0].reason.startswith("num_running=")
     assert decisions[1].reason.startswith("idle: ")
-    assert decisions[1].signals["itl_s"] is not None  # the ITLs the client reported reached the policy
+    assert decisions[1].signals["itl_s"] is not None  # the ITLs the ingress observed reached the policy
     events = [(e.action, e.reason.split(":")[0]) for e in ray.get(controller.scaling_events.remote())
               if e.action in ("scale_up", "scale_down")]
     assert events == [("scale_up", "autoscaler"), ("scale_down", "autoscaler")]
 
 
 def test_scaling_decisions_are_exported_as_metrics(cluster):
-    controller, _ = cluster
+    controller = cluster[0]
     metrics = Metrics()
     metrics.observe_scaling(ray.get(controller.scaling_report.remote()))
-    metrics.observe_scaling(ray.get(controller.scaling_report.remote()))  # a repeat adds nothing
+    metrics.observe_scaling(ray.get(controller.scaling_report.remote()))  # a repeat changes nothing
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+               for f in text_string_to_metric_families(metrics.exposition({}).decode())
                for s in f.samples}
     for action in ("scale_up", "scale_down", "add", "drain", "remove"):
         assert samples[("tandem:scaling_events_total", (("action", action), ("pool", "decode")))] == 1.0

@@ -1,5 +1,6 @@
-"""Scaling and draining through the cluster controller while requests keep coming: nothing in flight is
-dropped, new workers take traffic only once registered, drained workers leave membership and Ray."""
+"""Scaling and draining through the cluster controller while requests keep coming through the real ingress
+over HTTP: nothing in flight is dropped, new workers take traffic only once registered, drained workers
+leave membership and Ray."""
 import asyncio
 import time
 
@@ -7,27 +8,36 @@ import pytest
 import ray
 
 from cluster.config import ClusterConfig
-from cluster.controller import start_controller
+from cluster.controller import get_controller
 from engine import SamplingParams
 from engine.protocol import GenerateRequest
 from router.dispatch import run_request
-from tests.cluster_load import LoadClient, failures
+from tests.cluster_load import LoadClient, failures, has_served, in_flight, serve_tandem
+
+MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def controller(ray_cluster, tiny_llama_dir):
-    config = ClusterConfig(model=tiny_llama_dir, name="ctl", namespace="tandem-tests",
+def app(ray_cluster, tiny_llama_dir):
+    config = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ctl", namespace="tandem-tests",
                            engine={"num_kv_blocks": 128, "max_num_batched_tokens": 256},
-                           prefill={"max_replicas": 3}, decode={"max_replicas": 3},
-                           transfer={"lease_ttl_s": 5})
-    actor = start_controller(config)
-    yield actor
-    ray.get(actor.shutdown.remote())
-    ray.kill(actor)
+                           prefill={"max_replicas": 3, "num_cpus": 0.5}, decode={"max_replicas": 3, "num_cpus": 0.5},
+                           transfer={"lease_ttl_s": 5}, router={"max_local_prefill_length": 0})
+    with serve_tandem(config) as url:
+        yield url, get_controller(config.name, config.namespace)
+
+
+@pytest.fixture(scope="module")
+def controller(app):
+    return app[1]
 
 
 def members(controller, pool):
     return sorted(w.worker_id for w in ray.get(controller.membership.remote()).workers if w.pool == pool)
+
+
+def actors(controller, pool) -> dict:
+    return {w.worker_id: w.actor for w in ray.get(controller.membership.remote()).workers if w.pool == pool}
 
 
 def assert_actor_gone(actor):
@@ -37,34 +47,25 @@ def assert_actor_gone(actor):
 
 async def wait_until(predicate, timeout_s=60.0):
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    while not await asyncio.to_thread(predicate):
         assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
 
 
-def served(client, worker_id):
-    return sum(worker_id in (o.decode, o.prefill) and o.finished > 0 for o in client.outcomes)
-
-
-def in_flight_at(client, worker_id, moment):
-    return [o for o in client.outcomes if worker_id in (o.decode, o.prefill) and o.started < moment < o.finished]
-
-
-def under_load(controller, operations, seed, max_requests=800, interval_s=0.08, max_tokens=(64, 128),
-               max_in_flight=48):
-    """Run `operations(client)` while a LoadClient sends a request every `interval_s`; let the load run
-    on for a second afterwards, stop it and wait for every request to end. Requests are long enough
-    (`max_tokens`) that every worker has some in flight at any moment, even the least loaded one,
-    which is the one a scale-down drains. On a loaded machine starting a worker can take most of a
-    minute, and the load must still run when it is ready: `max_requests` only bounds the loop, and
-    `max_in_flight` keeps the work that piles up meanwhile bounded."""
-    client = LoadClient(controller, seed=seed, max_tokens=max_tokens)
+def under_load(app, operations, seed, max_requests=800, interval_s=0.08, max_tokens=(64, 128), max_in_flight=48):
+    """Run `operations()` while a LoadClient sends a request to the app every `interval_s`; let the load
+    run on for a second afterwards, stop it and wait for every request to end. Requests are long enough
+    (`max_tokens`) that every worker has some in flight at any moment, even the least loaded one, which is
+    the one a scale-down drains. On a loaded machine starting a worker can take most of a minute, and the
+    load must still run when it is ready: `max_requests` only bounds the loop, and `max_in_flight` keeps
+    the work that piles up meanwhile bounded."""
+    client = LoadClient(app[0], MODEL, seed=seed, max_tokens=max_tokens)
 
     async def main():
         stop = asyncio.Event()
         load = asyncio.create_task(client.run(stop, max_requests, interval_s, max_in_flight))
         await wait_until(lambda: len(client.outcomes) >= 5)
-        await operations(client)
+        await operations()
         await asyncio.sleep(1.0)
         stop.set()
         await load
@@ -73,64 +74,68 @@ def under_load(controller, operations, seed, max_requests=800, interval_s=0.08, 
     return client
 
 
-def test_decode_scales_up_then_down_under_load_without_failed_requests(controller):
+def scale_down_watching(controller, pool: str, replicas: int, steps: dict):
+    """Scale `pool` down, noting first what each worker holds in flight (the drained one must hold some)."""
+    steps["actors"] = actors(controller, pool)
+    steps["in_flight"] = {wid: in_flight(a) for wid, a in steps["actors"].items()}
+    return ray.get(controller.scale.remote(pool, replicas))
+
+
+def test_decode_scales_up_then_down_under_load_without_failed_requests(app, controller):
     steps = {}
 
-    async def operations(client):
+    async def operations():
         steps["up"] = await controller.scale.remote("decode", 2)
-        new = steps["up"].added[0]
-        await wait_until(lambda: served(client, new) >= 3)  # registered workers take traffic
-        steps["drain_started"] = time.time()
-        steps["down"] = await controller.scale.remote("decode", 1)
+        new = actors(controller, "decode")[steps["up"].added[0]]
+        await wait_until(lambda: has_served(new))  # registered workers take traffic
+        steps["down"] = await asyncio.to_thread(scale_down_watching, controller, "decode", 1, steps)
 
-    client = under_load(controller, operations, seed=1)
+    client = under_load(app, operations, seed=1)
     up, down = steps["up"], steps["down"]
     assert (up.replicas_before, up.replicas, len(up.added)) == (1, 2, 1)
     assert (down.replicas_before, down.replicas, len(down.drained)) == (2, 1, 1)
     assert failures(client.outcomes) == []
     assert len(client.outcomes) >= 20
     victim = down.drained[0]
-    assert in_flight_at(client, victim, steps["drain_started"]), "the drained worker had nothing in flight"
+    assert steps["in_flight"][victim] > 0, "the drained worker had nothing in flight"
     assert victim not in members(controller, "decode")
-    assert_actor_gone(client.actors[victim])
+    assert_actor_gone(steps["actors"][victim])
 
 
-def test_prefill_scales_up_then_down_under_load_without_failed_requests(controller):
+def test_prefill_scales_up_then_down_under_load_without_failed_requests(app, controller):
     steps = {}
 
-    async def operations(client):
+    async def operations():
         steps["up"] = await controller.scale.remote("prefill", 2)
-        await wait_until(lambda: served(client, steps["up"].added[0]) >= 3)
-        steps["drain_started"] = time.time()
-        steps["down"] = await controller.scale.remote("prefill", 1)
+        new = actors(controller, "prefill")[steps["up"].added[0]]
+        await wait_until(lambda: has_served(new))
+        steps["down"] = await asyncio.to_thread(scale_down_watching, controller, "prefill", 1, steps)
 
-    client = under_load(controller, operations, seed=2)
+    client = under_load(app, operations, seed=2)
     assert failures(client.outcomes) == []
     victim = steps["down"].drained[0]
-    assert in_flight_at(client, victim, steps["drain_started"]), "the drained worker had nothing in flight"
     assert victim not in members(controller, "prefill") and len(members(controller, "prefill")) == 1
-    assert_actor_gone(client.actors[victim])
+    assert_actor_gone(steps["actors"][victim])
 
 
-def test_draining_a_busy_worker_mid_load_lets_its_requests_finish(controller):
+def test_draining_a_busy_worker_mid_load_lets_its_requests_finish(app, controller):
     steps = {}
 
-    async def operations(client):
+    async def operations():
         steps["added"] = (await controller.scale.remote("decode", 2)).added[0]
-        await wait_until(lambda: client.outstanding.get(steps["added"], 0) >= 2)
-        steps["drain_started"] = time.time()
+        steps["actor"] = actors(controller, "decode")[steps["added"]]
+        await wait_until(lambda: in_flight(steps["actor"]) >= 2)
         steps["pool"] = await controller.drain.remote(steps["added"], "test")
 
     before = ray.get(controller.membership.remote()).version
-    client = under_load(controller, operations, seed=3)
+    client = under_load(app, operations, seed=3)
     victim = steps["added"]
     assert steps["pool"] == "decode"
     assert failures(client.outcomes) == []
-    assert len(in_flight_at(client, victim, steps["drain_started"])) >= 2
     assert victim not in members(controller, "decode")
     assert ray.get(controller.status.remote())["pools"]["decode"]["desired"] == 1  # drained, not replaced
     assert ray.get(controller.membership.remote()).version > before
-    assert_actor_gone(client.actors[victim])
+    assert_actor_gone(steps["actor"])
     events = [(e.action, e.worker_id) for e in ray.get(controller.scaling_events.remote())]
     assert events[-2:] == [("drain", victim), ("remove", victim)]
 

@@ -21,12 +21,13 @@ SHARED = "The quick brown fox jumps over the lazy dog. " * 6  # a few full KV bl
 def app_url(ray_cluster, tiny_llama_dir):
     from ray import serve
 
-    from router.app import build_app, shutdown_cluster
+    from cluster.app import build_app, shutdown_cluster
 
     # max_local_prefill_length=0: every prompt is prefilled remotely, so KV transfer series move too.
+    # Two ingress replicas: a scrape reaches one of them and must still show the whole cluster.
     config = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="metrics", namespace="tandem-tests",
                            engine={"num_kv_blocks": 128}, router={"max_local_prefill_length": 0},
-                           prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5})
+                           prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5}, ingress_replicas=2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -73,9 +74,38 @@ def metrics(app_url, traffic):
     while True:
         families = scrape(app_url)
         generated = total(families.get("vllm:generation_tokens", []), "vllm:generation_tokens_total")
-        if generated >= traffic["tokens"] or time.monotonic() > deadline:
+        finished = total(families.get("vllm:request_success", []), "vllm:request_success_total")
+        replicas = {s.labels["replica"] for s in families.get("tandem:requests_rejected", [])}
+        # Other replicas publish their series every few seconds: wait for the last of them too.
+        if (generated >= traffic["tokens"] and finished >= traffic["requests"] and len(replicas) == 2) \
+                or time.monotonic() > deadline:
             return families
         time.sleep(0.2)
+
+
+def test_every_scrape_adds_up_the_series_of_both_ingress_replicas(app_url, metrics, traffic):
+    for _ in range(8):  # each scrape reaches either replica
+        families = scrape(app_url)
+        # Every replica exports its admission counter from the start, whatever traffic it got.
+        assert len({s.labels["replica"] for s in families["tandem:requests_rejected"]}) == 2
+        success = families["vllm:request_success"]
+        assert total(success, "vllm:request_success_total") == traffic["requests"]
+        assert total(families["tandem:routing_decisions"], "tandem:routing_decisions_total", pool="decode") \
+            == traffic["requests"]
+        # Per-worker series have one source, the worker: they carry no replica label and are not doubled.
+        assert all("replica" not in s.labels for s in families["vllm:generation_tokens"])
+        assert total(families["vllm:generation_tokens"], "vllm:generation_tokens_total") == traffic["tokens"]
+
+
+def test_a_config_for_other_workers_is_refused_while_the_cluster_runs(app_url, tiny_llama_dir):
+    from cluster.app import build_app
+    from cluster.config import ConfigError
+
+    other = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="metrics", namespace="tandem-tests",
+                          engine={"num_kv_blocks": 128, "block_size": 32}, router={"max_local_prefill_length": 0},
+                          prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5})
+    with pytest.raises(ConfigError, match=r"engine\.block_size.*refusing"):
+        build_app(other)
 
 
 def test_every_documented_series_is_exported(metrics):

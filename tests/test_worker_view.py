@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from cluster.metrics import Metrics
+from router.metrics import Metrics
 from engine.engine_loop import EngineLoop, EngineStopped
 from engine.hashing import block_hashes
 from engine.kv_events import KVEvent, KVEventBatch

@@ -1,6 +1,7 @@
 """Two tandem applications on one real Serve instance (loopback, ephemeral port), shared by the ingress
 tests: `main` (disaggregated; two tenants' keys and an admin key; one prefill and two decode workers) and
-`aux` (colocated; no keys; three decode workers; an admission bound of two sequences). The last tests of
+`aux` (colocated; no keys; three decode workers; an admission bound of two sequences), and `pair`
+(colocated; one decode worker behind two ingress replicas). The last tests of
 test_routing_e2e drain and kill aux's workers, so the modules run in their default (file name) order."""
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def apps(ray_cluster, tiny_llama_dir):
     from ray.serve.api import RunTarget
 
     from cluster.config import ClusterConfig
-    from router.app import build_app, shutdown_cluster
+    from cluster.app import build_app, shutdown_cluster
 
     engine = {"num_kv_blocks": 128, "max_num_batched_tokens": 256}
     main = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-main", api_keys=KEYS,
@@ -83,16 +84,19 @@ def apps(ray_cluster, tiny_llama_dir):
     aux = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-aux", mode="colocated",
                         engine=engine, router={"max_queued_requests": 2},
                         decode={"replicas": 3, "num_cpus": 0.5, "replace_dead": False})
+    # Two ingress replicas over one decode worker: each replica must hold the same exact index.
+    pair = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-pair", mode="colocated",
+                         engine=engine, decode={"num_cpus": 0.5}, ingress_replicas=2)
+    configs = {"main": main, "aux": aux, "pair": pair}
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run_many([RunTarget(build_app(main.model_dump()), name="main", route_prefix="/main"),
-                        RunTarget(build_app(aux.model_dump()), name="aux", route_prefix="/aux")])
-        yield {name: App(name, f"http://127.0.0.1:{port}/{name}", config)
-               for name, config in (("main", main), ("aux", aux))}
+        serve.run_many([RunTarget(build_app(config.model_dump()), name=name, route_prefix=f"/{name}")
+                        for name, config in configs.items()])
+        yield {name: App(name, f"http://127.0.0.1:{port}/{name}", config) for name, config in configs.items()}
     finally:
         serve.shutdown()
-        for config in (main, aux):
+        for config in configs.values():
             shutdown_cluster(config.name, config.namespace)
 
 
@@ -104,6 +108,11 @@ def main_app(apps) -> App:
 @pytest.fixture(scope="package")
 def aux_app(apps) -> App:
     return apps["aux"]
+
+
+@pytest.fixture(scope="package")
+def pair_app(apps) -> App:
+    return apps["pair"]
 
 
 @pytest.fixture(scope="package")

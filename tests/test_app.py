@@ -1,0 +1,70 @@
+"""The assembly point, without Ray: which config changes a running cluster can take, what the ingress is
+given, and the direction of imports between the rooms (DESIGN.md §2)."""
+import ast
+from pathlib import Path
+
+import pytest
+
+from cluster.app import check_same_workers, ingress_config
+from cluster.config import ClusterConfig, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def imported_modules(folder: str) -> set[str]:
+    modules = set()
+    for path in (ROOT / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                modules.add(node.module)
+    return modules
+
+
+@pytest.mark.parametrize("folder", ["router", "engine", "prefill_workers", "decode_workers", "kv_transfer"])
+def test_no_room_but_cluster_imports_cluster(folder):
+    assert not {m for m in imported_modules(folder) if m.split(".")[0] == "cluster"}
+
+
+def test_engine_imports_none_of_the_rooms_above_it():
+    above = {"router", "cluster", "prefill_workers", "decode_workers"}
+    assert not {m for m in imported_modules("engine") if m.split(".")[0] in above}
+
+
+def test_a_running_cluster_refuses_a_config_for_other_workers_naming_the_fields():
+    running = ClusterConfig(model="/models/a")
+    with pytest.raises(ConfigError, match=r"engine\.block_size, model differ.*refusing"):
+        check_same_workers(running, ClusterConfig(model="/models/b", engine={"block_size": 32}))
+    with pytest.raises(ConfigError, match=r"transfer\.backend"):
+        check_same_workers(running, ClusterConfig(model="/models/a", transfer={"backend": "torch_dist"}))
+
+
+def test_a_running_cluster_takes_router_key_and_autoscaler_changes():
+    running = ClusterConfig(model="/models/a")
+    check_same_workers(running, ClusterConfig(model="/models/a", router={"migration_limit": 1},
+                                              api_keys={"k": "t"}, autoscaler={"enabled": True},
+                                              decode={"replicas": 3}, ingress_replicas=2))
+
+
+def test_the_ingress_gets_the_router_options_and_model_limits_of_the_config():
+    config = ClusterConfig(model="/models/a", served_model_name="a", mode="colocated", api_keys={"k": "t"},
+                           engine={"block_size": 32, "max_model_len": 512},
+                           router={"max_local_prefill_length": 0, "migration_limit": 1, "max_queued_requests": 9})
+    ingress = ingress_config(config)
+    assert (ingress.model, ingress.model_name, ingress.block_size, ingress.max_model_len) == ("/models/a", "a", 32, 512)
+    assert (ingress.disagg.max_local_prefill_length, ingress.migration_limit, ingress.max_queued_requests) == (0, 1, 9)
+    assert ingress.colocated and ingress.api_keys == {"k": "t"}
+
+
+def test_autoscaler_thresholds_and_ingress_replicas_come_from_the_config_file(tmp_path):
+    path = tmp_path / "tandem.yaml"
+    path.write_text("autoscaler:\n  enabled: true\n  interval_s: 2\n  decode: {running_up: 16, running_down: 4}\n"
+                    "ingress_replicas: 2\n")
+    config = load_config(path)
+    assert config.autoscaler.enabled and config.autoscaler.interval_s == 2
+    assert (config.autoscaler.decode.running_up, config.autoscaler.decode.running_down) == (16, 4)
+    assert config.ingress_replicas == 2
+    path.write_text("autoscaler: {decode: {running_up: 4, running_down: 16}}\n")
+    with pytest.raises(ConfigError, match="autoscaler"):
+        load_config(path)
