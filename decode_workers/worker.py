@@ -9,6 +9,7 @@ from engine.protocol import GenerateRequest, PrefillResult
 from engine.request import Request
 from engine.serving import EngineServer, WorkerDraining
 from engine.transfer_config import TransferConfig
+from kv_transfer.failures import TransferFailures, failure_reason
 from kv_transfer.handle import KVHandle, KVTransferError
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ def make_kv_client(transfer: TransferConfig, cache):
 class DecodeWorker(EngineServer):
     """Runs the continuous batch. `generate` streams one request: after a remote prefill it pulls only the
     prompt blocks it does not already cache; without one (conditional disaggregation, or no healthy
-    prefill worker) it prefills locally. A failed pull falls back to local recompute."""
+    prefill worker) it prefills locally. A failed pull falls back to local recompute, counted per reason."""
 
     pool = "decode"
 
@@ -33,8 +34,8 @@ class DecodeWorker(EngineServer):
         super().__init__(worker_id, engine_config)
         self.kv_client = make_kv_client(transfer, self.engine.kv_cache)
         self.counters = {"remote_prefills": 0, "local_prefills": 0, "blocks_pulled": 0, "blocks_reused": 0,
-                         "bytes_pulled": 0, "transfer_seconds": 0.0, "transfer_failures": 0,
-                         "layerwise_pulls": 0}
+                         "bytes_pulled": 0, "transfer_seconds": 0.0, "layerwise_pulls": 0}
+        self.failures = TransferFailures(worker_id)
         self._releases: set[asyncio.Task] = set()
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult | None = None):
@@ -70,7 +71,7 @@ class DecodeWorker(EngineServer):
         handle = prefill.kv_handle
         indices = await self.loop.run(self.engine.reserve_for_import, req)
         if indices is None:
-            logger.warning("%s: no free blocks to import %s; recomputing locally", self.worker_id, req.request_id)
+            self.failures.record("no_free_blocks", handle.address, f"no free KV blocks for {req.request_id}")
             await self._release_lease(handle)
             if not await self._first_token(req, prefill):
                 return None
@@ -87,11 +88,9 @@ class DecodeWorker(EngineServer):
                 return None
             stats = await asyncio.shield(pull)
         except KVTransferError as exc:
-            logger.warning("%s: KV pull for %s failed (%s); recomputing locally", self.worker_id,
-                           req.request_id, exc)
+            self.failures.record(failure_reason(exc), handle.address, str(exc))
             await self.loop.run(self.engine.release_import, req)
             await self._release_lease(handle)
-            self.counters["transfer_failures"] += 1
             self.counters["local_prefills"] += 1
             return self.engine.add
         except BaseException:  # cancelled, or the prefill worker failed before its first token
@@ -132,10 +131,14 @@ class DecodeWorker(EngineServer):
         try:
             await asyncio.to_thread(self.kv_client.release, handle)
         except KVTransferError as exc:  # the lease expires on its own; nothing leaks
-            logger.info("%s: releasing lease %s failed: %s", self.worker_id, handle.request_id, exc)
+            logger.debug("%s: releasing lease %s failed: %s", self.worker_id, handle.request_id, exc)
 
     def transfer_stats(self) -> dict:
-        return dict(self.counters)
+        """Transfer counters since start; `transfer_failures_by_reason` counts pulls that fell back to local
+        recompute (every reason of kv_transfer.failures.FAILURE_REASONS, zeros included)."""
+        failures = self.failures.snapshot()
+        return {**self.counters, "transfer_failures": sum(failures.values()),
+                "transfer_failures_by_reason": failures}
 
     def shutdown(self) -> None:
         self.kv_client.close()

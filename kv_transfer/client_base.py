@@ -8,6 +8,7 @@ import grpc
 
 from engine.kv_cache import KVCache
 from kv_transfer.chunks import ChunkSpec
+from kv_transfer.failures import failure_reason
 from kv_transfer.handle import (KVAuthError, KVHandle, KVLayoutMismatchError, KVLeaseNotFoundError,
                                 KVTransferError)
 from kv_transfer.malloc import keep_message_buffers_in_heap
@@ -27,7 +28,7 @@ _ERRORS = {
 def transfer_error(err: grpc.RpcError, request_id: str) -> KVTransferError:
     """The KVTransferError subclass that says what went wrong with a request's RPC."""
     kind = _ERRORS.get(err.code(), KVTransferError)
-    return kind(f"KV pull of request {request_id!r}: {err.code().name}: {err.details()}")
+    return kind(f"KV pull of request {request_id!r}: {err.code().name}: {err.details()}", failure_reason(err))
 
 
 class LayerProgress:

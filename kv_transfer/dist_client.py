@@ -27,6 +27,7 @@ from kv_transfer.chunks import (ChunkSpec, cache_views, chunk_shape, coalesced, 
 from kv_transfer.client_base import KVClientBase, LayerProgress, OnLayers, transfer_error
 from kv_transfer.dist_group import (RECEIVER_RANK, SENDER_RANK, abort_group, local_address_toward, open_store,
                                     pair_group)
+from kv_transfer.failures import failure_reason
 from kv_transfer.handle import KVChecksumError, KVHandle, KVTransferError, PullStats
 from kv_transfer.wire import layout_to_proto
 from protos import kv_transfer_pb2 as pb
@@ -141,7 +142,7 @@ class DistKVClient(KVClientBase):
                     self._drop(handle.address, pair)
                     if attempt == 1:
                         raise KVTransferError(f"KV pull of {handle.request_id!r}: the server keeps "
-                                              "discarding our process group") from None
+                                              "discarding our process group", "peer_gone") from None
                 except BaseException:
                     self._drop(handle.address, pair)
                     raise
@@ -173,9 +174,10 @@ class DistKVClient(KVClientBase):
                 raise _PairGone from None  # discarded by the server (idle): nothing landed, so connect again
             raise transfer_error(err, handle.request_id) from None
         except KVTransferError as err:
-            raise type(err)(f"KV pull of {handle.request_id!r}: {err}") from None
+            raise type(err)(f"KV pull of {handle.request_id!r}: {err}", err.reason) from None
         except RuntimeError as err:  # from the process group: the peer is gone or timed out
-            raise KVTransferError(f"KV pull of {handle.request_id!r}: receive failed: {err}") from None
+            raise KVTransferError(f"KV pull of {handle.request_id!r}: receive failed: {err}",
+                                  failure_reason(err)) from None
         finally:
             call.cancel()  # stops the server if we failed; nothing once the call has ended
         if not receives.done or not progress.complete:
@@ -202,7 +204,8 @@ class DistKVClient(KVClientBase):
                                local_address_toward(reply.store_host), self.device)
         except (RuntimeError, OSError) as err:
             self._disconnect(handle.address, pair_id)
-            raise KVTransferError(f"could not join a process group with {handle.address}: {err}") from None
+            raise KVTransferError(f"could not join a process group with {handle.address}: {err}",
+                                  failure_reason(err)) from None
         pair = _Pair(pair_id, group, store)
         with self._lock:
             self._pairs[handle.address] = pair

@@ -41,20 +41,32 @@ class PullStats:
 
 
 class KVTransferError(RuntimeError):
-    """A pull failed; the destination blocks hold no usable data and must be freed by the caller."""
+    """A pull failed; the destination blocks hold no usable data and must be freed by the caller.
+
+    `reason` is one of kv_transfer.failures.FAILURE_REASONS (what the failure is counted as)."""
+    reason = "other"
+
+    def __init__(self, message: str = "", reason: str | None = None):
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
 
 
 class KVAuthError(KVTransferError):
     """The server refused the shared token (UNAUTHENTICATED)."""
+    reason = "unauthenticated"
 
 
 class KVLayoutMismatchError(KVTransferError):
     """The two peers' KV layouts differ (model, dtype, block size or shape)."""
+    reason = "layout_mismatch"
 
 
 class KVLeaseNotFoundError(KVTransferError):
     """The request's lease expired, was released, or never existed."""
+    reason = "lease_expired"
 
 
 class KVChecksumError(KVTransferError):
     """A chunk's payload did not match its checksum."""
+    reason = "checksum"

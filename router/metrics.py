@@ -217,3 +217,10 @@ class WorkerStatsCollector:
                 remote.add_metric(["decode", worker_id, "remote"], float(t["remote_prefills"]))
                 remote.add_metric(["decode", worker_id, "local"], float(t["local_prefills"]))
         yield remote
+        failures = CounterMetricFamily("tandem:kv_transfer_failures",
+                                       "KV pulls that failed and fell back to local recompute, by reason.",
+                                       labels=labels + ["reason"])
+        for worker_id, t in self.transfer.items():
+            for reason, n in t.get("transfer_failures_by_reason", {}).items():
+                failures.add_metric(["decode", worker_id, reason], float(n))
+        yield failures

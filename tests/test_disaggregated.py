@@ -1,7 +1,9 @@
 """Disaggregated prefill/decode on a real (simulated two-node) Ray cluster with real actors and gRPC."""
 import asyncio
+import dataclasses
 import os
 import random
+import socket
 import time
 
 import pytest
@@ -10,7 +12,9 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.pools import Pools
 from engine import SamplingParams
+from engine.kv_cache import KVCache
 from engine.protocol import GenerateRequest
+from kv_transfer import KVServerConfig, KVTransferServer
 from router.dispatch import run_request
 from tests.hf_reference import hf_greedy
 from tests.pool_helpers import collect, only, run_all, wait_for
@@ -50,7 +54,9 @@ def test_disaggregated_equals_colocated_and_hf_for_concurrent_requests(pools, co
     coloc = run_all([GenerateRequest(f"c{i}", p, GREEDY) for i, p in enumerate(batch)], only(colocated.decode))
     for prompt, (d_tokens, _), (c_tokens, _) in zip(batch, disagg, coloc):
         assert d_tokens == c_tokens == hf_greedy(tiny_llama_dir, prompt, GREEDY.max_tokens)
-    assert ray.get(only(pools.decode).transfer_stats.remote())["remote_prefills"] >= 6
+    stats = ray.get(only(pools.decode).transfer_stats.remote())
+    assert stats["remote_prefills"] >= 6
+    assert stats["transfer_failures"] == 0 and not any(stats["transfer_failures_by_reason"].values())
 
 
 def test_a_seeded_request_samples_the_same_tokens_disaggregated_and_colocated(pools, colocated):
@@ -159,3 +165,90 @@ def test_a_worker_shutting_down_answers_engine_stopped_to_the_router(colocated):
                 ray.get(call, timeout=30)
     finally:
         colocated.decode.remove(info.worker_id)
+
+
+# ---- a failed pull falls back to local recompute, and is counted by reason --------------------------------
+
+def run_with_handle(prefill, decode, request: GenerateRequest, edit) -> list[int]:
+    """Prefill on the real worker, give decode `edit(handle)` instead of the real handle, and return all the
+    request's tokens; the real lease is released after."""
+    async def main():
+        result = await prefill.prefill.remote(request)
+        try:
+            result.kv_handle = await edit(result.kv_handle)
+            tokens = list(result.first.token_ids)
+            async for ref in decode.generate.options(num_returns="streaming").remote(request, result):
+                tokens += (await ref).token_ids
+            return tokens
+        finally:
+            await prefill.release.remote(request.request_id)
+    return asyncio.run(main())
+
+
+def failures_after(pools, run) -> tuple[dict[str, int], int]:
+    """Run `run()`; the growth of the decode worker's failures per reason, and of its local prefills."""
+    decode = only(pools.decode)
+    before = ray.get(decode.transfer_stats.remote())
+    run()
+    after = ray.get(decode.transfer_stats.remote())
+    grown = {reason: n - before["transfer_failures_by_reason"][reason]
+             for reason, n in after["transfer_failures_by_reason"].items()}
+    assert after["transfer_failures"] - before["transfer_failures"] == sum(grown.values())
+    return {reason: n for reason, n in grown.items() if n}, after["local_prefills"] - before["local_prefills"]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_handle_pointing_at_a_dead_port_is_recomputed_and_counted_unreachable(pools, tiny_llama_dir):
+    dead = f"127.0.0.1:{closed_port()}"
+    batch = prompts(2, seed=11)
+
+    async def to_dead_port(handle):
+        return dataclasses.replace(handle, address=dead)
+
+    def run():
+        for i, prompt in enumerate(batch):  # the second failure from the same peer is counted, not logged
+            tokens = run_with_handle(only(pools.prefill), only(pools.decode),
+                                     GenerateRequest(f"dead-{i}", prompt, GREEDY), to_dead_port)
+            assert tokens == hf_greedy(tiny_llama_dir, prompt, GREEDY.max_tokens)
+
+    assert failures_after(pools, run) == ({"unreachable": 2}, 2)
+
+
+def test_an_expired_lease_is_recomputed_and_counted_lease_expired(pools, tiny_llama_dir):
+    prefill, prompt = only(pools.prefill), prompts(1, seed=12)[0]
+
+    async def released_first(handle):
+        await prefill.release.remote(handle.request_id)
+        return handle
+
+    def run():
+        tokens = run_with_handle(prefill, only(pools.decode), GenerateRequest("expired-1", prompt, GREEDY),
+                                 released_first)
+        assert tokens == hf_greedy(tiny_llama_dir, prompt, GREEDY.max_tokens)
+
+    assert failures_after(pools, run) == ({"lease_expired": 1}, 1)
+
+
+def test_a_server_refusing_the_token_is_recomputed_and_counted_unauthenticated(pools, tiny_llama_dir):
+    prompt, servers = prompts(1, seed=13)[0], []
+
+    async def to_a_stranger(handle):
+        servers.append(KVTransferServer(KVCache(handle.layout, 8), "another-clusters-token",
+                                        KVServerConfig()).start())
+        return dataclasses.replace(handle, address=servers[0].address)
+
+    def run():
+        tokens = run_with_handle(only(pools.prefill), only(pools.decode),
+                                 GenerateRequest("stranger-1", prompt, GREEDY), to_a_stranger)
+        assert tokens == hf_greedy(tiny_llama_dir, prompt, GREEDY.max_tokens)
+
+    try:
+        assert failures_after(pools, run) == ({"unauthenticated": 1}, 1)
+    finally:
+        for server in servers:
+            server.stop()

@@ -149,8 +149,9 @@ def test_default_grpc_streams_follow_the_cores(monkeypatch, cores, streams):
 def test_wrong_or_missing_token_is_unauthenticated(peers):
     server = peers.server()
     handle = server.lease("req", [0, 1], [], 20, Released())
-    with pytest.raises(KVAuthError):
+    with pytest.raises(KVAuthError) as refused:
         peers.client(token="not-the-token").pull(handle, [0, 1], [0, 1])
+    assert refused.value.reason == "unauthenticated"
     with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError) as err:
         KVTransferStub(channel).Health(pb.HealthRequest(), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -180,8 +181,9 @@ def test_corrupted_chunk_fails_the_pull_and_the_client_recovers(peers):
     handle = peers.server(src, cls=CorruptingServer).lease("req", [0, 1, 2], [1, 2, 3], 48, Released())
     dst = KVCache(LAYOUT, 64)
     client = peers.client(dst, **SMALL_CHUNKS)
-    with pytest.raises(KVChecksumError):
+    with pytest.raises(KVChecksumError) as failed:
         client.pull(handle, [0, 1, 2], [0, 1, 2])
+    assert failed.value.reason == "checksum"
     good = peers.server(src).lease("req", [0, 1, 2], [1, 2, 3], 48, Released())
     client.pull(good, [0, 1, 2], [0, 1, 2])
     assert_blocks_equal(src, [0, 1, 2], dst, [0, 1, 2])
@@ -193,8 +195,9 @@ def test_mismatched_layout_is_refused_and_the_lease_survives(peers):
     handle = server.lease("req", [4, 5], [7, 8], 32, Released())
     other = KVCache(KVLayout("tiny", "float32", 16, 4, 2, 16), 8)  # head_dim differs
     before = [t.clone() for t in other.k]
-    with pytest.raises(KVLayoutMismatchError):
+    with pytest.raises(KVLayoutMismatchError) as refused:
         peers.client(other).pull(handle, [0, 1], [0, 1])
+    assert refused.value.reason == "layout_mismatch"
     assert all(torch.equal(a, b) for a, b in zip(before, other.k))
     dst = KVCache(LAYOUT, 64)
     peers.client(dst).pull(handle, [0, 1], [0, 1])
@@ -208,8 +211,9 @@ def test_unpulled_lease_expires_and_frees_the_senders_blocks(peers):
     assert released.event.wait(10)
     assert released.calls == [[9, 3, 4]]
     assert len(server.leases) == 0
-    with pytest.raises(KVLeaseNotFoundError):
+    with pytest.raises(KVLeaseNotFoundError) as gone:
         peers.client().pull(handle, [0, 1, 2], [0, 1, 2])
+    assert gone.value.reason == "lease_expired"
 
 
 def test_release_after_pull_frees_the_blocks_exactly_once(peers):
@@ -253,8 +257,9 @@ def test_layers_stream_as_the_producer_marks_them_ready(peers):
 def test_a_pull_waiting_on_a_stalled_prefill_ends_at_its_deadline(peers):
     server = peers.server()
     handle = server.lease("req", [0, 1], [], 32, Released(), layers_ready=1)
-    with pytest.raises(KVTransferError, match="DEADLINE_EXCEEDED"):
+    with pytest.raises(KVTransferError, match="DEADLINE_EXCEEDED") as late:
         peers.client(timeout_s=1.0).pull(handle, [0, 1], [0, 1])
+    assert late.value.reason == "timeout"
     server.mark_layers_ready("req", LAYOUT.num_layers)  # the lease outlives the failed pull
     peers.client().pull(handle, [0, 1], [0, 1])
 
@@ -274,8 +279,9 @@ def test_calls_beyond_the_bounded_thread_pool_are_turned_away(peers, transport):
     pull.start()
     while server.leases.num_active_pulls == 0:  # until the pull occupies the only worker
         time.sleep(0.01)
-    with pytest.raises(KVTransferError, match="RESOURCE_EXHAUSTED"):
+    with pytest.raises(KVTransferError, match="RESOURCE_EXHAUSTED") as busy:
         peers.client().health(server.address)
+    assert busy.value.reason == "overloaded"
     server.release("req")
     pull.join(20)
     assert not pull.is_alive()
@@ -334,6 +340,7 @@ def test_sender_killed_mid_transfer_fails_the_pull_cleanly(peers, transport):
     puller.join(60)
     assert not puller.is_alive()
     assert isinstance(outcome.get("error"), KVTransferError)
+    assert outcome["error"].reason == "peer_gone", outcome["error"]
     blocks.free_block_ids(dst)
     assert blocks.num_free_blocks == 64
 

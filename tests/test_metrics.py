@@ -115,6 +115,7 @@ def test_every_documented_series_is_exported(metrics):
         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
         "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens", "vllm:generation_tokens",
         "vllm:num_preemptions", "tandem:kv_transfer_seconds", "tandem:kv_transfer_bytes", "tandem:prefills",
+        "tandem:kv_transfer_failures",
         "tandem:routing_decisions", "tandem:routing_prefix_hit_blocks", "tandem:scaling_events",
         "tandem:pool_replicas", "tandem:autoscaler_desired_replicas", "tandem:queued_prefill_tokens"}
     assert expected <= set(metrics)
@@ -137,6 +138,27 @@ def test_every_request_is_prefilled_once_and_each_remote_prefill_transfers_kv(me
     local = total(metrics["tandem:prefills"], "tandem:prefills_total", where="local")
     assert remote >= 1 and remote + local == traffic["requests"]
     assert total(metrics["tandem:kv_transfer_seconds"], "tandem:kv_transfer_seconds_count") == remote
+
+
+def test_no_kv_pull_fails_on_the_normal_path_and_every_reason_is_exported(metrics):
+    from kv_transfer.failures import FAILURE_REASONS
+
+    failures = [s for s in metrics["tandem:kv_transfer_failures"] if s.name == "tandem:kv_transfer_failures_total"]
+    assert {s.labels["reason"] for s in failures} == set(FAILURE_REASONS)
+    assert {s.labels["pool"] for s in failures} == {"decode"}
+    assert sum(s.value for s in failures) == 0
+
+
+def test_kv_transfer_failures_are_exported_per_decode_worker_and_reason():
+    from router.metrics import WorkerStatsCollector
+
+    collector = WorkerStatsCollector()
+    collector.transfer["decode-3"] = {"bytes_pulled": 0, "remote_prefills": 0, "local_prefills": 2,
+                                      "transfer_failures_by_reason": {"unreachable": 2, "timeout": 0}}
+    [family] = [f for f in collector.collect() if f.name == "tandem:kv_transfer_failures"]
+    assert {(s.name, s.labels["worker"], s.labels["reason"], s.value) for s in family.samples} == {
+        ("tandem:kv_transfer_failures_total", "decode-3", "unreachable", 2.0),
+        ("tandem:kv_transfer_failures_total", "decode-3", "timeout", 0.0)}
 
 
 def test_prefill_time_is_observed_for_every_remote_prefill(metrics):

@@ -46,6 +46,12 @@ def test_long_prompt_is_prefilled_remotely_and_still_equals_the_engine(main_app,
     assert out.choices[0].text == ref.text
     assert out.usage.prompt_tokens == 100
     assert ray.get(prefill.stats.remote()).prompt_tokens == before + 100
+    assert kv_transfer_failures(main_app) == 0  # the KV was pulled, not recomputed
+
+
+def kv_transfer_failures(app) -> int:
+    decode = [a for w, a in app.actors().items() if w.startswith("decode")]
+    return sum(t["transfer_failures"] for t in ray.get([a.transfer_stats.remote() for a in decode]))
 
 
 def test_streamed_completion_equals_the_whole_one_and_reports_usage_last(main_app):
