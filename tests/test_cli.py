@@ -131,6 +131,27 @@ def test_status_shows_pools_and_workers_as_a_table_and_as_json(capsys, admin_url
     status = json.loads(out)
     assert status["pools"]["decode"]["replicas"] == 1
     assert 0.0 <= status["pools"]["decode"]["workers"][0]["kv_usage"] <= 1.0
+    assert status["pools"]["decode"]["workers"][0]["kv_transfer_failures"] == 0
+
+
+def test_the_status_table_lists_each_decode_workers_kv_failures_by_reason():
+    from cluster.cli import format_status
+
+    row = {"state": "healthy", "running": 0, "waiting": 0, "queued_prefill_tokens": 0, "kv_usage": 0.1,
+           "prefix_cache_queries": 4, "prefix_cache_hits": 2, "prefix_hit_rate": 0.5}
+    status = {"model": "m", "mode": "disaggregated", "version": 1, "pools": {
+        "prefill": {"replicas": 1, "desired": 1, "min_replicas": 0, "max_replicas": 2,
+                    "workers": [{"worker_id": "prefill-0", **row}]},
+        "decode": {"replicas": 2, "desired": 2, "min_replicas": 0, "max_replicas": 2, "workers": [
+            {"worker_id": "decode-0", **row, "kv_transfer_failures": 3,
+             "kv_transfer_failures_by_reason": {"timeout": 1, "unreachable": 2}},
+            {"worker_id": "decode-1", **row, "kv_transfer_failures": 0, "kv_transfer_failures_by_reason": {}}]}}}
+    lines = format_status(status, "http://127.0.0.1:8000").splitlines()
+    header = next(line for line in lines if line.startswith("WORKER"))
+    assert header.endswith("KV FAILURES")
+    assert next(line for line in lines if line.startswith("decode-0")).endswith("3 (unreachable 2, timeout 1)")
+    assert next(line for line in lines if line.startswith("decode-1")).endswith(" 0")
+    assert next(line for line in lines if line.startswith("prefill-0")).endswith(" -")
 
 
 def test_the_admin_key_comes_from_the_environment_and_a_wrong_one_is_refused(capsys, admin_url, monkeypatch):
