@@ -252,3 +252,40 @@ def test_a_server_refusing_the_token_is_recomputed_and_counted_unauthenticated(p
     finally:
         for server in servers:
             server.stop()
+
+
+# ---- what a prefill worker advertises --------------------------------------------------------------------
+
+def test_a_prefill_worker_advertises_its_ray_node_ip_by_default(pools):
+    address, node_ip = ray.get(only(pools.prefill).__ray_call__.remote(
+        lambda self: (self.kv_server.address, ray.util.get_node_ip_address())))
+    assert address.rsplit(":", 1)[0] == node_ip
+
+
+def test_the_workers_environment_overrides_the_advertised_host_and_decode_pulls_from_it(pools, tiny_llama_dir):
+    from prefill_workers.worker import PrefillWorker
+
+    pool = pools.prefill
+    env = {"TANDEM_KV_ADVERTISE_HOST": "localhost", "TANDEM_KV_BIND_HOST": "127.0.0.1"}
+    prefill = ray.remote(PrefillWorker).options(num_cpus=0.5, resources={"prefill_pool": 1},
+                                               runtime_env={"env_vars": env}).remote(
+        "prefill-env", pool.config.engine_config(pool.pool_config), pool.transfer)
+    prompt, decode = prompts(1, seed=14)[0], only(pools.decode)
+    try:
+        handles = []
+
+        async def keep(handle):
+            handles.append(handle)
+            return handle
+
+        def run():
+            tokens = run_with_handle(prefill, decode, GenerateRequest("env-1", prompt, GREEDY), keep)
+            assert tokens == hf_greedy(tiny_llama_dir, prompt, GREEDY.max_tokens)
+
+        before = ray.get(decode.transfer_stats.remote())["remote_prefills"]
+        assert failures_after(pools, run) == ({}, 0)
+        assert ray.get(decode.transfer_stats.remote())["remote_prefills"] == before + 1
+        assert handles[0].address.startswith("localhost:")
+    finally:
+        ray.get(prefill.shutdown.remote())
+        ray.kill(prefill)
