@@ -50,3 +50,24 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def simulated_hosts():
+    """Hosts a, b, c, d as network namespaces on a bridge (tests/netns.py), holding the machine's Ray lock;
+    the test module starts Ray nodes on them. Everything is removed when the module ends or fails."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.netns import SimulatedHosts, ray_lock, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    # Ray must notice a host whose link went down within seconds, not its default 30 s.
+    ray_env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+               "RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
+               "RAY_health_check_failure_threshold": "3"}
+    workdir = Path(tempfile.mkdtemp(prefix="tdm"))  # short: Ray's socket paths live under it
+    with ray_lock(), SimulatedHosts("abcd", workdir, ray_env) as hosts:
+        yield hosts
