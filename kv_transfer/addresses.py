@@ -79,3 +79,11 @@ def resolve_kv_addresses(advertise_host: str | None, bind_host: str | None, node
     else:
         bind = advertise
     return KVAddresses(advertise, bind)
+
+
+def hosts_that_cannot_reach(advertise_host: str, node_ip: str, cluster_node_ips: set[str]) -> list[str]:
+    """The other hosts of the Ray cluster (by node IP) that cannot reach a loopback `advertise_host`; empty
+    when it is routable or every node is this host."""
+    if not is_loopback(advertise_host):
+        return []
+    return sorted(cluster_node_ips - {node_ip})

@@ -21,7 +21,7 @@ from engine.protocol import GenerateRequest, PrefillResult, TokenDelta
 from engine.request import Request
 from engine.serving import EngineServer, WorkerDraining
 from engine.transfer_config import TransferConfig
-from kv_transfer.addresses import KVAddresses, is_loopback, resolve_kv_addresses
+from kv_transfer.addresses import KVAddresses, hosts_that_cannot_reach, is_loopback, resolve_kv_addresses
 from kv_transfer.handle import KVHandle
 from kv_transfer.server import KVServerConfig, KVTransferServer
 
@@ -227,7 +227,8 @@ def node_kv_addresses(transfer: TransferConfig) -> KVAddresses:
     node_ip = ray.util.get_node_ip_address()
     addresses = resolve_kv_addresses(transfer.advertise_host, transfer.bind_host, node_ip)
     if is_loopback(addresses.advertise_host):
-        others = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} - {node_ip})
+        node_ips = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+        others = hosts_that_cannot_reach(addresses.advertise_host, node_ip, node_ips)
         if others:
             logger.warning("this prefill worker advertises its KV server at %s, a loopback address, but the "
                            "Ray cluster has nodes on other hosts (%s) that cannot pull from it; set "

@@ -12,7 +12,7 @@ from cluster.config import ConfigError, load_config
 from engine.kv_cache import KVCache
 from kv_transfer import KVServerConfig, KVTransferServer
 from kv_transfer.addresses import (ADVERTISE_HOST_ENV, BIND_HOST_ENV, KVAddresses, check_host, host_port,
-                                   is_loopback, resolve_kv_addresses)
+                                   hosts_that_cannot_reach, is_loopback, resolve_kv_addresses)
 from tests.test_kv_transfer import CLIENTS, LAYOUT, TOKEN, Released, assert_blocks_equal, random_cache
 
 NODE_IP = "10.1.2.3"  # only ever resolved, never sent to
@@ -90,6 +90,13 @@ def test_loopback_and_ipv6_formatting():
     assert is_loopback("127.0.0.5") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("10.0.0.1") and not is_loopback("prefill-0")
     assert host_port("fd00::7", 5) == "[fd00::7]:5" and host_port("10.0.0.1", 5) == "10.0.0.1:5"
+
+
+def test_loopback_is_flagged_only_when_the_ray_cluster_spans_other_hosts():
+    assert hosts_that_cannot_reach("127.0.0.1", "127.0.0.1", {"127.0.0.1"}) == []  # one host, several nodes
+    assert hosts_that_cannot_reach("127.0.0.1", "10.0.0.2", {"10.0.0.2", "10.0.0.4", "10.0.0.3"}) == \
+        ["10.0.0.3", "10.0.0.4"]
+    assert hosts_that_cannot_reach("10.0.0.2", "10.0.0.2", {"10.0.0.2", "10.0.0.3"}) == []
 
 
 # ---- a server on an address the test creates ------------------------------------------------------------
