@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import EngineConfig
+from engine.cpu_cores import CpuBinding
 from engine.errors import first_field_error
 from cluster.scaling_policy import Thresholds
 from engine.transfer_config import TransferConfig
@@ -118,6 +119,20 @@ class AutoscalerConfig(_Strict):
                 "itl_s": Thresholds(d.itl_up_s, d.itl_down_s, per_worker=False)}
 
 
+class CpuOptions(_Strict):
+    """On CPU, `pin` gives each worker int(num_cpus) physical cores of its own (threads: one per core
+    unless the pool's num_threads says otherwise); `borrow` lets a prefill forward also use the cores of
+    a decode worker on its node while that one is idle. Ignored by workers on GPUs."""
+    pin: bool = True
+    borrow: bool = True
+
+    def binding(self, role: str, pool: PoolConfig) -> CpuBinding | None:
+        cores = int(pool.num_cpus)
+        if not self.pin or cores < 1:  # a fractional worker shares cores by design
+            return None
+        return CpuBinding(cores, lend=self.borrow and role == "decode", borrow=self.borrow and role == "prefill")
+
+
 class ClusterConfig(_Strict):
     """Everything `tandem serve` needs; every field has a working default for a laptop."""
     model: str | None = None
@@ -132,6 +147,7 @@ class ClusterConfig(_Strict):
     transfer: TransferOptions = Field(default_factory=TransferOptions)
     router: RouterOptions = Field(default_factory=RouterOptions)
     autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
+    cpu: CpuOptions = Field(default_factory=CpuOptions)
     ingress_replicas: int = Field(1, ge=1, le=64)  # Serve replicas of the HTTP ingress
     api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant")
     admin_key: str | None = None
@@ -151,9 +167,13 @@ class ClusterConfig(_Strict):
     def model_name(self) -> str:
         return self.served_model_name or self.model or "smollm2-135m-instruct"
 
-    def engine_config(self, pool: PoolConfig) -> EngineConfig:
+    def engine_config(self, pool: PoolConfig, role: str | None = None) -> EngineConfig:
+        """The engine of a `role` ("prefill" or "decode") worker; with a role it is pinned as `cpu` says,
+        and its threads follow the cores it gets unless the pool sets num_threads."""
+        binding = self.cpu.binding(role, pool) if role else None
+        threads = pool.num_threads or (None if binding else max(1, int(pool.num_cpus)))
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
-                            num_threads=pool.num_threads or max(1, int(pool.num_cpus)), **self.engine.model_dump())
+                            num_threads=threads, cpu_binding=binding, **self.engine.model_dump())
 
     def transfer_config(self) -> TransferConfig:
         token = self.transfer.token or os.environ.get("TANDEM_KV_TOKEN", "")

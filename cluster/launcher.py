@@ -22,6 +22,7 @@ def serve_until_stopped(config: ClusterConfig, address: str | None, say: Callabl
     if address is None:
         check_port_free(config.host, config.port)
         prepare_model(config, say)
+        config = fit_pools_to_node(config, say)
     import ray
 
     started = time.monotonic()
@@ -117,6 +118,42 @@ def local_cpus(config: ClusterConfig) -> int:
     """Logical CPUs a local Ray needs so that both pools can grow to max_replicas."""
     pools = [config.decode] if config.mode == "colocated" else [config.prefill, config.decode]
     return int(sum(p.max_replicas * p.num_cpus for p in pools)) + SERVE_CPUS
+
+
+def fit_pools_to_node(config: ClusterConfig, say: Callable[[str], None]) -> ClusterConfig:
+    """On a local CPU cluster, split this machine's cores between the starting workers (pools whose
+    num_cpus the config leaves unset); each worker is then pinned to that many cores of its own."""
+    from engine.config import resolve_device
+    from engine.cpu_cores import node_cores
+
+    if resolve_device(config.device).type != "cpu":
+        return config
+    fitted = fit_pools_to_cores(config, len(node_cores()))
+    if fitted is not config:
+        pools = [("prefill", fitted.prefill)] if fitted.mode == "disaggregated" else []
+        say("cores per worker: " + ", ".join(f"{name} {int(p.num_cpus)}" for name, p in
+                                              [*pools, ("decode", fitted.decode)]) +
+            (" (pinned; prefill borrows idle decode cores)" if fitted.cpu.pin and fitted.cpu.borrow else ""))
+    return fitted
+
+
+def fit_pools_to_cores(config: ClusterConfig, cores: int) -> ClusterConfig:
+    """Equal shares of `cores` for the starting prefill workers, the rest for the decode workers (they
+    lend theirs when idle), so no core idles; from 8 cores on, one is left to the Serve proxy, the
+    ingress and the controller. Pools with num_cpus set in the config keep it."""
+    prefill = config.prefill.replicas if config.mode == "disaggregated" else 0
+    decode = config.decode.replicas
+    usable = cores - (1 if cores >= 8 else 0)
+    if decode < 1 or not config.cpu.pin:
+        return config
+    share = max(1, usable // (prefill + decode))
+    update = {}
+    if prefill and "num_cpus" not in config.prefill.model_fields_set:
+        update["prefill"] = config.prefill.model_copy(update={"num_cpus": float(share)})
+    if "num_cpus" not in config.decode.model_fields_set:
+        taken = prefill * int(update["prefill"].num_cpus if "prefill" in update else config.prefill.num_cpus)
+        update["decode"] = config.decode.model_copy(update={"num_cpus": float(max(1, (usable - taken) // decode))})
+    return config.model_copy(update=update) if update else config
 
 
 def _interrupt(signum, frame):

@@ -73,7 +73,7 @@ class WorkerPool:
     def add_worker(self) -> WorkerInfo:
         worker_id = f"{self.pool}-{next(self._ids)}"
         # Distinct seeds per worker: unseeded requests must not draw the same samples everywhere.
-        engine_config = replace(self.config.engine_config(self.pool_config),
+        engine_config = replace(self.config.engine_config(self.pool_config, self.pool),
                                 seed=self.config.seed + stable_hash(worker_id))
         actor = self._cls.options(name=f"{self.config.name}-{worker_id}", **self.actor_options()).remote(
             worker_id, engine_config, self.transfer)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cpu_cores import CpuBinding
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -41,6 +43,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    cpu_binding: CpuBinding | None = None  # a worker's own cores on CPU (engine/cpu_cores.py); None: unpinned
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

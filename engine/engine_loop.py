@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from engine.cpu_cores import PinnedCores
 from engine.engine import Engine
 from engine.outputs import RequestOutput
 
@@ -28,9 +29,11 @@ class EngineStopped(RuntimeError):
 class EngineLoop:
     """Owns the stepping thread; `subscribe` gives a queue of a request's outputs."""
 
-    def __init__(self, engine: Engine, on_step: Callable[[list[RequestOutput]], None] | None = None):
+    def __init__(self, engine: Engine, on_step: Callable[[list[RequestOutput]], None] | None = None,
+                 cores: PinnedCores | None = None):
         self.engine = engine
         self.on_step = on_step
+        self.cores = cores  # told before each step and before each wait: lends or borrows idle cores
         self.inbox: deque[tuple[Callable, tuple, Future]] = deque()
         self.wakeup = threading.Event()
         self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -69,9 +72,13 @@ class EngineLoop:
         while not self.stopped:
             self._run_commands()
             if not self.engine.has_unfinished_requests():
+                if self.cores is not None:
+                    self.cores.idle()
                 self.wakeup.wait()
                 self.wakeup.clear()
                 continue
+            if self.cores is not None:
+                self.cores.busy()
             try:
                 outputs = self.engine.step()
             except Exception:  # the loop must outlive any one bad step

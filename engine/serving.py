@@ -4,9 +4,15 @@ decode_workers/ build on it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
+import os
 import time
 
+import torch
+
 from engine.config import EngineConfig
+from engine.cpu_cores import PinnedCores
 from engine.engine import Engine
 from engine.engine_loop import EngineLoop
 from engine.kv_events import KVEventLog
@@ -14,6 +20,7 @@ from engine.outputs import RequestOutput
 from engine.protocol import GenerateRequest, KVEventsReply, TokenDelta, WorkerStats
 from engine.request import Request
 
+logger = logging.getLogger(__name__)
 
 class WorkerDraining(RuntimeError):
     """The worker is draining and takes no new requests; route elsewhere."""
@@ -26,11 +33,12 @@ class EngineServer:
 
     def __init__(self, worker_id: str, engine_config: EngineConfig):
         self.worker_id = worker_id
+        self.cores, engine_config = pin_cores(engine_config)
         self.engine = Engine(engine_config)
         self.events = KVEventLog(worker_id)
         self.draining = False
         self.in_flight: set[str] = set()
-        self.loop = EngineLoop(self.engine, on_step=self._after_step)
+        self.loop = EngineLoop(self.engine, on_step=self._after_step, cores=self.cores)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -93,6 +101,13 @@ class EngineServer:
     def ping(self) -> str:
         return self.worker_id
 
+    async def cpu_placement(self) -> dict:
+        """The cores this worker owns and borrows now, its affinity, and the torch threads its forwards use."""
+        placement = self.cores.describe() if self.cores is not None else {"cores": [], "borrowed": [],
+                                                                          "affinity": sorted(os.sched_getaffinity(0))}
+        placement["torch_threads"] = await self.loop.run(torch.get_num_threads)
+        return placement
+
     def drain(self) -> None:
         """Stop taking new requests; in-flight ones finish."""
         self.draining = True
@@ -103,3 +118,21 @@ class EngineServer:
     def _after_step(self, outputs: list[RequestOutput]) -> None:
         # Runs on the loop thread right after a step: events leave in the order they happened.
         self.events.publish(self.engine.block_manager.take_events())
+
+
+def pin_cores(config: EngineConfig) -> tuple[PinnedCores | None, EngineConfig]:
+    """Take the worker's own cores when `config.cpu_binding` asks for them and the engine runs on CPU;
+    threads default to the cores taken. A node without free cores leaves the worker unpinned."""
+    binding = config.cpu_binding
+    if binding is None or binding.cores < 1 or config.torch_device.type != "cpu":
+        return None, config
+    cores = PinnedCores(binding, config.num_threads)
+    if not cores.owned:
+        logger.warning("no free cores on this node: running unpinned with %d threads",
+                                            config.num_threads or binding.cores)
+        cores.close()
+        return None, dataclasses.replace(config, num_threads=config.num_threads or binding.cores)
+    if len(cores.owned) < binding.cores:
+        logger.warning("this node had %d free cores of the %d asked for",
+                                            len(cores.owned), binding.cores)
+    return cores, dataclasses.replace(config, num_threads=cores.own_threads)

@@ -1,0 +1,196 @@
+"""Pinning a CPU worker to cores of its own, and lending a worker's idle cores to its node neighbours.
+
+There is no central allocator. Each physical core of a node has a lock file in a per-node directory
+(`TANDEM_CPU_DIR`, default /dev/shm/tandem-cpu): a worker owns a core while it holds an exclusive
+`flock` on `core<N>.lock`. The kernel drops the lock when the process dies, so a crashed, restarted or
+replaced worker frees its cores with nobody cleaning up, and the next worker takes the lowest free ones.
+Every worker of a node sees the same directory, simulated Ray nodes on one host included (they share
+the host's cores too).
+
+Lending: the first byte of an owner's lock file says whether it lends its cores now (b"1": its engine
+is idle). A borrower holds `core<N>.borrow` while it runs threads on a lent core, so two borrowers
+never share one; it looks before every forward and gives the core back as soon as the owner is busy.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+Core = tuple[int, ...]  # the logical CPUs (hyperthreads) of one physical core, lowest first
+
+
+@dataclass(slots=True)
+class CpuBinding:
+    """What a worker asks for: `cores` physical cores of its own; `lend` them while its engine is idle
+    (decode); `borrow` lent cores for its forwards (prefill)."""
+    cores: int
+    lend: bool = False
+    borrow: bool = False
+
+
+def node_cores(cpus: set[int] | None = None) -> list[Core]:
+    """The physical cores among `cpus` (default: the CPUs this process may run on), hyperthreads grouped."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            key = ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
+        except OSError:
+            key = ("cpu", str(cpu))
+        groups.setdefault(key, []).append(cpu)
+    return sorted(tuple(g) for g in groups.values())
+
+
+def assign_cores(cores: list[Core], taken: set[int], want: int) -> list[Core]:
+    """The cores a new worker takes: `want` adjacent free cores if there is such a run, else the lowest
+    free ones (fewer when fewer are free). `taken` holds the first CPU of each core in use."""
+    free = [i for i, core in enumerate(cores) if core[0] not in taken]
+    for start in range(len(free) - want + 1):
+        if free[start + want - 1] - free[start] == want - 1:
+            return [cores[i] for i in free[start:start + want]]
+    return [cores[i] for i in free[:want]]
+
+
+def pin_threads(cpus: set[int]) -> None:
+    """Restrict every thread of this process to `cpus`; threads started later inherit it from their creator."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass  # the thread exited meanwhile
+
+
+def lock_dir() -> Path:
+    default = "/dev/shm/tandem-cpu" if os.path.isdir("/dev/shm") else "/tmp/tandem-cpu"
+    path = Path(os.environ.get("TANDEM_CPU_DIR", default))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _try_lock(path: Path) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def claim_cores(want: int, directory: Path | None = None, cores: list[Core] | None = None) -> dict[Core, int]:
+    """Lock `want` free cores of this node (fewer if the node has fewer free); returns core -> lock fd.
+    Workers starting at once may race for a core: the loser learns it is taken and picks again."""
+    directory = directory or lock_dir()
+    cores = node_cores() if cores is None else cores
+    taken: set[int] = set()
+    while True:
+        held: dict[Core, int] = {}
+        for core in assign_cores(cores, taken, want):
+            fd = _try_lock(directory / f"core{core[0]}.lock")
+            if fd is None:
+                taken.add(core[0])
+                break
+            os.pwrite(fd, b"0", 0)  # not lent until the new owner says so
+            held[core] = fd
+        else:
+            return held
+        for fd in held.values():
+            os.close(fd)
+
+
+class PinnedCores:
+    """A worker's own cores, held while its process lives, and the lent cores it borrows right now.
+
+    The engine loop calls `busy()` before each step and `idle()` before it waits: a lender publishes
+    whether its cores are free; a borrower takes the free ones for the coming forward (threads = own
+    threads + one per borrowed core) and gives them back once their owner is busy, or when it idles."""
+
+    def __init__(self, binding: CpuBinding, threads: int | None = None, directory: Path | None = None):
+        self.binding = binding
+        self.directory = directory or lock_dir()
+        self.node = node_cores()
+        self.owned = claim_cores(binding.cores, self.directory, self.node)
+        self.own_threads = threads or len(self.owned) or binding.cores
+        self.borrowed: dict[Core, int] = {}
+        self.lending: bool | None = None
+        self.last_step_threads = self.own_threads
+        self.borrowing_steps = 0  # steps that ran with borrowed cores
+        self._states: dict[Core, int] = {}  # read-only fds of other owners' lock files
+        if self.owned:
+            pin_threads(self.cpus())
+
+    @property
+    def threads(self) -> int:
+        return self.own_threads + len(self.borrowed)
+
+    def cpus(self) -> set[int]:
+        return {cpu for core in [*self.owned, *self.borrowed] for cpu in core}
+
+    def busy(self) -> None:
+        if self.binding.lend:
+            self._lend(False)
+        if self.binding.borrow and self.owned:
+            self._borrow()
+            self.borrowing_steps += bool(self.borrowed)
+        self.last_step_threads = self.threads
+
+    def idle(self) -> None:
+        if self.binding.lend:
+            self._lend(True)
+        if self.borrowed:
+            self._give_back(list(self.borrowed))
+            self._apply()
+
+    def describe(self) -> dict:
+        """What a worker reports: its cores, the borrowed ones, its threads now and its affinity."""
+        return {"cores": sorted(c for core in self.owned for c in core),
+                "borrowed": sorted(c for core in self.borrowed for c in core), "threads": self.threads,
+                "last_step_threads": self.last_step_threads, "borrowing_steps": self.borrowing_steps,
+                "lending": bool(self.lending), "affinity": sorted(os.sched_getaffinity(0))}
+
+    def close(self) -> None:
+        for fd in [*self.owned.values(), *self.borrowed.values(), *self._states.values()]:
+            os.close(fd)
+        self.owned, self.borrowed, self._states = {}, {}, {}
+
+    def _lend(self, lend: bool) -> None:
+        if lend != self.lending:
+            for fd in self.owned.values():
+                os.pwrite(fd, b"1" if lend else b"0", 0)
+            self.lending = lend
+
+    def _borrow(self) -> None:
+        lent = {core for core in self.node if core not in self.owned and self._is_lent(core)}
+        returned = [core for core in self.borrowed if core not in lent]
+        self._give_back(returned)
+        added = False
+        for core in lent - set(self.borrowed):
+            fd = _try_lock(self.directory / f"core{core[0]}.borrow")
+            if fd is not None:
+                self.borrowed[core] = fd
+                added = True
+        if returned or added:
+            self._apply()
+
+    def _is_lent(self, core: Core) -> bool:
+        fd = self._states.get(core)
+        if fd is None:
+            try:
+                fd = self._states[core] = os.open(self.directory / f"core{core[0]}.lock", os.O_RDONLY)
+            except FileNotFoundError:
+                return False
+        return os.pread(fd, 1, 0) == b"1"
+
+    def _give_back(self, cores: list[Core]) -> None:
+        for core in cores:
+            os.close(self.borrowed.pop(core))
+
+    def _apply(self) -> None:
+        # Pin first: OpenMP threads the resize starts inherit the engine loop thread's affinity.
+        pin_threads(self.cpus())
+        torch.set_num_threads(self.threads)

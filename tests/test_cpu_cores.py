@@ -1,0 +1,96 @@
+"""Core assignment: each worker of a node gets cores of its own, without a central allocator (per-core
+lock files), and a dead worker's cores go to the next one."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from cluster.config import ClusterConfig
+from cluster.launcher import fit_pools_to_cores
+from engine.cpu_cores import CpuBinding, assign_cores, claim_cores
+
+CORES = [(0,), (1,), (2,), (3,), (4,), (5,)]
+
+
+def test_workers_on_one_node_get_disjoint_cores():
+    taken: set[int] = set()
+    sets = []
+    for want in (2, 1, 3):
+        cores = assign_cores(CORES, taken, want)
+        sets.append(cores)
+        taken |= {core[0] for core in cores}
+    assert sets == [[(0,), (1,)], [(2,)], [(3,), (4,), (5,)]]
+
+
+def test_a_freed_core_is_reused_and_adjacent_cores_are_preferred():
+    assert assign_cores(CORES, {0, 1, 3}, 1) == [(2,)]
+    assert assign_cores(CORES, {1, 3}, 2) == [(4,), (5,)]
+    assert assign_cores(CORES, {1, 3, 5}, 2) == [(0,), (2,)]  # no adjacent pair left: the lowest free
+
+
+def test_a_short_node_gives_what_it_has():
+    assert assign_cores(CORES, {0, 1, 2, 3}, 3) == [(4,), (5,)]
+    assert assign_cores(CORES, {c[0] for c in CORES}, 1) == []
+
+
+def test_hyperthreads_of_one_core_go_to_one_worker():
+    smt = [(0, 2), (1, 3)]
+    assert assign_cores(smt, set(), 1) == [(0, 2)]
+    assert assign_cores(smt, {0}, 1) == [(1, 3)]
+
+
+def test_claims_hold_cores_until_released(tmp_path):
+    first = claim_cores(2, tmp_path, CORES)
+    second = claim_cores(3, tmp_path, CORES)
+    assert set(first) == {(0,), (1,)} and set(second) == {(2,), (3,), (4,)}
+    for fd in first.values():
+        os.close(fd)
+    assert set(claim_cores(2, tmp_path, CORES)) == {(0,), (1,)}
+
+
+def test_a_dead_workers_cores_are_free_for_its_replacement(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, sys
+        from pathlib import Path
+        from engine.cpu_cores import claim_cores
+        held = claim_cores(2, Path({str(tmp_path)!r}), {CORES!r})
+        print(sorted(c[0] for c in held), flush=True)
+        sys.stdin.read()
+    """)
+    worker = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert worker.stdout.readline().strip() == "[0, 1]"
+        assert set(claim_cores(1, tmp_path, CORES)) == {(2,)}  # while it lives, its cores are taken
+    finally:
+        worker.kill()
+        worker.wait()
+    assert set(claim_cores(2, tmp_path, CORES)) == {(0,), (1,)}
+
+
+def test_pools_split_the_machine_between_starting_workers():
+    fitted = fit_pools_to_cores(ClusterConfig(), 2)
+    assert (fitted.prefill.num_cpus, fitted.decode.num_cpus) == (1, 1)
+    fitted = fit_pools_to_cores(ClusterConfig(prefill={"replicas": 1}, decode={"replicas": 2}), 16)
+    assert (fitted.prefill.num_cpus, fitted.decode.num_cpus) == (5, 5)  # one core left to Serve
+    fitted = fit_pools_to_cores(ClusterConfig(), 3)
+    assert (fitted.prefill.num_cpus, fitted.decode.num_cpus) == (1, 2)  # the rest to decode, which lends
+
+
+def test_a_pools_own_num_cpus_is_kept():
+    fitted = fit_pools_to_cores(ClusterConfig(prefill={"num_cpus": 1}), 8)
+    assert (fitted.prefill.num_cpus, fitted.decode.num_cpus) == (1, 6)
+
+
+def test_pinned_workers_take_their_threads_from_their_cores():
+    config = ClusterConfig(prefill={"num_cpus": 2}, decode={"num_cpus": 1, "num_threads": 3})
+    prefill, decode = config.engine_config(config.prefill, "prefill"), config.engine_config(config.decode, "decode")
+    assert prefill.cpu_binding == CpuBinding(2, lend=False, borrow=True) and prefill.num_threads is None
+    assert decode.cpu_binding == CpuBinding(1, lend=True, borrow=False) and decode.num_threads == 3
+    unpinned = ClusterConfig(cpu={"pin": False}, prefill={"num_cpus": 2})
+    assert unpinned.engine_config(unpinned.prefill, "prefill").cpu_binding is None
+    assert unpinned.engine_config(unpinned.prefill, "prefill").num_threads == 2
+    fractional = ClusterConfig(decode={"num_cpus": 0.5})
+    assert fractional.engine_config(fractional.decode, "decode").cpu_binding is None

@@ -1,0 +1,75 @@
+"""On CPU, real prefill and decode workers are pinned to cores of their own, run the threads their cores
+imply, and a prefill borrows the idle decode worker's cores (and only while it is idle)."""
+import asyncio
+
+import pytest
+import ray
+
+from cluster.config import ClusterConfig
+from cluster.pools import Pools
+from engine import SamplingParams
+from engine.cpu_cores import node_cores
+from engine.protocol import GenerateRequest
+from tests.pool_helpers import collect, only, run_all, wait_for
+
+pytestmark = pytest.mark.skipif(len(node_cores()) < 2, reason="pinning two workers apart needs two cores")
+
+
+@pytest.fixture(scope="module")
+def pools(ray_cluster, tiny_llama_dir):
+    config = ClusterConfig(model=tiny_llama_dir, name="pinning", engine={"num_kv_blocks": 256},
+                           prefill={"resources": {"prefill_pool": 1}, "num_cpus": 1},
+                           decode={"resources": {"decode_pool": 1}, "num_cpus": 1})
+    pools = Pools(config)
+    pools.start()
+    yield pools
+    pools.shutdown()
+
+
+def placement(actor) -> dict:
+    return ray.get(actor.cpu_placement.remote())
+
+
+def test_workers_are_pinned_to_disjoint_cores_with_one_thread_per_core(pools):
+    prefill, decode = placement(only(pools.prefill)), placement(only(pools.decode))
+    assert len(prefill["cores"]) == len(decode["cores"]) == 1
+    assert not set(prefill["cores"]) & set(decode["cores"])
+    for worker in (prefill, decode):
+        assert worker["affinity"] == worker["cores"]
+        assert worker["torch_threads"] == worker["threads"] == 1
+
+
+def test_prefill_borrows_the_idle_decode_workers_core_and_gives_it_back(pools):
+    prefill, decode = only(pools.prefill), only(pools.decode)
+    assert wait_for(lambda: placement(decode)["lending"])
+    before = placement(prefill)["borrowing_steps"]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    run_all([GenerateRequest("borrow-idle", list(range(10, 90)), params)], decode, prefill)
+    after = placement(prefill)
+    assert after["borrowing_steps"] > before
+    assert after["last_step_threads"] == 2
+    # Idle again: the borrowed core went back, and so did the affinity and the threads.
+    assert after["borrowed"] == [] and after["affinity"] == after["cores"] and after["torch_threads"] == 1
+
+
+def test_prefill_keeps_to_its_own_core_while_decode_runs(pools):
+    prefill, decode = only(pools.prefill), only(pools.decode)
+    long = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+
+    async def main():
+        streams = [asyncio.ensure_future(collect(GenerateRequest(f"busy-{i}", [5 + i] * 8, long), decode))
+                   for i in range(4)]
+        try:
+            while placement(decode)["lending"]:
+                await asyncio.sleep(0.01)
+            await prefill.prefill.remote(GenerateRequest("while-busy", list(range(100, 180)),
+                                                         SamplingParams(temperature=0.0, max_tokens=1)))
+            return placement(prefill), placement(decode)
+        finally:
+            for stream in streams:
+                stream.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+
+    prefill_after, decode_after = asyncio.run(main())
+    assert not decode_after["lending"]  # decode was still running when the prefill finished
+    assert prefill_after["last_step_threads"] == 1
