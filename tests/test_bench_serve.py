@@ -1,0 +1,311 @@
+"""bench/serve.py: datasets, arrivals and metrics as plain functions, and the streaming client against a
+tiny fake OpenAI SSE server on 127.0.0.1 (no Ray, no model)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+from aiohttp import web
+
+from bench import serve_data
+from bench.serve import Target, counter_deltas, parse_counters, run_workload
+from bench.serve_data import Session, TokenSpace, Turn
+from bench.serve_metrics import (RequestResult, max_rate_meeting_slos, parse_slos, percentile, summarize,
+                                 summarize_by_kind)
+
+BODIES = web.AppKey("bodies", list)
+SPACE = TokenSpace(vocab_size=1000, special_ids=frozenset({0, 1, 2}))
+
+
+# ---- datasets ---------------------------------------------------------------------------------------
+
+def test_random_prompts_have_exact_lengths_and_no_special_tokens():
+    sessions = serve_data.random_sessions(SPACE, 20, input_len=256, output_len=64, seed=1)
+    assert len(sessions) == 20
+    for s in sessions:
+        (turn,) = s.turns
+        assert len(turn.prompt_token_ids) == turn.prompt_len == 256
+        assert turn.output_len == 64
+        assert not set(turn.prompt_token_ids) & SPACE.special_ids
+
+
+def test_random_lengths_stay_within_the_range_ratio():
+    sessions = serve_data.random_sessions(SPACE, 50, 100, 20, seed=3, range_ratio=0.5)
+    lengths = {len(s.turns[0].prompt_token_ids) for s in sessions}
+    assert min(lengths) >= 50 and max(lengths) <= 150 and len(lengths) > 1
+
+
+def test_same_seed_same_prompts_other_seed_fresh_prompts():
+    a = serve_data.random_sessions(SPACE, 5, 64, 8, seed=7)
+    b = serve_data.random_sessions(SPACE, 5, 64, 8, seed=7)
+    c = serve_data.random_sessions(SPACE, 5, 64, 8, seed=8)
+    ids = lambda sessions: [s.turns[0].prompt_token_ids for s in sessions]  # noqa: E731
+    assert ids(a) == ids(b)
+    assert not {tuple(x[:16]) for x in ids(a)} & {tuple(x[:16]) for x in ids(c)}
+
+
+def test_prefix_repetition_shares_each_prefix_across_its_suffixes():
+    sessions = serve_data.prefix_repetition_sessions(SPACE, 12, num_prefixes=3, prefix_len=32, suffix_len=8,
+                                                     output_len=4, seed=0)
+    by_kind: dict[str, list[list[int]]] = {}
+    for s in sessions:
+        ids = s.turns[0].prompt_token_ids
+        assert len(ids) == 40
+        by_kind.setdefault(s.kind, []).append(ids)
+    assert sorted(by_kind) == ["prefix-0", "prefix-1", "prefix-2"]
+    prefixes = set()
+    for prompts in by_kind.values():
+        assert len(prompts) == 4
+        assert len({tuple(p[:32]) for p in prompts}) == 1
+        assert len({tuple(p[32:]) for p in prompts}) == 4
+        prefixes.add(tuple(prompts[0][:32]))
+    assert len(prefixes) == 3
+
+
+def test_multi_turn_counts_turns_as_prompts():
+    sessions = serve_data.multi_turn_sessions(SPACE, 10, turns=4, user_len=16, output_len=8, seed=0)
+    assert [len(s.turns) for s in sessions] == [4, 4, 2]
+    assert all(t.is_chat and t.user_text for s in sessions for t in s.turns)
+
+
+def test_long_prompt_burst_mixes_a_steady_stream_with_bursts_of_long_prompts():
+    sessions = serve_data.long_prompt_burst_sessions(SPACE, 20, 16, 8, 200, 2, burst_every=4, burst_size=2,
+                                                     seed=0)
+    kinds = [s.kind for s in sessions]
+    assert len(sessions) == 20
+    assert kinds[:7] == ["short"] * 4 + ["long"] * 2 + ["short"]
+    assert all(s.with_previous == (s.kind == "long") for s in sessions)
+    assert all(len(s.turns[0].prompt_token_ids) == (200 if s.kind == "long" else 16) for s in sessions)
+
+
+# ---- arrivals ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("burstiness", [1.0, 0.5, 4.0])
+def test_arrivals_have_the_requested_mean_rate(burstiness):
+    gaps = serve_data.arrival_gaps(20000, request_rate=2.0, burstiness=burstiness, seed=0)
+    assert len(gaps) / sum(gaps) == pytest.approx(2.0, rel=0.05)
+
+
+def test_burstiness_changes_the_spread_not_the_mean():
+    def cv(gaps):
+        mean = sum(gaps) / len(gaps)
+        return math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
+
+    poisson = serve_data.arrival_gaps(20000, 1.0, 1.0, seed=1)
+    bursty = serve_data.arrival_gaps(20000, 1.0, 0.25, seed=1)
+    assert cv(poisson) == pytest.approx(1.0, rel=0.1)
+    assert cv(bursty) == pytest.approx(2.0, rel=0.1)
+
+
+def test_infinite_rate_sends_everything_at_once_and_bursts_arrive_together():
+    sessions = serve_data.long_prompt_burst_sessions(SPACE, 10, 8, 4, 32, 2, burst_every=3, burst_size=2, seed=0)
+    serve_data.assign_arrivals(sessions, 1.0, 1.0, seed=0)
+    assert sessions[0].arrival == 0.0
+    assert all(b.arrival >= a.arrival for a, b in zip(sessions, sessions[1:]))
+    for prev, s in zip(sessions, sessions[1:]):
+        if s.with_previous:
+            assert s.arrival == prev.arrival
+    serve_data.assign_arrivals(sessions, math.inf, 1.0, seed=0)
+    assert {s.arrival for s in sessions} == {0.0}
+
+
+# ---- metrics ----------------------------------------------------------------------------------------
+
+def _result(ttft, itl, tokens=None, kind="default", success=True):
+    tokens = tokens if tokens is not None else len(itl) + 1
+    return RequestResult(kind, 10, tokens, success=success, ttft=ttft, e2e=ttft + sum(itl), itl=list(itl),
+                         output_tokens=tokens, error="" if success else "boom")
+
+
+def test_percentile_interpolates_like_numpy():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([10, 20, 30, 40, 50], 90) == pytest.approx(46.0)
+    assert percentile([5], 99) == 5
+    assert math.isnan(percentile([], 50))
+
+
+def test_tpot_is_decode_time_over_tokens_after_the_first():
+    r = _result(0.5, [0.1, 0.2, 0.3])
+    assert r.e2e == pytest.approx(1.1)
+    assert r.tpot == pytest.approx(0.2)
+    assert _result(0.5, []).tpot is None
+
+
+def test_summary_of_synthetic_timings():
+    results = [_result(0.1, [0.05] * 3), _result(0.3, [0.05, 0.15]), _result(0, [], success=False)]
+    s = summarize(results, duration_s=2.0)
+    assert (s["completed"], s["failed"], s["errors"]) == (2, 1, {"boom": 1})
+    assert s["request_throughput"] == 1.0
+    assert s["total_output_tokens"] == 7 and s["output_throughput"] == 3.5
+    assert s["total_input_tokens"] == 20 and s["total_token_throughput"] == 13.5
+    assert s["ttft_ms"]["mean"] == pytest.approx(200) and s["ttft_ms"]["median"] == pytest.approx(200)
+    assert s["itl_ms"]["count"] == 5 and s["itl_ms"]["median"] == pytest.approx(50)
+    assert s["itl_ms"]["p99"] == pytest.approx(146.0)  # 50 + 0.96 · 100
+    assert s["tpot_ms"]["mean"] == pytest.approx((50 + 100) / 2)
+    assert s["e2e_ms"]["p90"] == pytest.approx(250 + 0.9 * 250)
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    slos = parse_slos(["ttft:200", "tpot:100"])
+    results = [_result(0.1, [0.05] * 3),   # meets both
+               _result(0.3, [0.05] * 3),   # TTFT too slow
+               _result(0.1, [0.5] * 3),    # TPOT too slow
+               _result(0.1, [], success=False)]
+    s = summarize(results, duration_s=4.0, slos=slos)
+    assert s["goodput"] == 0.25
+    assert s["slo_attainment"] == 0.25
+
+
+def test_bad_slo_specs_are_refused():
+    with pytest.raises(ValueError, match="itl"):
+        parse_slos(["itl:10"])
+    with pytest.raises(ValueError):
+        parse_slos(["ttft"])
+
+
+def test_max_rate_meeting_slos_is_the_highest_rate_before_the_first_miss():
+    sweep = [(1.5, {"slo_attainment": 0.95}), (0.5, {"slo_attainment": 1.0}), (1.0, {"slo_attainment": 0.92}),
+             (2.0, {"slo_attainment": 0.5})]
+    assert max_rate_meeting_slos(sweep) == 1.5
+    assert max_rate_meeting_slos([(0.5, {"slo_attainment": 0.5})]) is None
+
+
+def test_summaries_by_kind_only_for_mixed_workloads():
+    mixed = [_result(0.1, [0.01], kind="short"), _result(1.0, [0.01], kind="long")]
+    by_kind = summarize_by_kind(mixed, 1.0)
+    assert set(by_kind) == {"short", "long"} and by_kind["long"]["ttft_ms"]["mean"] == pytest.approx(1000)
+    assert summarize_by_kind([_result(0.1, [0.01])], 1.0) == {}
+
+
+def test_prometheus_counters_and_prefix_hit_rate():
+    before = parse_counters('# HELP x\nvllm:prefix_cache_queries_total{worker="d0"} 100.0\n'
+                            'vllm:prefix_cache_hits_total{worker="d0"} 10.0\nother_total 5\n')
+    after = parse_counters('vllm:prefix_cache_queries_total{worker="d0"} 300.0\n'
+                           'vllm:prefix_cache_queries_total{worker="d1"} 100.0\n'
+                           'vllm:prefix_cache_hits_total{worker="d0"} 160.0\n')
+    assert "other_total" not in before
+    deltas = counter_deltas(before, after)
+    assert deltas["totals"] == {"vllm:prefix_cache_queries": 300.0, "vllm:prefix_cache_hits": 150.0}
+    assert deltas["prefix_hit_rate"] == 0.5
+
+
+# ---- the client against a fake SSE server -------------------------------------------------------------
+
+def _sse(obj) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+async def _fake_stream(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    request.app[BODIES].append(body)
+    chat = "messages" in body
+    if not chat and body["prompt"][0] == 999:
+        return web.json_response({"error": {"message": "bad prompt", "param": "prompt"}}, status=400)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    if chat:
+        await resp.write(_sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}))
+    n = body["max_tokens"]
+    for i in range(n):
+        piece = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
+        # The last chunk carries two tokens: usage, not the chunk count, gives the token count.
+        if i == n - 2:
+            continue
+        await resp.write(_sse({"choices": [{"index": 0, "finish_reason": "length" if i == n - 1 else None,
+                                            **piece}]}))
+        await asyncio.sleep(0.001)
+    await resp.write(_sse({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": n}}))
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+@pytest.fixture
+def fake_server():
+    async def start():
+        app = web.Application()
+        app[BODIES] = []
+        app.router.add_post("/v1/completions", _fake_stream)
+        app.router.add_post("/v1/chat/completions", _fake_stream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        return app, runner, f"http://127.0.0.1:{port}"
+
+    loop = asyncio.new_event_loop()
+    app, runner, url = loop.run_until_complete(start())
+    yield loop, app, url
+    loop.run_until_complete(runner.cleanup())
+    loop.close()
+
+
+def test_client_parses_streams_counts_tokens_and_reports_a_failed_request(fake_server):
+    loop, app, url = fake_server
+    sessions = [Session([Turn(5, [10, 11, 12, 13], prompt_len=4)]), Session([Turn(3, [20, 21], prompt_len=2)]),
+                Session([Turn(4, [999, 1], prompt_len=2)], kind="bad")]
+    results, duration = loop.run_until_complete(
+        run_workload(Target(url, "m", timeout_s=10), sessions, max_concurrency=2, show_progress=False))
+    by_len = {r.expected_output_len: r for r in results}
+    for n in (5, 3):
+        r = by_len[n]
+        assert r.success and r.error == ""
+        assert r.output_tokens == n
+        assert len(r.itl) == n - 2  # n tokens in n - 1 chunks
+        assert 0 < r.ttft <= r.e2e
+        assert r.finish_reason == "length"
+    bad = by_len[4]
+    assert not bad.success and bad.error.startswith("HTTP 400")
+    summary = summarize(results, duration)
+    assert (summary["completed"], summary["failed"]) == (2, 1)
+    sent = app[BODIES][0]
+    assert sent["stream"] and sent["ignore_eos"] and sent["stream_options"] == {"include_usage": True}
+
+
+def test_multi_turn_sends_the_conversation_so_far(fake_server):
+    loop, app, url = fake_server
+    session = Session([Turn(2, user_text=f"question {i}", prompt_len=2) for i in range(3)], kind="chat")
+    results, _ = loop.run_until_complete(
+        run_workload(Target(url, "m", endpoint="/v1/chat/completions", timeout_s=10), [session],
+                     show_progress=False))
+    assert [r.success for r in results] == [True] * 3
+    assert [len(b["messages"]) for b in app[BODIES]] == [1, 3, 5]
+    assert app[BODIES][1]["messages"][1] == {"role": "assistant", "content": "t1 "}
+
+
+def test_a_request_past_its_deadline_fails_and_the_run_ends():
+    async def slow(request):
+        await asyncio.sleep(1)
+        return web.Response()
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/v1/completions", slow)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            return await run_workload(Target(url, "m", timeout_s=0.2), [Session([Turn(2, [5], prompt_len=1)])],
+                                      show_progress=False)
+        finally:
+            await runner.cleanup()
+
+    results, _ = asyncio.run(scenario())
+    assert not results[0].success and results[0].error.startswith("timeout")
+
+
+def test_results_json_and_plots_are_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench.serve import write_outputs
+
+    requests = [_result(0.1, [0.05] * 3).to_dict(), _result(0.2, [0.06] * 3).to_dict()]
+    runs = [{"request_rate": rate, "summary": summarize([_result(0.1 * rate, [0.05])], 1.0), "requests": requests}
+            for rate in (0.5, 1.0)]
+    paths = write_outputs({"runs": runs}, tmp_path, "x")
+    assert [p.name for p in paths] == ["x.json", "x_cdf.png", "x_rates.png"]
+    assert json.loads(paths[0].read_text())["runs"][1]["request_rate"] == 1.0
+    assert all(p.stat().st_size > 1000 for p in paths[1:])
