@@ -56,6 +56,28 @@ def assign_cores(cores: list[Core], taken: set[int], want: int) -> list[Core]:
     return [cores[i] for i in free[:want]]
 
 
+def cpu_quota() -> float | None:
+    """CPUs per period this process's cgroup may use under a CFS quota (cgroup v2 or v1), None without one."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except (OSError, ValueError):
+        try:
+            quota = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text().strip()
+            period = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    return int(quota) / int(period)
+
+
+def pinning_is_safe(cores: list[Core], quota: float | None) -> bool:
+    """Pin only where the cores we see are ours: a container limited by a CFS quota below the CPUs it sees
+    shares the host's cores with other containers, which would pin onto the same ones (Kubernetes'
+    static CPU manager gives a Guaranteed pod an exclusive cpuset instead, and no quota below it)."""
+    return quota is None or quota >= len(cores)
+
+
 def pin_threads(cpus: set[int]) -> None:
     """Restrict every thread of this process to `cpus`; threads started later inherit it from their creator."""
     for tid in os.listdir("/proc/self/task"):

@@ -12,7 +12,7 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.cpu_cores import PinnedCores
+from engine.cpu_cores import PinnedCores, cpu_quota, node_cores, pinning_is_safe
 from engine.engine import Engine
 from engine.engine_loop import EngineLoop
 from engine.kv_events import KVEventLog
@@ -126,6 +126,9 @@ def pin_cores(config: EngineConfig) -> tuple[PinnedCores | None, EngineConfig]:
     binding = config.cpu_binding
     if binding is None or binding.cores < 1 or config.torch_device.type != "cpu":
         return None, config
+    if not pinning_is_safe(node_cores(), cpu_quota()):
+        logger.warning("a CPU quota below the CPUs this container sees: its cores are shared, running unpinned")
+        return None, dataclasses.replace(config, num_threads=config.num_threads or binding.cores)
     cores = PinnedCores(binding, config.num_threads)
     if not cores.owned:
         logger.warning("no free cores on this node: running unpinned with %d threads",

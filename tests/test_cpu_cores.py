@@ -9,7 +9,7 @@ import textwrap
 
 from cluster.config import ClusterConfig
 from cluster.launcher import fit_pools_to_cores
-from engine.cpu_cores import CpuBinding, assign_cores, claim_cores
+from engine.cpu_cores import CpuBinding, assign_cores, claim_cores, pinning_is_safe
 
 CORES = [(0,), (1,), (2,), (3,), (4,), (5,)]
 
@@ -39,6 +39,11 @@ def test_hyperthreads_of_one_core_go_to_one_worker():
     smt = [(0, 2), (1, 3)]
     assert assign_cores(smt, set(), 1) == [(0, 2)]
     assert assign_cores(smt, {0}, 1) == [(1, 3)]
+
+
+def test_a_container_sharing_its_cores_under_a_quota_is_not_pinned():
+    assert pinning_is_safe(CORES, None) and pinning_is_safe(CORES, 6.0)
+    assert not pinning_is_safe(CORES, 2.0)
 
 
 def test_claims_hold_cores_until_released(tmp_path):
