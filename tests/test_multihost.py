@@ -101,6 +101,8 @@ def total(samples: dict[tuple, float], **labels) -> float:
 
 
 def config(model_dir: str, backend: str) -> dict:
+    # max_restarts 0: a worker whose host is lost is dead at once and the controller replaces it; with
+    # restarts left, Ray holds it as restarting until a node with its resources comes back.
     pinned = {"num_cpus": 0, "num_threads": 1, "max_restarts": 0}
     return {"model": model_dir, "device": "cpu", "admin_key": ADMIN_KEY,
             "prefill": {**pinned, "replicas": 1, "resources": {"host_b": 1}},
@@ -118,7 +120,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def ray_hosts(simulated_hosts):
     """Ray on hosts a (head: Serve, the ingress, the controller), b (prefill) and c (decode). Hosts b and c
-    offer no CPUs, so nothing but the pinned pools (num_cpus 0) lands there."""
+    offer no CPUs, so Serve's replicas stay on a; the pools (num_cpus 0) go where their resources are."""
     hosts = simulated_hosts
     hosts.start_ray_head("a", num_cpus=6, resources={"host_a": 1})
     hosts.start_ray_node("b", num_cpus=0, resources={"host_b": 1})
@@ -187,6 +189,8 @@ def link_down_mid_stream(serve, tiny_engine) -> LinkDown:
     worker runs it goes down once the first tokens arrived; the stream is read to its end."""
     server = serve("grpc")
     hosts = server.hosts
+    # The cluster controller (num_cpus 0, no placement of its own) must not be on a host that goes down.
+    assert any("ClusterController" in p for p in hosts.processes("a")), "the controller is not on the head"
     hosts.start_ray_node("d", num_cpus=0, resources={"host_d": 1, "decode_slot": 1})
     server.tandem("scale", "--decode", "2")
     assert any("DecodeWorker" in p for p in hosts.processes("d"))
