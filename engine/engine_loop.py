@@ -86,8 +86,7 @@ class EngineLoop:
                 outputs = []
             if self.on_step is not None:
                 self.on_step(outputs)
-            for out in outputs:
-                self._deliver(out)
+            self._deliver(outputs)
 
     def _run_commands(self) -> None:
         while self.inbox:
@@ -106,12 +105,22 @@ class EngineLoop:
                 return
             future.set_exception(EngineStopped("the engine loop has stopped"))
 
-    def _deliver(self, out: RequestOutput) -> None:
-        target = self.queues.get(out.request_id)
-        if target is None:
-            return
-        loop, queue = target
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, out)
-        except RuntimeError:  # the consumer's event loop is gone
-            self.queues.pop(out.request_id, None)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their consumers: one wakeup per event loop, not one per request, since
+        every wakeup of an actor's event loop competes with this thread for the GIL."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            target = self.queues.get(out.request_id)
+            if target is not None:
+                batches.setdefault(target[0], []).append((target[1], out))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the consumers' event loop is gone
+                for rid in [rid for rid, (lp, _) in list(self.queues.items()) if lp is loop]:
+                    self.queues.pop(rid, None)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in batch:
+        queue.put_nowait(out)

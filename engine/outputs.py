@@ -21,6 +21,18 @@ class RequestOutput:
     error: str | None = None
     kv_transfer_params: dict | None = None
 
+    def extend(self, later: RequestOutput) -> None:
+        """Fold in the same request's next output, so that one item carries both (a consumer that fell
+        behind gets what accumulated in one piece): the new tokens, text and logprobs add up, the rest
+        is the later one's."""
+        self.new_token_ids = self.new_token_ids + later.new_token_ids
+        self.new_text += later.new_text
+        self.new_logprobs = self.new_logprobs + later.new_logprobs
+        self.token_ids, self.text, self.finished = later.token_ids, later.text, later.finished
+        self.finish_reason, self.stop_reason, self.error = later.finish_reason, later.stop_reason, later.error
+        self.num_prompt_tokens, self.num_cached_tokens = later.num_prompt_tokens, later.num_cached_tokens
+        self.kv_transfer_params = later.kv_transfer_params
+
 
 @dataclass(slots=True)
 class CompletionOutput:

@@ -49,7 +49,8 @@ class EngineServer:
 
     async def stream(self, request: GenerateRequest, engine_req: Request, add=None):
         """Queue `engine_req` (with `add`, default Engine.add) and yield its outputs until it finishes;
-        cancelling the consumer aborts the request and frees its blocks."""
+        cancelling the consumer aborts the request and frees its blocks. Outputs of several steps that
+        accumulated while the consumer was busy come as one (RequestOutput.extend); none waits for more."""
         rid = engine_req.request_id
         queue = self.loop.subscribe(rid)
         self.in_flight.add(rid)
@@ -57,6 +58,8 @@ class EngineServer:
             await self.loop.run(add or self.engine.add, engine_req)
             while True:
                 out: RequestOutput = await queue.get()
+                while not queue.empty():  # what else accumulated while the consumer was busy: one item
+                    out.extend(queue.get_nowait())
                 yield out
                 if out.finished or out.kv_transfer_params is not None:
                     return
