@@ -38,16 +38,18 @@ def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, VOCAB) for _ in range(n)]
 
 
-def stream(url: str, ids: list[int], max_tokens: int) -> list[float]:
-    """Send one streamed completion; the arrival time of each chunk that carries text, from the send."""
+def stream(url: str, ids: list[int], max_tokens: int, since: float | None = None) -> list[float]:
+    """Send one streamed completion; the arrival time of each chunk that carries text, from the send (or
+    from `since`)."""
     body = {"model": "smollm2-135m-instruct", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     started, times = time.perf_counter(), []
+    since = started if since is None else since
     with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=300) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0].get("text"):
-                times.append(time.perf_counter() - started)
+                times.append(time.perf_counter() - since)
     return times
 
 
@@ -71,19 +73,27 @@ def idle_ttft(url: str, rng: random.Random, n: int) -> list[float]:
     return ttfts
 
 
-def busy_itl(url: str, rng: random.Random, streams: int, arrivals: int) -> tuple[list[float], list[float]]:
-    """ITL of `streams` long decode streams while `arrivals` 256-token prompts come in one after another."""
+def borrowing_steps(config: ClusterConfig) -> int:
+    return sum(p.get("borrowing_steps", 0) for p in placements(config).values())
+
+
+def busy_itl(url: str, rng: random.Random, streams: int, arrivals: int, config: ClusterConfig):
+    """ITL of `streams` long decode streams (all gaps; the gaps while `arrivals` 256-token prompts come in
+    one after another), those prompts' TTFT and the prefill steps that ran on borrowed cores meanwhile."""
     results: list[list[float]] = []
     prompts = [prompt(rng, 32) for _ in range(streams)]
-    threads = [threading.Thread(target=lambda p=p: results.append(stream(url, p, 160))) for p in prompts]
+    zero = time.perf_counter()
+    threads = [threading.Thread(target=lambda p=p: results.append(stream(url, p, 160, zero))) for p in prompts]
     for t in threads:
         t.start()
     time.sleep(2.0)  # the streams are decoding
+    before, first = borrowing_steps(config), time.perf_counter() - zero
     ttfts = [stream(url, prompt(rng, 256), 2)[0] for _ in range(arrivals)]
+    borrowed, last = borrowing_steps(config) - before, time.perf_counter() - zero
     for t in threads:
         t.join()
-    gaps = [b - a for times in results for a, b in zip(times, times[1:])]
-    return gaps, ttfts
+    gaps = [(b - a, first <= b <= last) for times in results for a, b in zip(times, times[1:])]
+    return [g for g, _ in gaps], [g for g, during in gaps if during], ttfts, borrowed
 
 
 def run(borrow: bool, args) -> None:
@@ -94,9 +104,11 @@ def run(borrow: bool, args) -> None:
         stream(url, prompt(rng, 256), 4)  # warm up
         print(f"borrow {'on ' if borrow else 'off'}: workers {placements(config)}")
         print(f"  TTFT, 256-token prompt, decode idle:   {ms(idle_ttft(url, rng, args.prompts))}")
-        gaps, ttfts = busy_itl(url, rng, args.streams, args.arrivals)
-        print(f"  decode ITL, {args.streams} streams + {args.arrivals} prompts: {ms(gaps)}")
+        gaps, during, ttfts, borrowed = busy_itl(url, rng, args.streams, args.arrivals, config)
+        print(f"  decode ITL, {args.streams} streams, all gaps:    {ms(gaps)}")
+        print(f"  decode ITL while the prompts arrive:  {ms(during)}")
         print(f"  TTFT of those prompts (decode busy):   {ms(ttfts)}")
+        print(f"  prefill steps on borrowed cores while they arrived: {borrowed}")
         print(f"  after: {placements(config)}")
 
 
