@@ -43,6 +43,17 @@ class TokenDelta:
     error: str | None = None
     times: dict[str, float] = field(default_factory=dict)
 
+    def extend(self, later: TokenDelta) -> None:
+        """Fold in the same request's next delta (one SSE chunk may carry several tokens): tokens, text
+        and logprobs add up, the rest is the later one's."""
+        self.token_ids = self.token_ids + later.token_ids
+        self.text += later.text
+        self.logprobs = self.logprobs + later.logprobs
+        self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
+        self.num_prompt_tokens = later.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens, self.error = later.num_cached_tokens, later.error
+        self.times = {**self.times, **later.times}
+
 
 @dataclass(slots=True)
 class PrefillResult:

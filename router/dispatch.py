@@ -40,9 +40,20 @@ async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIt
         if result is not None:
             yield result.first
         async for ref in stream:
-            delta = await ref
+            delta, failure = await ref, None
+            # Deltas that arrived while this consumer was busy go out as one.
+            while not delta.finished and stream.next_ready():
+                try:
+                    delta.extend(await _next_delta(stream))
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:  # what arrived before the failure still goes out first
+                    failure = exc
+                    break
             finished = delta.finished
             yield delta
+            if failure is not None:
+                raise failure
     finally:
         if not finished:
             if stream is not None and not _exhausted(stream):
@@ -60,6 +71,10 @@ async def _prefill(prefill, request: GenerateRequest) -> PrefillResult:
         ray.cancel(ref)
         await _release(prefill, request.request_id)
         raise
+
+
+async def _next_delta(stream) -> TokenDelta:
+    return await (await stream.__anext__())
 
 
 def _exhausted(stream) -> bool:
