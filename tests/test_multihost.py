@@ -189,8 +189,6 @@ def link_down_mid_stream(serve, tiny_engine) -> LinkDown:
     worker runs it goes down once the first tokens arrived; the stream is read to its end."""
     server = serve("grpc")
     hosts = server.hosts
-    # The cluster controller (num_cpus 0, no placement of its own) must not be on a host that goes down.
-    assert any("ClusterController" in p for p in hosts.processes("a")), "the controller is not on the head"
     hosts.start_ray_node("d", num_cpus=0, resources={"host_d": 1, "decode_slot": 1})
     server.tandem("scale", "--decode", "2")
     assert any("DecodeWorker" in p for p in hosts.processes("d"))
