@@ -145,8 +145,8 @@ def main() -> None:
     print(f"{args.tokens} tokens of SmolLM2-135M KV ({nbytes / 1e6:.1f} MB per pull), median of {args.repeats} "
           f"pulls after a warm-up; sender and receiver are single-threaded processes")
     print(f"{'case':<26} {'loopback GB/s':>14} {'cross-host GB/s':>16}")
-    workdir = Path(tempfile.mkdtemp(prefix="tdm"))
-    with ray_lock(), SimulatedHosts("ab", workdir) as hosts:
+    with ray_lock(), SimulatedHosts("ab", Path(tempfile.mkdtemp(prefix="tdm"))) as hosts:
+        workdir = hosts.workdir
         for case in CASES:
             loopback = nbytes / measure(hosts, case, "a", args, workdir) / 1e9
             cross = nbytes / measure(hosts, case, "b", args, workdir) / 1e9

@@ -68,6 +68,7 @@ def simulated_hosts():
     ray_env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
                "RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
                "RAY_health_check_failure_threshold": "3"}
-    workdir = Path(tempfile.mkdtemp(prefix="tdm"))  # short: Ray's socket paths live under it
-    with ray_lock(), SimulatedHosts("abcd", workdir, ray_env) as hosts:
-        yield hosts
+    with ray_lock():
+        workdir = Path(tempfile.mkdtemp(prefix="tdm"))  # short: Ray's socket paths live under it
+        with SimulatedHosts("abcd", workdir, ray_env) as hosts:
+            yield hosts
