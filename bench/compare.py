@@ -1,6 +1,6 @@
 """Side-by-side serving comparison on one machine in one run (issue 12, capability 4).
 
-    .venv/bin/python bench/compare.py                 # the full comparison (about an hour on 2 cores)
+    .venv/bin/python bench/compare.py                 # the full comparison (~25 min on 2 cores, plus lock waits)
     .venv/bin/python bench/compare.py --smoke         # 8 prompts at one rate per case: proves it runs
 
 Cases, each server fresh (started and stopped here, one at a time, each under
@@ -95,7 +95,7 @@ async def _wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -
     raise RuntimeError(f"not ready after {timeout_s:g} s")
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+def stop(proc: subprocess.Popen, grace_s: float = 90.0) -> None:
     """SIGTERM to the server's process group (tandem shuts Ray down on it), SIGKILL after the grace."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -195,16 +195,16 @@ def _ms(d: dict, *stats: str) -> str:
 
 
 def table_a(servers: list[dict]) -> str:
-    rows = ["| server | rate | req/s | TTFT p50 / p99 | TPOT p50 | ITL p50 / p99 | SLO met | failed |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| server | rate | req/s | TTFT p50 / p99 | TPOT p50 | ITL p50 / p99 | SLO met | prefills remote / local "
+            "| failed |", "|---|---|---|---|---|---|---|---|---|"]
     for srv in servers:
         if srv.get("error"):
-            rows.append(f"| {srv['server']} | – | {srv['error']} | | | | | |")
+            rows.append(f"| {srv['server']} | – | {srv['error']} | | | | | | |")
         for run in srv["runs"]:
             s = run["summary"]
             rows.append(f"| {srv['server']} | {run['request_rate']:g} | {s['request_throughput']:.2f} | "
                         f"{_ms(s['ttft_ms'], 'median', 'p99')} | {_ms(s['tpot_ms'], 'median')} | "
-                        f"{_ms(s['itl_ms'], 'median', 'p99')} | {s['slo_attainment']:.0%} | {s['failed']} |")
+                        f"{_ms(s['itl_ms'], 'median', 'p99')} | {s['slo_attainment']:.0%} | {prefills(run)} | {s['failed']} |")
     for srv in servers:
         if len(srv["runs"]) > 1:
             best = max_rate_meeting_slos([(r["request_rate"], r["summary"]) for r in srv["runs"]])
@@ -212,18 +212,30 @@ def table_a(servers: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def prefills(run: dict) -> str:
+    """tandem's prefills over the run by where they ran (remote on a prefill worker, local on decode)."""
+    where = {"remote": 0, "local": 0}
+    for series, value in run["server_counters"].get("series", {}).items():
+        for w in where:
+            if series.startswith("tandem:prefills") and f'where="{w}"' in series:
+                where[w] += int(value)
+    return f"{where['remote']} / {where['local']}" if any(where.values()) else "–"
+
+
 def table_b(servers: list[dict]) -> str:
-    rows = ["| mode | rate | short ITL p50 / p99 | p99 ÷ p50 | long TTFT p50 / p99 | failed |", "|---|---|---|---|---|---|"]
+    rows = ["| mode | rate | short ITL p50 / p99 | p99 ÷ p50 | long TTFT p50 / p99 | prefills remote / local | failed |",
+            "|---|---|---|---|---|---|---|"]
     for srv in servers:
         if srv.get("error"):
-            rows.append(f"| {srv['server']} | – | {srv['error']} | | | |")
+            rows.append(f"| {srv['server']} | – | {srv['error']} | | | | |")
         for run in srv["runs"]:
             short, long_ = run["by_kind"].get("short"), run["by_kind"].get("long")
             if not short or not long_:
                 continue
             ratio = short["itl_ms"]["p99"] / short["itl_ms"]["median"] if short["itl_ms"]["median"] else float("nan")
             rows.append(f"| {srv['server']} | {run['request_rate']:g} | {_ms(short['itl_ms'], 'median', 'p99')} | "
-                        f"{ratio:.1f} | {_ms(long_['ttft_ms'], 'median', 'p99')} | {run['summary']['failed']} |")
+                        f"{ratio:.1f} | {_ms(long_['ttft_ms'], 'median', 'p99')} | {prefills(run)} | "
+                        f"{run['summary']['failed']} |")
     return "\n".join(rows)
 
 
@@ -297,8 +309,12 @@ def main(argv=None) -> int:
     (cfg.out / "summary.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     print(f"\nwrote {cfg.out}")
-    failed = sum(r["summary"]["failed"] for case in results["cases"].values() for srv in case for r in srv["runs"])
-    return 1 if failed else 0
+    servers = [srv for case in results["cases"].values() for srv in case]
+    failed = sum(r["summary"]["failed"] for srv in servers for r in srv["runs"])
+    broken = [srv["server"] for srv in servers if srv.get("error") and srv["error"] != NO_ROUND_ROBIN]
+    if broken:
+        print(f"servers that failed: {', '.join(broken)} (their logs are in {cfg.out})")
+    return 1 if failed or broken else 0
 
 
 if __name__ == "__main__":

@@ -92,6 +92,8 @@ async def send_request(http: aiohttp.ClientSession, target: Target, turn, messag
                     result.finish_reason = choice.get("finish_reason") or result.finish_reason
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
+                    # A chat turn's prompt is the whole conversation in the chat template: the server counts it.
+                    result.prompt_len = chunk["usage"].get("prompt_tokens") or result.prompt_len
     except asyncio.TimeoutError:
         result.error = f"timeout after {target.timeout_s:g} s"
         return ""
@@ -129,7 +131,8 @@ async def run_session(http, target: Target, session: Session, run_start: float, 
             async with limiter:
                 result.arrival = time.perf_counter() - run_start
                 reply = await send_request(http, target, turn, messages if turn.is_chat else None, result)
-            messages.append({"role": "assistant", "content": reply})
+            if turn.is_chat:
+                messages.append({"role": "assistant", "content": reply})
             failed = not result.success
         if progress is not None:
             progress.update(1)

@@ -21,7 +21,7 @@ class Turn:
     output_len: int
     prompt_token_ids: list[int] | None = None
     user_text: str | None = None
-    prompt_len: int = 0  # exact for token ids; the user message's own length for chat
+    prompt_len: int = 0  # exact for token ids; for chat, tokens drawn for the message (results take the server's count)
 
     @property
     def is_chat(self) -> bool:

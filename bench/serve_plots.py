@@ -33,6 +33,8 @@ def plot_latency_cdfs(runs: dict[str, list[RequestResult]], path: Path, title: s
             if values:
                 ax.plot(*_cdf(values), label=label)
         ax.set_xlabel(f"{name} (ms)")
+        if name == "ITL":  # a stall is 10-100x the median gap: only a log axis shows both
+            ax.set_xscale("log")
         ax.set_ylabel("fraction of samples")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="small")

@@ -272,6 +272,7 @@ def test_multi_turn_sends_the_conversation_so_far(fake_server):
                      show_progress=False))
     assert [r.success for r in results] == [True] * 3
     assert [len(b["messages"]) for b in app[BODIES]] == [1, 3, 5]
+    assert [r.prompt_len for r in results] == [4, 4, 4]  # the server's usage.prompt_tokens
     assert app[BODIES][1]["messages"][1] == {"role": "assistant", "content": "t1 "}
 
 
