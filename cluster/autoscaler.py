@@ -16,7 +16,7 @@ import time
 import ray
 
 from cluster.config import AutoscalerConfig, ClusterConfig
-from cluster.controller import enable_info_logging, get_controller
+from cluster.controller import ON_HEAD, enable_info_logging, get_controller
 from cluster.scaling_policy import Decision, ScalingPolicy, pool_signals
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def start_autoscaler(config: AutoscalerConfig, name: str = "tandem", namespace: 
     `wait`, until it is up (its pools started). Not detached, it lives as long as its creator; detached,
     until `cluster.app.shutdown_cluster`."""
     options = {"name": f"{name}-autoscaler", "namespace": namespace, "num_cpus": 0, "max_concurrency": 4,
-               "get_if_exists": True}
+               "get_if_exists": True, **ON_HEAD}
     if detached:
         options["lifetime"] = "detached"
     actor = ray.remote(Autoscaler).options(**options).remote(config, name, namespace)

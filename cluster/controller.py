@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "controller"
 
+# The control plane (controller, autoscaler, metrics hub) runs on the Ray head, beside Serve's controller:
+# not on a worker host, whose loss would take it along with that host's workers.
+ON_HEAD = {"resources": {"node:__internal_head__": 0.001}}
+
 
 class ClusterController:
     """Owns both pools. Scale-up registers a worker only once its model is loaded; scale-down drains:
@@ -111,7 +115,8 @@ class ClusterController:
     def status(self) -> dict:
         """Pools and workers with health, load, KV usage, prefix hit rates and (decode workers) KV pulls that
         fell back to local recompute, per reason, for `tandem status`."""
-        out = {"version": self.version, "mode": self.config.mode, "model": self.config.model_name, "pools": {}}
+        out = {"version": self.version, "mode": self.config.mode, "model": self.config.model_name,
+               "controller_node": ray.util.get_node_ip_address(), "pools": {}}
         for pool in self.pools.pools():
             workers = list(pool.workers.values())
             refs = [w.actor.stats.remote() if w.ready else None for w in workers]
@@ -307,7 +312,7 @@ def start_controller(config: ClusterConfig, detached: bool = False, wait: bool =
     running; with `wait`, until it is up. `options` go to ClusterController (health_interval_s,
     drain_grace_s)."""
     actor_options = {"name": f"{config.name}-{CONTROLLER_NAME}", "namespace": config.namespace, "num_cpus": 0,
-                     "max_concurrency": 32, "get_if_exists": True}
+                     "max_concurrency": 32, "get_if_exists": True, **ON_HEAD}
     if detached:
         actor_options["lifetime"] = "detached"
     actor = ray.remote(ClusterController).options(**actor_options).remote(config, **options)
