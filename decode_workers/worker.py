@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from engine.config import EngineConfig
-from engine.protocol import GenerateRequest, PrefillResult
+from engine.protocol import GenerateRequest, PrefillResult, WorkerStats
 from engine.request import Request
 from engine.serving import EngineServer, WorkerDraining
+from engine.step_costs import TransferSpeed
 from engine.transfer_config import TransferConfig
 from kv_transfer.failures import TransferFailures, failure_reason
 from kv_transfer.handle import KVHandle, KVTransferError
@@ -36,7 +38,12 @@ class DecodeWorker(EngineServer):
         self.counters = {"remote_prefills": 0, "local_prefills": 0, "blocks_pulled": 0, "blocks_reused": 0,
                          "bytes_pulled": 0, "transfer_seconds": 0.0, "layerwise_pulls": 0}
         self.failures = TransferFailures(worker_id)
+        self.pull_speed = TransferSpeed()
         self._releases: set[asyncio.Task] = set()
+        config = self.engine.config
+        if config.itl_slo_ms:  # local prefills go in chunks that keep each step within the ITL SLO
+            self.engine.scheduler.prefill_budget = functools.partial(
+                self.engine.step_costs.prefill_budget, step_s=config.itl_slo_ms / 1000, min_tokens=config.block_size)
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult | None = None):
         """Yield TokenDelta items until the request finishes; cancel the stream to abort it.
@@ -106,6 +113,7 @@ class DecodeWorker(EngineServer):
         self.counters["blocks_reused"] += handle.num_blocks - len(indices)
         self.counters["bytes_pulled"] += stats.num_bytes
         self.counters["transfer_seconds"] += stats.seconds
+        self.pull_speed.observe(stats.num_bytes, stats.seconds)
         return self.engine.add_imported
 
     async def _first_token(self, req: Request, prefill: PrefillResult) -> bool:
@@ -132,6 +140,11 @@ class DecodeWorker(EngineServer):
             await asyncio.to_thread(self.kv_client.release, handle)
         except KVTransferError as exc:  # the lease expires on its own; nothing leaks
             logger.debug("%s: releasing lease %s failed: %s", self.worker_id, handle.request_id, exc)
+
+    async def stats(self) -> WorkerStats:
+        stats = await super().stats()
+        stats.kv_pull_gbps = self.pull_speed.gbps
+        return stats
 
     def transfer_stats(self) -> dict:
         """Transfer counters since start; `transfer_failures_by_reason` counts pulls that fell back to local

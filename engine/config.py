@@ -44,6 +44,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     cpu_binding: CpuBinding | None = None  # a worker's own cores on CPU (engine/cpu_cores.py); None: unpinned
+    # A decode worker caps the prompt tokens of a step beside running decodes so that the step's predicted
+    # time stays within this (stall-free batching); None: chunks up to max_num_batched_tokens.
+    itl_slo_ms: float | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -19,6 +19,7 @@ from engine.request import Request
 from engine.sampler import Sampler, skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.step_costs import StepCosts
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class Engine:
         self._ids = itertools.count()
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
+        self.step_costs = StepCosts()  # measured on every step; workers report it, the router places with it
         # Called with each step's schedule before its forward runs (a prefill worker leasing blocks early).
         self.on_scheduled: Callable[[list[tuple[Request, int]]], None] | None = None
 
@@ -132,7 +134,8 @@ class Engine:
                 "queued_prefill_tokens": queued, "num_active_blocks": bm.num_blocks - bm.num_free_blocks,
                 "num_total_blocks": bm.num_blocks, "prefix_cache_queries": bm.prefix_cache_queries,
                 "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": sched.num_preemptions,
-                "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens}
+                "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
+                "step_costs": self.step_costs.copy(), "kv_bytes_per_token": self.kv_cache.layout.bytes_per_token}
 
     def reserve_for_import(self, req: Request) -> list[int] | None:
         """Give `req` blocks for its whole prompt, reusing locally cached prefix blocks.
@@ -168,6 +171,38 @@ class Engine:
         self.scheduler.finish(req)
         return True
 
+    def warm_up(self, num_prompt_tokens: int = 256, num_decode_steps: int = 4) -> None:
+        """Measure the step costs before serving: decode steps of one sequence, then a prompt's prefill
+        (each after an unmeasured first run that pays for one-time setup). The request never enters the
+        scheduler, the prefix cache or the counters, and its blocks go back to the pool."""
+        bm = self.block_manager
+        n = min(num_prompt_tokens, self.max_model_len - num_decode_steps - 1,
+                (bm.num_free_blocks - 1) * self.config.block_size - num_decode_steps - 1)
+        if n < 1 or self.scheduler.has_unfinished():
+            return
+        ids = torch.randint(3, self.runner.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+        req = Request("warm-up", ids, SamplingParams(temperature=0.0), num_decode_steps + 1)
+        if not bm.allocate_slots(req, n + num_decode_steps + 1):
+            return
+        try:
+            req.all_token_ids.append(int(self._forward([(req, n)], measure=False).argmax()))
+            req.num_computed_tokens = n
+            for i in range(num_decode_steps + 1):
+                req.all_token_ids.append(int(self._forward([(req, 1)], measure=i > 0).argmax()))
+                req.num_computed_tokens += 1
+            req.num_computed_tokens = 0
+            self._forward([(req, n)], measure=True)
+        finally:
+            bm.free(req)
+
+    def _forward(self, scheduled: list[tuple[Request, int]], measure: bool) -> torch.Tensor:
+        shape = step_shape(scheduled)
+        started = time.perf_counter()
+        logits = self.runner.execute(scheduled, [True] * len(scheduled))
+        if measure:
+            self.step_costs.observe(*shape, time.perf_counter() - started)
+        return logits
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -181,16 +216,19 @@ class Engine:
         if self.on_scheduled is not None:
             self.on_scheduled(scheduled)
         sample_mask = [req.num_computed_tokens + n == req.num_tokens for req, n in scheduled]
+        started = time.perf_counter()
         try:
             logits = self.runner.execute(scheduled, sample_mask)
         except Exception as exc:  # a failed forward fails its requests, not the engine
             logger.exception("model forward failed")
             return [self._fail(req, exc) for req, _ in scheduled]
         sampled = [req for (req, _), s in zip(scheduled, sample_mask) if s]
+        shape = step_shape(scheduled)  # before the requests advance
         for req, n in scheduled:
             req.num_computed_tokens += n
             self.block_manager.cache_full_blocks(req)
         tokens, logprobs = self.sampler(logits, sampled) if sampled else ([], [])
+        self.step_costs.observe(*shape, time.perf_counter() - started)
         return [self._append_token(req, t, lp) for req, t, lp in zip(sampled, tokens, logprobs)]
 
     def _append_token(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:
@@ -276,6 +314,18 @@ class Engine:
             first.candidates = [done[r] for r in group]
             results.append(first)
         return results
+
+
+def step_shape(scheduled: list[tuple[Request, int]]) -> tuple[int, int, int]:
+    """(decode tokens, prefill tokens, the longest context a prefill chunk ends at) of a schedule."""
+    decodes = prefill = context = 0
+    for req, n in scheduled:
+        if n == 1 and req.num_computed_tokens > 0:
+            decodes += 1
+        else:
+            prefill += n
+            context = max(context, req.num_computed_tokens + n)
+    return decodes, prefill, context
 
 
 def _candidate_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from engine.step_costs import PRIOR_KV_PULL_GBPS, StepCosts
 
 
 @dataclass(slots=True)
@@ -83,6 +84,10 @@ class WorkerStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     draining: bool = False
+    # What the worker measures, for placement against the SLOs (engine/step_costs.py).
+    step_costs: StepCosts = field(default_factory=StepCosts)
+    kv_bytes_per_token: int = 0
+    kv_pull_gbps: float = PRIOR_KV_PULL_GBPS  # a decode worker's pulls
 
     @property
     def kv_usage(self) -> float:

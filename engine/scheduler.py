@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -12,7 +13,11 @@ from engine.request import Request, RequestStatus
 class Scheduler:
     """Each step gives running requests their next tokens first (decode or the next prefill chunk),
     then admits waiting ones while the token budget, `max_num_seqs` and free blocks allow. When a
-    running request cannot get a block, the most recently admitted one is preempted and recomputed later."""
+    running request cannot get a block, the most recently admitted one is preempted and recomputed later.
+
+    `prefill_budget`, when set (a decode worker sets it from its ITL SLO), caps the prompt tokens of a
+    step that also runs decodes: it is called with the number of decodes and returns the cap (stall-free
+    batching, as in Sarathi-Serve). A step without decodes has the whole token budget."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -21,6 +26,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefill_budget: Callable[[int], int] | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -30,12 +36,18 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Request, int]]:
         budget = self.max_num_batched_tokens
+        prefill_budget = self._prefill_budget()
         scheduled: list[tuple[Request, int]] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new > 1:
+                num_new = min(num_new, prefill_budget)
+                if not num_new:  # a prefill chunk over the cap waits; the decodes after it still run
+                    i += 1
+                    continue
             while not self.block_manager.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -45,6 +57,8 @@ class Scheduler:
             else:
                 scheduled.append((req, num_new))
                 budget -= num_new
+                if num_new > 1:
+                    prefill_budget -= num_new
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
@@ -52,6 +66,10 @@ class Scheduler:
             computed = [] if req.num_computed_tokens else self.block_manager.get_computed_blocks(req)
             num_cached = req.num_computed_tokens or len(computed) * self.block_manager.block_size
             num_new = min(req.num_tokens - num_cached, budget)
+            if num_new > 1:
+                num_new = min(num_new, prefill_budget)
+                if not num_new:
+                    break
             if not self.block_manager.allocate_slots(req, num_new, computed):
                 break
             self.waiting.popleft()
@@ -63,7 +81,16 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, num_new))
             budget -= num_new
+            if num_new > 1:
+                prefill_budget -= num_new
         return scheduled
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may carry: the cap for its decodes, or the whole budget without any."""
+        num_decodes = sum(1 for req in self.running if req.num_tokens - req.num_computed_tokens == 1)
+        if self.prefill_budget is None or not num_decodes:
+            return self.max_num_batched_tokens
+        return max(1, self.prefill_budget(num_decodes))
 
     def finish(self, req: Request, free_blocks: bool = True) -> None:
         """Remove a finished or aborted request; its freed blocks stay in the prefix cache.

@@ -35,6 +35,7 @@ class EngineServer:
         self.worker_id = worker_id
         self.cores, engine_config = pin_cores(engine_config)
         self.engine = Engine(engine_config)
+        self.engine.warm_up()  # the router places by measured step costs from the first request on
         self.events = KVEventLog(worker_id)
         self.draining = False
         self.in_flight: set[str] = set()

@@ -1,0 +1,108 @@
+"""What an engine's steps cost, as measured on its own forwards.
+
+A step runs its decode tokens and prefill chunks in one forward, so its time is modelled as
+
+    step_s(num_decodes, prefill_tokens, context) = decode_step_s(max(num_decodes, 1))
+                                                   + prefill_tokens / prefill_tokens_per_s(context)
+
+`decode_step_s` (per batch-size bucket) carries the fixed cost of a forward; `prefill_tokens_per_s` (per
+context-length bucket, the context a chunk ends at) is the marginal speed of prompt tokens. Buckets are
+powers of two; each holds an EWMA of its measurements. Before any measurement the priors below stand;
+a worker replaces them with a warm-up forward at start (Engine.warm_up). Workers report these costs in
+their stats, the router places prefills with them, and a decode worker sizes its stall-free prefill
+chunks with them (`prefill_budget`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Priors for a worker that has measured nothing yet: a small model on one CPU core.
+PRIOR_PREFILL_TOKENS_PER_S = 500.0
+PRIOR_DECODE_STEP_S = 0.05
+PRIOR_KV_PULL_GBPS = 1.0  # DESIGN §3: gRPC streaming moves ~1 GB/s on loopback
+
+
+def bucket(n: float) -> int:
+    """The power-of-two bucket holding `n` (the smallest power of two not below it; at least 1)."""
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def _nearest(table: dict[int, float], key: int) -> float | None:
+    """The value of the bucket nearest `key` in log scale; the larger bucket on a tie (the slower one)."""
+    if not table:
+        return None
+    if key in table:
+        return table[key]
+    return table[min(table, key=lambda b: (abs(math.log2(b) - math.log2(key)), -b))]
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """Measured step costs of one engine (EWMA per bucket, weight `alpha` for the newest measurement)."""
+    prefill_tokens_per_s: dict[int, float] = field(default_factory=dict)  # context bucket -> tokens/s
+    decode_step_s: dict[int, float] = field(default_factory=dict)  # batch-size bucket -> seconds
+    alpha: float = 0.2
+
+    def observe(self, num_decodes: int, prefill_tokens: int, prefill_context: int, seconds: float) -> None:
+        """Take one step's time. A step with prefill chunks is charged its decode part at the current
+        estimate, the rest to its prefill tokens."""
+        if seconds <= 0:
+            return
+        if not prefill_tokens:
+            if num_decodes:
+                self._update(self.decode_step_s, bucket(num_decodes), seconds)
+            return
+        fixed = self.decode_time(max(num_decodes, 1))
+        # The decode part is an estimate; a prefill never gets less than half the step.
+        prefill_s = max(seconds - fixed, seconds / 2)
+        self._update(self.prefill_tokens_per_s, bucket(prefill_context), prefill_tokens / prefill_s)
+
+    def decode_time(self, num_decodes: int) -> float:
+        """Seconds of a step running `num_decodes` decode tokens (and the fixed cost of any forward)."""
+        measured = _nearest(self.decode_step_s, bucket(num_decodes))
+        return PRIOR_DECODE_STEP_S if measured is None else measured
+
+    def prefill_speed(self, context: int) -> float:
+        """Prompt tokens per second for chunks ending at about `context` tokens."""
+        measured = _nearest(self.prefill_tokens_per_s, bucket(context))
+        return PRIOR_PREFILL_TOKENS_PER_S if measured is None else measured
+
+    def prefill_time(self, num_tokens: int, context: int | None = None) -> float:
+        """Seconds of compute for `num_tokens` prompt tokens of a prompt of `context` tokens, as one
+        forward with no decodes beside it."""
+        if num_tokens <= 0:
+            return 0.0
+        return self.decode_time(1) + num_tokens / self.prefill_speed(context or num_tokens)
+
+    def prefill_budget(self, num_decodes: int, step_s: float, min_tokens: int) -> int:
+        """Prompt tokens a step beside `num_decodes` decodes may carry and still take at most `step_s`
+        (stall-free batching); never fewer than `min_tokens`, so a prefill always progresses."""
+        room = step_s - self.decode_time(num_decodes)
+        tokens = min_tokens
+        for _ in range(2):  # a chunk's speed depends on its length (its context, at a prompt's start)
+            tokens = max(min_tokens, int(room * self.prefill_speed(max(tokens, 1))))
+        return tokens
+
+    def copy(self) -> StepCosts:
+        """A snapshot another thread may read (or pickle) while this one keeps measuring."""
+        return StepCosts(dict(self.prefill_tokens_per_s), dict(self.decode_step_s), self.alpha)
+
+    def _update(self, table: dict[int, float], key: int, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else old + self.alpha * (value - old)
+
+
+@dataclass(slots=True)
+class TransferSpeed:
+    """EWMA of a decode worker's measured KV pull speed in GB/s; the prior until the first pull."""
+    gbps: float = PRIOR_KV_PULL_GBPS
+    measured: bool = False
+    alpha: float = 0.2
+
+    def observe(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes <= 0 or seconds <= 0:
+            return
+        value = num_bytes / seconds / 1e9
+        self.gbps = value if not self.measured else self.gbps + self.alpha * (value - self.gbps)
+        self.measured = True

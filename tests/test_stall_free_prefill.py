@@ -1,0 +1,88 @@
+"""Stall-free batching: beside running decodes a step carries only as many prompt tokens as its budget
+allows, so a long prompt never stops the batch; outputs stay equal to HF's. And the engine measures
+what its steps cost."""
+import random
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.engine import step_shape
+from tests.hf_reference import hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+BUDGET = 24  # prompt tokens per step beside running decodes
+
+
+def prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def recorded_steps(engine: Engine) -> list[tuple[int, int, int]]:
+    """(decodes, prompt tokens, context) of every step the engine's scheduler hands out from now on."""
+    steps, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        scheduled = schedule()
+        steps.append(step_shape(scheduled))
+        return scheduled
+
+    engine.scheduler.schedule = recording
+    return steps
+
+
+def test_a_long_prompt_joining_running_streams_never_makes_a_step_exceed_its_prefill_budget(tiny_llama_dir):
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=512))
+    engine.scheduler.prefill_budget = lambda num_decodes: BUDGET
+    steps = recorded_steps(engine)
+    short_a, short_b, long = prompts(engine.runner.vocab_size, (5, 9, 300), seed=1)
+    streams = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # outlive the long prompt
+    engine.add_request("a", short_a, streams)
+    engine.add_request("b", short_b, streams)
+    outs = engine.step() + engine.step()  # both prompts done: two streams decoding
+    engine.add_request("long", long, GREEDY)
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    beside_decodes = [prefill for decodes, prefill, _ in steps if decodes]
+    assert max(beside_decodes) == BUDGET  # the prompt went in budget-sized chunks beside the streams
+    assert sum(1 for decodes, prefill, _ in steps if decodes and prefill) >= 300 // BUDGET
+    tokens: dict[str, list[int]] = {}
+    for out in outs:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for rid, p, n in [("a", short_a, 40), ("b", short_b, 40), ("long", long, GREEDY.max_tokens)]:
+        assert tokens[rid] == hf_greedy(tiny_llama_dir, p, n), rid
+
+
+def test_without_running_decodes_a_prompt_gets_the_whole_token_budget(tiny_llama_dir):
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=512))
+    engine.scheduler.prefill_budget = lambda num_decodes: BUDGET
+    engine.add_request("long", prompts(engine.runner.vocab_size, (300,))[0], GREEDY)
+    assert step_shape(engine.scheduler.schedule()) == (0, 300, 300)
+
+
+def test_a_mixed_batch_under_a_prefill_budget_matches_hf(tiny_llama_dir):
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128))
+    engine.scheduler.prefill_budget = lambda num_decodes: 16
+    batch = prompts(engine.runner.vocab_size, (1, 5, 16, 17, 33, 48, 70, 100), seed=2)
+    outs = []
+    for i, p in enumerate(batch):  # staggered, so later prompts join running streams
+        engine.add_request(f"r{i}", p, GREEDY)
+        outs += engine.step()
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    tokens: dict[str, list[int]] = {}
+    for out in outs:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for i, p in enumerate(batch):
+        assert tokens[f"r{i}"] == hf_greedy(tiny_llama_dir, p, GREEDY.max_tokens), f"prompt of {len(p)} tokens"
+
+
+def test_the_engine_measures_prefill_speed_and_decode_step_time_from_its_warm_up_and_its_steps(tiny_llama_dir):
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64))
+    engine.warm_up(num_prompt_tokens=128)
+    costs = engine.step_costs
+    assert set(costs.prefill_tokens_per_s) == {128} and set(costs.decode_step_s) == {1}
+    stats = engine.stats()
+    assert stats["prompt_tokens"] == stats["generation_tokens"] == 0  # the warm-up is not traffic
+    assert engine.block_manager.num_free_blocks == 64 and not engine.block_manager.take_events()
+    engine.generate(prompts(engine.runner.vocab_size, (40, 50, 60)), GREEDY)
+    assert {64, 128} <= set(costs.prefill_tokens_per_s) and {1, 4} <= set(costs.decode_step_s)
+    assert stats["step_costs"] is not costs and stats["kv_bytes_per_token"] == engine.kv_cache.layout.bytes_per_token
