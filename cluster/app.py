@@ -20,7 +20,7 @@ from ray.serve import Application
 from cluster.admin_api import build_admin_router
 from cluster.autoscaler import start_autoscaler
 from cluster.config import ClusterConfig, ConfigError
-from cluster.controller import CONTROLLER_NAME, get_controller, start_controller
+from cluster.controller import CONTROLLER_NAME, ON_HEAD, get_controller, start_controller
 from router.ingress import Ingress, IngressConfig
 from router.metrics import MetricsHub
 from router.policy import DisaggConfig
@@ -47,7 +47,7 @@ def build_app(args: ClusterConfig) -> Application:
     controller = start_or_adopt_controller(config)
     _apply_autoscaler(config)
     hub = ray.remote(MetricsHub).options(name=f"{config.name}-metrics", namespace=config.namespace,
-                                         get_if_exists=True, lifetime="detached", num_cpus=0).remote()
+                                         get_if_exists=True, lifetime="detached", num_cpus=0, **ON_HEAD).remote()
     admin = functools.partial(build_admin_router, functools.partial(get_controller, config.name, config.namespace),
                               config.admin_key)
     # Serve's own limits sit above the ingress's admission bound, so overload is answered with the
@@ -63,7 +63,8 @@ def ingress_config(config: ClusterConfig) -> IngressConfig:
     return IngressConfig(model=config.model, model_name=config.model_name, max_model_len=config.engine.max_model_len,
                          block_size=config.engine.block_size,
                          disagg=DisaggConfig(r.max_local_prefill_length, r.max_remote_prefill_cache_hit_ratio,
-                                             r.max_prefill_queue_size),
+                                             r.max_prefill_queue_size, r.placement, config.slo.ttft_ms / 1000,
+                                             config.slo.itl_ms / 1000),
                          max_queued_requests=r.max_queued_requests, migration_limit=r.migration_limit,
                          api_keys=dict(config.api_keys), colocated=config.mode == "colocated")
 

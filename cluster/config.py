@@ -61,12 +61,32 @@ class TransferOptions(_Strict):
         return check_host(value, f"transfer.{info.field_name}", wildcard_ok=info.field_name == "bind_host")
 
 
+THRESHOLD_FIELDS = ("max_local_prefill_length", "max_remote_prefill_cache_hit_ratio")
+
+
 class RouterOptions(_Strict):
+    """`placement: slo` (the default) places each prefill by the workers' measured costs against `slo`;
+    `placement: thresholds` by Dynamo's fixed token rules below. A config that sets a threshold and no
+    `placement` means the thresholds. `max_prefill_queue_size` bounds the prefill queue either way."""
+    placement: Literal["slo", "thresholds"] = "slo"
     max_local_prefill_length: int = Field(2048, ge=0)
     max_remote_prefill_cache_hit_ratio: float = Field(0.7, ge=0, le=1)
     max_prefill_queue_size: int = Field(2, ge=1)
     max_queued_requests: int = Field(256, ge=1)
     migration_limit: int = Field(3, ge=0)  # moves of one request after its decode worker died mid-stream
+
+    @model_validator(mode="after")
+    def _thresholds_set_means_thresholds(self) -> RouterOptions:
+        if "placement" not in self.model_fields_set and self.model_fields_set & set(THRESHOLD_FIELDS):
+            self.placement = "thresholds"
+        return self
+
+
+class SloConfig(_Strict):
+    """Latency targets of the placement policy and of stall-free local prefill: time to first token,
+    and inter-token latency (a decode worker's step time while prompts join its batch)."""
+    ttft_ms: float = Field(2000.0, gt=0)
+    itl_ms: float = Field(250.0, gt=0)
 
 
 class PrefillScaling(_Strict):
@@ -146,6 +166,7 @@ class ClusterConfig(_Strict):
     engine: EngineOptions = Field(default_factory=EngineOptions)
     transfer: TransferOptions = Field(default_factory=TransferOptions)
     router: RouterOptions = Field(default_factory=RouterOptions)
+    slo: SloConfig = Field(default_factory=SloConfig)
     autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
     cpu: CpuOptions = Field(default_factory=CpuOptions)
     ingress_replicas: int = Field(1, ge=1, le=64)  # Serve replicas of the HTTP ingress
@@ -172,8 +193,10 @@ class ClusterConfig(_Strict):
         and its threads follow the cores it gets unless the pool sets num_threads."""
         binding = self.cpu.binding(role, pool) if role else None
         threads = pool.num_threads or (None if binding else max(1, int(pool.num_cpus)))
+        itl_slo_ms = self.slo.itl_ms if role == "decode" else None
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
-                            num_threads=threads, cpu_binding=binding, **self.engine.model_dump())
+                            num_threads=threads, cpu_binding=binding, itl_slo_ms=itl_slo_ms,
+                            **self.engine.model_dump())
 
     def transfer_config(self) -> TransferConfig:
         token = self.transfer.token or os.environ.get("TANDEM_KV_TOKEN", "")

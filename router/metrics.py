@@ -46,6 +46,10 @@ class Metrics:
                                       labels, buckets=LATENCY_BUCKETS, registry=r)
         self.transfer_time = Histogram("tandem:kv_transfer_seconds", "Time to pull one request's KV.", labels,
                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_queue_wait = Histogram("tandem:prefill_queue_wait_seconds",
+                                            "Time a request waited at the ingress for a slot in a full prefill "
+                                            "queue, by where it was prefilled then.", ["where"],
+                                            buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("vllm:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self.routing = Counter("tandem:routing_decisions", "Placement decisions.", ["pool", "worker", "reason"],

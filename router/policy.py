@@ -8,15 +8,20 @@ the traffic. The prefill and decode pools are placed separately, each by its
 own `PoolPolicy` over that pool's load snapshot.
 
 The conditional-disaggregation decision ("prefill on a prefill worker, or let
-the decode worker prefill locally") lives in `decide_prefill`, and `Router`
-ties the three steps together for the ingress.
+the decode worker prefill locally") is made from the workers' measured costs
+against the TTFT/ITL SLOs (`decide_prefill_by_cost`, the default), or by
+Dynamo's fixed token thresholds (`decide_prefill`, an operator's override);
+`Router` ties the three steps together for the ingress.
 """
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
+from engine.step_costs import PRIOR_KV_PULL_GBPS, StepCosts
 from router.index import PrefixIndex
 
 
@@ -31,6 +36,9 @@ class WorkerLoad:
     num_total_blocks: int = 0
     healthy: bool = True
     draining: bool = False
+    step_costs: StepCosts = field(default_factory=StepCosts)  # measured by the worker (priors until then)
+    kv_bytes_per_token: int = 0
+    kv_pull_gbps: float = PRIOR_KV_PULL_GBPS  # a decode worker's measured pull speed
 
     @property
     def kv_usage(self) -> float:
@@ -98,30 +106,34 @@ class PoolPolicy:
 
 @dataclass(slots=True)
 class DisaggConfig:
-    """Conditional disaggregation thresholds (Dynamo's names and semantics).
+    """Conditional disaggregation: how the router decides where a prompt is prefilled.
 
-    Prefill runs remotely only when all hold: the decode worker would have
-    more than `max_local_prefill_length` tokens to compute, it caches less
-    than `max_remote_prefill_cache_hit_ratio` of the prompt, a prefill worker
-    is schedulable, and that worker has fewer than `max_prefill_queue_size`
-    requests waiting. Otherwise the decode worker prefills locally and no KV
-    moves between pools.
+    `placement="slo"` decides from measured costs against `ttft_slo_s` and `itl_slo_s`
+    (`decide_prefill_by_cost`). `placement="thresholds"` uses Dynamo's fixed rule (`decide_prefill`):
+    prefill runs remotely only when the decode worker would have more than `max_local_prefill_length`
+    tokens to compute and caches less than `max_remote_prefill_cache_hit_ratio` of the prompt. Either
+    way a prefill worker with `max_prefill_queue_size` requests waiting is full.
     """
     max_local_prefill_length: int = 2048
     max_remote_prefill_cache_hit_ratio: float = 0.7
     max_prefill_queue_size: int = 2
+    placement: Literal["slo", "thresholds"] = "slo"
+    ttft_slo_s: float = 2.0
+    itl_slo_s: float = 0.25
 
 
 @dataclass(slots=True)
 class PrefillDecision:
-    """Remote or local prefill, with the reason (a metrics label)."""
+    """Remote or local prefill, with the reason (a metrics label). `wait`: remote, but the prefill
+    queue is full; the ingress waits for a slot and asks again."""
     remote: bool
     reason: str
+    wait: bool = False
 
 
 def decide_prefill(prompt_tokens: int, decode_cached_tokens: int, prefill: WorkerLoad | None,
                    config: DisaggConfig) -> PrefillDecision:
-    """Decide where the prompt is prefilled, given the decode worker's prefix hit.
+    """Dynamo's fixed thresholds: where the prompt is prefilled, given the decode worker's prefix hit.
 
     `prefill` is the prefill worker the prefill pool would use, or None when
     no prefill worker is schedulable.
@@ -138,16 +150,79 @@ def decide_prefill(prompt_tokens: int, decode_cached_tokens: int, prefill: Worke
     return PrefillDecision(True, "long_uncached_prompt")
 
 
+def remote_prefill_ttft(prompt_tokens: int, prefill_cached_tokens: int, decode_cached_tokens: int,
+                        prefill: WorkerLoad, decode: WorkerLoad) -> float:
+    """Predicted seconds to the first token on the remote path: the prefill worker's queue (its queued
+    prompt tokens at its measured speed), the compute of the part it does not cache, and the pull of
+    the KV the decode worker lacks at the decode worker's measured GB/s."""
+    costs = prefill.step_costs
+    mean_queued = prefill.queued_prefill_tokens / max(prefill.num_waiting, 1)
+    queue_s = prefill.queued_prefill_tokens / costs.prefill_speed(max(mean_queued, 1))
+    compute_s = costs.prefill_time(prompt_tokens - prefill_cached_tokens, prompt_tokens)
+    bytes_per_token = decode.kv_bytes_per_token or prefill.kv_bytes_per_token
+    pull_s = (prompt_tokens - decode_cached_tokens) * bytes_per_token / (decode.kv_pull_gbps * 1e9)
+    return queue_s + compute_s + pull_s
+
+
+def local_prefill_cost(prompt_tokens: int, decode_cached_tokens: int, decode: WorkerLoad,
+                       itl_slo_s: float, min_chunk: int) -> tuple[float, float]:
+    """(predicted seconds to the first token, seconds added to each running stream) when the decode
+    worker prefills. Beside running streams the prompt goes in chunks that keep each step within the
+    ITL SLO (the decode worker's stall-free budget), after the local prefills already queued there."""
+    costs = decode.step_costs
+    uncached = prompt_tokens - decode_cached_tokens
+    work = decode.queued_prefill_tokens + uncached
+    if not decode.num_running:
+        return costs.prefill_time(work, prompt_tokens), 0.0
+    speed = costs.prefill_speed(prompt_tokens)
+    chunk = costs.prefill_budget(decode.num_running, itl_slo_s, min_chunk)
+    step_s = costs.decode_time(decode.num_running) + min(chunk, work) / speed
+    return math.ceil(work / chunk) * step_s, uncached / speed
+
+
+def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefill_cached_tokens: int,
+                           decode: WorkerLoad, prefill: WorkerLoad | None, config: DisaggConfig,
+                           elapsed_s: float = 0.0, min_chunk: int = 16) -> PrefillDecision:
+    """Remote prefill unless the remote path would miss the TTFT SLO where a local one would not, or a
+    local one costs the decode worker's running streams nothing material: it has none and the remote
+    path is no faster, or the whole prompt fits in one step within the ITL SLO and local is faster.
+
+    A full prefill queue means waiting for a slot while the remote path still meets the TTFT SLO,
+    counted from arrival (`elapsed_s` ago), and a local prefill once it would not."""
+    if prefill is None or not prefill.schedulable:
+        return PrefillDecision(False, "no_prefill_worker")
+    remote = elapsed_s + remote_prefill_ttft(prompt_tokens, prefill_cached_tokens, decode_cached_tokens,
+                                             prefill, decode)
+    local, stall = local_prefill_cost(prompt_tokens, decode_cached_tokens, decode, config.itl_slo_s, min_chunk)
+    local += elapsed_s
+    if not decode.num_running and local <= remote:
+        return PrefillDecision(False, "decode_idle")
+    one_step = decode.step_costs.decode_time(decode.num_running) + stall
+    if decode.num_running and one_step <= config.itl_slo_s and local <= remote:
+        return PrefillDecision(False, "stall_within_itl_slo")
+    if prefill.num_waiting >= config.max_prefill_queue_size:
+        if remote <= config.ttft_slo_s:
+            return PrefillDecision(True, "prefill_queue_full", wait=True)
+        return PrefillDecision(False, "prefill_queue_full")
+    if remote <= config.ttft_slo_s:
+        return PrefillDecision(True, "remote_within_ttft_slo")
+    if local <= config.ttft_slo_s:
+        return PrefillDecision(False, "remote_misses_ttft_slo")
+    return PrefillDecision(True, "ttft_slo_missed_either_way")
+
+
 class NoDecodeWorker(RuntimeError):
     """No decode worker is healthy and accepting requests; the ingress answers 503."""
 
 
 @dataclass(slots=True)
 class RouteDecision:
-    """Where one request goes. `prefill` is None when the decode worker prefills locally."""
+    """Where one request goes. `prefill` is None when the decode worker prefills locally; `wait`: the
+    chosen prefill worker's queue is full, and the ingress should wait for a slot and route again."""
     decode: Placement
     prefill: Placement | None
     reason: str
+    wait: bool = False
 
 
 class Router:
@@ -158,18 +233,28 @@ class Router:
                  rng: random.Random | None = None):
         rng = rng or random.Random()
         self.index = index
+        self.block_size = block_size
         self.disagg = disagg or DisaggConfig()
         self.prefill_policy = PoolPolicy(index, block_size, prefill_weights, rng)
         self.decode_policy = PoolPolicy(index, block_size, decode_weights, rng)
 
-    def route(self, block_hashes: Sequence[int], prompt_tokens: int,
-              prefill_loads: Sequence[WorkerLoad], decode_loads: Sequence[WorkerLoad]) -> RouteDecision:
-        """Pick the decode worker, then decide whether a prefill worker computes the prompt."""
+    def route(self, block_hashes: Sequence[int], prompt_tokens: int, prefill_loads: Sequence[WorkerLoad],
+              decode_loads: Sequence[WorkerLoad], elapsed_s: float = 0.0) -> RouteDecision:
+        """Pick the decode worker, then decide whether a prefill worker computes the prompt. `elapsed_s`:
+        how long ago the request arrived (its TTFT runs from then)."""
         decode = self.decode_policy.place(block_hashes, prompt_tokens, decode_loads)
         if decode is None:
             raise NoDecodeWorker("no decode worker is healthy and accepting requests")
         prefill = self.prefill_policy.place(block_hashes, prompt_tokens, prefill_loads)
-        prefill_load = None if prefill is None else next(
-            load for load in prefill_loads if load.worker_id == prefill.worker_id)
-        decision = decide_prefill(prompt_tokens, decode.cached_tokens, prefill_load, self.disagg)
-        return RouteDecision(decode, prefill if decision.remote else None, decision.reason)
+        prefill_load = None if prefill is None else _load_of(prefill, prefill_loads)
+        if self.disagg.placement == "thresholds":
+            decision = decide_prefill(prompt_tokens, decode.cached_tokens, prefill_load, self.disagg)
+        else:
+            decision = decide_prefill_by_cost(prompt_tokens, decode.cached_tokens,
+                                              prefill.cached_tokens if prefill else 0, _load_of(decode, decode_loads),
+                                              prefill_load, self.disagg, elapsed_s, self.block_size)
+        return RouteDecision(decode, prefill if decision.remote else None, decision.reason, decision.wait)
+
+
+def _load_of(placement: Placement, loads: Sequence[WorkerLoad]) -> WorkerLoad:
+    return next(load for load in loads if load.worker_id == placement.worker_id)

@@ -30,6 +30,9 @@ from router.worker_view import WorkerView
 
 logger = logging.getLogger(__name__)
 
+# A request waiting for a prefill slot routes again on every load report, and at least this often.
+PREFILL_SLOT_POLL_S = 0.1
+
 
 class RequestRouter:
     """Places and runs GenerateRequests, and observes each one's latencies when it ends."""
@@ -54,7 +57,7 @@ class RequestRouter:
         failure: tuple[str, Exception] | None = None  # the worker and error that ended the last placement
         while attempts < self.max_attempts:
             try:
-                decision = self._route(request, block_hashes, excluded)
+                decision = await self._route(request, block_hashes, excluded)
             except NoDecodeWorker:
                 if not token_times:
                     raise
@@ -119,14 +122,27 @@ class RequestRouter:
         return TokenDelta(request.request_id, [], "", finished=True, finish_reason="error",
                           error=f"worker {worker} failed mid-stream: {type(exc).__name__}")
 
-    def _route(self, request: GenerateRequest, block_hashes: Sequence[int], excluded: set[str]) -> RouteDecision:
-        try:
-            # A migrated request prefills on its decode worker: a prefill worker hands over prompt KV only.
-            decision = self.view.route(block_hashes, request.num_context_tokens, excluded,
-                                       remote_prefill=not request.output_token_ids)
-        except NoDecodeWorker:
-            self.metrics.rejected.labels("no_decode_worker").inc()
-            raise
+    async def _route(self, request: GenerateRequest, block_hashes: Sequence[int], excluded: set[str]) -> RouteDecision:
+        """Place the request. While the prefill queue is full and the remote path still meets the TTFT SLO,
+        wait for a slot and route again; the policy turns to local prefill once waiting longer would miss
+        the SLO, so the wait ends within ttft_slo_s of the request's arrival."""
+        waited_since = None
+        while True:
+            try:
+                # A migrated request prefills on its decode worker: a prefill worker hands over prompt KV only.
+                decision = self.view.route(block_hashes, request.num_context_tokens, excluded,
+                                           remote_prefill=not request.output_token_ids,
+                                           elapsed_s=max(0.0, time.time() - request.times["arrival"]))
+            except NoDecodeWorker:
+                self.metrics.rejected.labels("no_decode_worker").inc()
+                raise
+            if not decision.wait:
+                break
+            waited_since = waited_since or time.monotonic()
+            await self.view.wait_for_loads(PREFILL_SLOT_POLL_S)
+        if waited_since is not None:
+            self.metrics.prefill_queue_wait.labels("remote" if decision.prefill else "local").observe(
+                time.monotonic() - waited_since)
         request.stamp("routed")
         self.view.begin(decision, request.request_id, request.num_context_tokens)
         return decision

@@ -56,6 +56,8 @@ class WorkerState:
             load.queued_prefill_tokens, load.num_waiting, load.num_running = (
                 s.queued_prefill_tokens, s.num_waiting, s.num_running)
             load.num_active_blocks, load.num_total_blocks = s.num_active_blocks, s.num_total_blocks
+            load.step_costs, load.kv_bytes_per_token, load.kv_pull_gbps = (
+                s.step_costs, s.kv_bytes_per_token, s.kv_pull_gbps)
         for routed_at, prefill_tokens in self.pending.values():
             if routed_at >= self.stats_asked_at:
                 load.queued_prefill_tokens += prefill_tokens
@@ -92,6 +94,7 @@ class WorkerView:
         self.workers: dict[str, WorkerState] = {}
         self.version = -1
         self._membership_task: asyncio.Task | None = None
+        self._loads_changed = asyncio.Event()  # set (and replaced) whenever a load may have dropped
 
     async def start(self) -> None:
         """Read the membership once, then follow it (and every worker) in the background."""
@@ -109,17 +112,20 @@ class WorkerView:
     # ---- the request path ---------------------------------------------------------------------
 
     def route(self, block_hashes: Sequence[int], prompt_tokens: int, exclude: Collection[str] = (),
-              remote_prefill: bool = True) -> RouteDecision:
-        """Place a request; raises NoDecodeWorker when no decode worker is schedulable. Without
-        `remote_prefill` the decode worker prefills, whatever the disaggregation thresholds say."""
+              remote_prefill: bool = True, elapsed_s: float = 0.0) -> RouteDecision:
+        """Place a request that arrived `elapsed_s` ago; raises NoDecodeWorker when no decode worker is
+        schedulable. Without `remote_prefill` the decode worker prefills, whatever the policy says. A
+        decision to wait for a prefill slot (`wait`) is not counted: the caller routes again."""
         local_only = self.colocated or not remote_prefill
         loads = {"prefill": [], "decode": []}
         for w in self.workers.values():
             if w.worker_id not in exclude and not (local_only and w.pool == "prefill"):
                 loads[w.pool].append(w.load())
-        decision = self.router.route(block_hashes, prompt_tokens, loads["prefill"], loads["decode"])
+        decision = self.router.route(block_hashes, prompt_tokens, loads["prefill"], loads["decode"], elapsed_s)
         if local_only:
             decision.reason = "colocated" if self.colocated else "migration"
+        if decision.wait:
+            return decision
         for pool, placement in (("decode", decision.decode), ("prefill", decision.prefill)):
             if placement is not None:
                 self.metrics.routing.labels(pool, placement.worker_id, decision.reason).inc()
@@ -145,6 +151,19 @@ class WorkerView:
                 # asked for after the request was routed, may still count it.
                 if w.pool == "decode" and routed_at < w.stats_asked_at:
                     w.ended.append(now)
+        self._notify_loads()
+
+    async def wait_for_loads(self, timeout_s: float) -> None:
+        """Return when a worker's load may have dropped (a stats report, a request's end), or after
+        `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._loads_changed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def _notify_loads(self) -> None:
+        self._loads_changed.set()
+        self._loads_changed = asyncio.Event()
 
     def actor(self, worker_id: str):
         return self.workers[worker_id].actor
@@ -231,6 +250,7 @@ class WorkerView:
                 continue
             w.reachable = True
             w.report(stats, asked)
+            self._notify_loads()
             self.metrics.workers.update(stats, transfer)
             await asyncio.sleep(self.stats_interval_s)
 

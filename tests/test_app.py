@@ -68,3 +68,17 @@ def test_autoscaler_thresholds_and_ingress_replicas_come_from_the_config_file(tm
     path.write_text("autoscaler: {decode: {running_up: 4, running_down: 16}}\n")
     with pytest.raises(ConfigError, match="autoscaler"):
         load_config(path)
+
+
+def test_placement_is_by_measured_cost_against_the_slos_unless_thresholds_are_chosen():
+    ingress = ingress_config(ClusterConfig(model="/models/a", slo={"ttft_ms": 1500, "itl_ms": 100}))
+    assert ingress.disagg.placement == "slo"
+    assert (ingress.disagg.ttft_slo_s, ingress.disagg.itl_slo_s) == (1.5, 0.1)
+    # A config written for the fixed thresholds keeps them; `placement` says which explicitly.
+    assert ingress_config(ClusterConfig(router={"max_local_prefill_length": 0})).disagg.placement == "thresholds"
+    explicit = ClusterConfig(router={"max_local_prefill_length": 0, "placement": "slo"})
+    assert ingress_config(explicit).disagg.placement == "slo"
+    # Decode workers chunk local prefills to the ITL SLO; prefill workers do not.
+    config = ClusterConfig(slo={"itl_ms": 100})
+    assert config.engine_config(config.decode, "decode").itl_slo_ms == 100
+    assert config.engine_config(config.prefill, "prefill").itl_slo_ms is None

@@ -1,4 +1,5 @@
 """Placement policy: cost-based worker choice per pool and conditional disaggregation."""
+import math
 import random
 from collections import Counter
 
@@ -7,8 +8,9 @@ import pytest
 from engine.hashing import block_hashes
 from engine.kv_events import KVEvent, KVEventBatch
 from router.index import PrefixIndex
-from router.policy import (CostWeights, DisaggConfig, NoDecodeWorker, PoolPolicy, Router, WorkerLoad,
-                           decide_prefill)
+from engine.step_costs import PRIOR_DECODE_STEP_S, PRIOR_PREFILL_TOKENS_PER_S, StepCosts
+from router.policy import (CostWeights, DisaggConfig, NoDecodeWorker, PoolPolicy, PrefillDecision, Router, WorkerLoad,
+                           decide_prefill, decide_prefill_by_cost, local_prefill_cost, remote_prefill_ttft)
 
 BLOCK = 16
 DOC = list(range(5000, 5000 + 128 * BLOCK))  # a 2048-token shared document
@@ -112,8 +114,10 @@ def test_prefill_weight_trades_cache_hits_against_load():
 
 # ---- conditional disaggregation ---------------------------------------------------
 
+# ---- fixed thresholds: the operator's override (placement "thresholds") ----
+
 CONFIG = DisaggConfig(max_local_prefill_length=2048, max_remote_prefill_cache_hit_ratio=0.7,
-                      max_prefill_queue_size=2)
+                      max_prefill_queue_size=2, placement="thresholds")
 PREFILL = WorkerLoad("p0")
 
 
@@ -168,3 +172,129 @@ def test_router_without_decode_workers_raises():
     loads[0].draining = True
     with pytest.raises(NoDecodeWorker):
         Router(PrefixIndex(), BLOCK).route(block_hashes(DOC, BLOCK), len(DOC), idle("p0"), loads)
+
+
+# ---- placement from measured cost against the SLOs (placement "slo", the default) ----
+
+SLO = DisaggConfig(max_prefill_queue_size=2, ttft_slo_s=2.0, itl_slo_s=0.25)
+KV_BYTES = 46080  # SmolLM2-135M in fp32: 2 x 30 layers x 3 KV heads x 64 x 4 bytes per token
+
+
+def measured(tokens_per_s: float = 500.0, decode_s: dict[int, float] | None = None) -> StepCosts:
+    """Costs of a worker that measured `tokens_per_s` for prompts of every length, and decode steps of
+    20 ms alone up to 80 ms with 32 sequences."""
+    return StepCosts({b: tokens_per_s for b in (64, 256, 1024, 4096)}, decode_s or {1: 0.02, 8: 0.04, 32: 0.08})
+
+
+def prefill_worker(**fields) -> WorkerLoad:
+    return WorkerLoad("p0", **{"step_costs": measured(), "kv_bytes_per_token": KV_BYTES, **fields})
+
+
+def decode_worker(num_running: int = 0, **fields) -> WorkerLoad:
+    return WorkerLoad("d0", num_running=num_running, step_costs=measured(), kv_bytes_per_token=KV_BYTES,
+                      kv_pull_gbps=1.0, **fields)
+
+
+def by_cost(prompt_tokens, decode, prefill, decode_cached=0, prefill_cached=0, elapsed_s=0.0, config=SLO):
+    return decide_prefill_by_cost(prompt_tokens, decode_cached, prefill_cached, decode, prefill, config, elapsed_s)
+
+
+def test_step_costs_keep_an_ewma_per_power_of_two_bucket():
+    costs = StepCosts(alpha=0.5)
+    assert costs.decode_time(3) == PRIOR_DECODE_STEP_S and costs.prefill_speed(256) == PRIOR_PREFILL_TOKENS_PER_S
+    costs.observe(3, 0, 0, 0.04)
+    costs.observe(4, 0, 0, 0.06)  # the same bucket (up to 4 sequences)
+    assert costs.decode_step_s == {4: pytest.approx(0.05)}
+    assert costs.decode_time(1) == costs.decode_time(16) == pytest.approx(0.05)  # the nearest bucket stands in
+
+
+def test_a_prefill_step_charges_its_prompt_tokens_what_the_decodes_beside_them_did_not_take():
+    costs = StepCosts({}, {4: 0.05})
+    costs.observe(4, 100, 300, 0.25)  # 50 ms of decodes, 200 ms for 100 prompt tokens ending at 300
+    assert costs.prefill_tokens_per_s == {512: pytest.approx(500.0)}
+    assert costs.prefill_time(500, 300) == pytest.approx(0.05 + 1.0)
+
+
+def test_the_stall_free_budget_keeps_a_step_within_its_time_but_always_progresses():
+    costs = measured()
+    budget = costs.prefill_budget(8, 0.25, min_tokens=16)
+    assert costs.decode_time(8) + budget / costs.prefill_speed(budget) <= 0.25
+    assert costs.decode_time(8) + (budget + 16) / costs.prefill_speed(budget) > 0.25
+    assert costs.prefill_budget(32, 0.05, min_tokens=16) == 16  # no room at all: one block a step
+
+
+def test_the_remote_ttft_adds_queue_wait_compute_of_the_uncached_part_and_the_pull():
+    prefill = prefill_worker(queued_prefill_tokens=1000, num_waiting=2)
+    predicted = remote_prefill_ttft(1024, 512, 256, prefill, decode_worker())
+    queue, compute, pull = 1000 / 500, 0.02 + 512 / 500, 768 * KV_BYTES / 1e9
+    assert predicted == pytest.approx(queue + compute + pull)
+
+
+def test_a_local_prefill_beside_running_streams_goes_in_itl_sized_chunks_and_stalls_them():
+    decode = decode_worker(num_running=8)
+    ttft, stall = local_prefill_cost(1024, 0, decode, 0.25, min_chunk=16)
+    chunk = decode.step_costs.prefill_budget(8, 0.25, 16)
+    assert ttft == pytest.approx(math.ceil(1024 / chunk) * (0.04 + chunk / 500))
+    assert stall == pytest.approx(1024 / 500)
+    assert local_prefill_cost(1024, 0, decode_worker(), 0.25, 16) == (pytest.approx(0.02 + 1024 / 500), 0.0)
+
+
+def test_a_cold_256_token_prompt_goes_to_an_idle_prefill_worker_while_decode_streams_run():
+    decision = by_cost(256, decode_worker(num_running=4), prefill_worker())
+    assert decision == PrefillDecision(True, "remote_within_ttft_slo")
+    # Dynamo's fixed threshold would prefill it locally, stalling those streams.
+    assert not decide_prefill(256, 0, prefill_worker(), CONFIG).remote
+
+
+def test_an_idle_decode_worker_prefills_when_the_remote_path_is_no_faster():
+    assert by_cost(256, decode_worker(), prefill_worker()) == PrefillDecision(False, "decode_idle")
+    faster = prefill_worker(step_costs=measured(tokens_per_s=1000.0))  # e.g. borrowing idle decode cores
+    assert by_cost(256, decode_worker(), faster).remote
+
+
+def test_a_small_uncached_tail_that_fits_one_step_within_the_itl_slo_is_prefilled_locally():
+    decision = by_cost(1024, decode_worker(num_running=8), prefill_worker(), decode_cached=1008)
+    assert decision == PrefillDecision(False, "stall_within_itl_slo")
+    assert by_cost(1024, decode_worker(num_running=8), prefill_worker(), decode_cached=512, prefill_cached=512).remote
+
+
+def test_a_remote_path_that_misses_the_ttft_slo_loses_to_a_local_one_that_meets_it():
+    backlog = prefill_worker(queued_prefill_tokens=2000, num_waiting=1)  # 4 s of queued prompts
+    assert by_cost(256, decode_worker(num_running=4), backlog) == PrefillDecision(False, "remote_misses_ttft_slo")
+
+
+def test_when_both_paths_miss_the_ttft_slo_the_running_streams_are_spared():
+    backlog = prefill_worker(queued_prefill_tokens=2000, num_waiting=1)
+    busy = decode_worker(num_running=32, queued_prefill_tokens=4000)
+    assert by_cost(256, busy, backlog) == PrefillDecision(True, "ttft_slo_missed_either_way")
+
+
+def test_a_full_prefill_queue_means_waiting_while_the_ttft_slo_can_still_be_met():
+    full = prefill_worker(num_waiting=2, queued_prefill_tokens=256)
+    decision = by_cost(256, decode_worker(num_running=4), full)
+    assert decision.remote and decision.wait and decision.reason == "prefill_queue_full"
+
+
+def test_the_wait_for_a_prefill_slot_ends_in_a_local_prefill_once_the_ttft_slo_would_be_lost():
+    full = prefill_worker(num_waiting=2, queued_prefill_tokens=256)
+    decode = decode_worker(num_running=4)
+    remote = remote_prefill_ttft(256, 0, 0, full, decode)
+    assert by_cost(256, decode, full, elapsed_s=SLO.ttft_slo_s - remote - 0.01).wait
+    late = by_cost(256, decode, full, elapsed_s=SLO.ttft_slo_s - remote + 0.01)
+    assert late == PrefillDecision(False, "prefill_queue_full")
+
+
+def test_without_a_schedulable_prefill_worker_the_decode_worker_prefills():
+    assert by_cost(4096, decode_worker(num_running=4), None) == PrefillDecision(False, "no_prefill_worker")
+    assert not by_cost(4096, decode_worker(num_running=4), prefill_worker(draining=True)).remote
+
+
+def test_the_router_places_by_measured_cost_by_default_and_by_thresholds_when_told():
+    tokens = prompt(1, prefix=[], suffix_blocks=16)  # 256 cold tokens
+    hashes = block_hashes(tokens, BLOCK)
+    prefill, decode = [prefill_worker()], [decode_worker(num_running=4)]
+    route = Router(PrefixIndex(), BLOCK, rng=random.Random(0)).route(hashes, len(tokens), prefill, decode)
+    assert route.prefill.worker_id == "p0" and route.reason == "remote_within_ttft_slo"
+    fixed = Router(PrefixIndex(), BLOCK, disagg=CONFIG, rng=random.Random(0)).route(hashes, len(tokens), prefill,
+                                                                                     decode)
+    assert fixed.prefill is None and fixed.reason == "short_uncached_prompt"
