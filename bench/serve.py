@@ -8,7 +8,8 @@ Streams every request (SSE), measures TTFT, TPOT, ITL and E2E per request, and w
 of the figures and every request's timings, plus PNG plots (`pip install -e '.[bench]'`). Requests
 are sent only to --base-url. Every request ends: each has a deadline, and failures are counted and
 listed. Several rates run one after another, each on fresh prompts (seed + i), because the server's
-prefix cache would otherwise turn later runs into cache hits.
+prefix cache would otherwise turn later runs into cache hits. A request's arrival is the moment it
+is sent (with --max-concurrency, once it has a slot), as in `vllm bench serve`.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from bench.serve_client import Target, counter_deltas, fetch_models, run_workloa
 from bench.serve_data import DATASETS, Session, TokenSpace, assign_arrivals  # noqa: E402
 from bench.serve_metrics import (RequestResult, format_summary, max_rate_meeting_slos, parse_slos,  # noqa: E402
                                  summarize, summarize_by_kind)
+
 
 def build_sessions(args, space: TokenSpace, seed: int) -> list[Session]:
     if args.dataset == "random":

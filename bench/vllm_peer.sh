@@ -6,6 +6,9 @@
 #   bench/vllm_peer.sh serve [PORT]       run the OpenAI server in the foreground
 #   bench/vllm_peer.sh start [PORT]       run it in the background, wait until healthy
 #   bench/vllm_peer.sh stop               stop the server that `start` began
+#   bench/vllm_peer.sh bench ARGS...      vLLM's own client (`vllm bench serve ARGS`), to cross-check
+#                                         bench/serve.py; 0.32 has no `vllm` CLI metadata nor a
+#                                         __main__ in vllm.benchmarks.serve, so it is called here
 #
 # It serves tandem's converted SmolLM2 directory (an HF directory), found from
 # the tandem venv, unless VLLM_PEER_MODEL names another. Run `start`/`serve`
@@ -72,10 +75,22 @@ stop() {
     echo "vLLM stopped"
 }
 
+vllm_bench() {
+    shift
+    "$VENV/bin/python" -c '
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))' "$@"
+}
+
 case "${1:-}" in
     install) install ;;
     serve) serve ;;
     start) start ;;
     stop) stop ;;
-    *) echo "usage: $0 install | serve [PORT] | start [PORT] | stop" >&2; exit 2 ;;
+    bench) vllm_bench "$@" ;;
+    *) echo "usage: $0 install | serve [PORT] | start [PORT] | stop | bench ARGS..." >&2; exit 2 ;;
 esac
