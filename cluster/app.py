@@ -66,7 +66,8 @@ def ingress_config(config: ClusterConfig) -> IngressConfig:
                                              r.max_prefill_queue_size, r.placement, config.slo.ttft_ms / 1000,
                                              config.slo.itl_ms / 1000),
                          max_queued_requests=r.max_queued_requests, migration_limit=r.migration_limit,
-                         api_keys=dict(config.api_keys), colocated=config.mode == "colocated")
+                         api_keys=dict(config.api_keys), colocated=config.mode == "colocated",
+                         routing=r.routing)
 
 
 def start_or_adopt_controller(config: ClusterConfig):

@@ -74,6 +74,7 @@ class RouterOptions(_Strict):
     max_prefill_queue_size: int = Field(2, ge=1)
     max_queued_requests: int = Field(256, ge=1)
     migration_limit: int = Field(3, ge=0)  # moves of one request after its decode worker died mid-stream
+    routing: Literal["prefix_aware", "round_robin"] = "prefix_aware"  # round_robin: a baseline to compare with
 
     @model_validator(mode="after")
     def _thresholds_set_means_thresholds(self) -> RouterOptions:

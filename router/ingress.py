@@ -50,6 +50,7 @@ class IngressConfig:
     migration_limit: int
     api_keys: dict[str, str]
     colocated: bool
+    routing: str = "prefix_aware"  # or round_robin: the baseline for benchmarks
 
 
 def load_model_info(config: IngressConfig):
@@ -81,7 +82,7 @@ class Ingress:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         tokenizer, model = await asyncio.to_thread(load_model_info, config)
         self.metrics = Metrics()
-        router = Router(PrefixIndex(), config.block_size, config.disagg)
+        router = Router(PrefixIndex(), config.block_size, config.disagg, routing=config.routing)
         self.view = WorkerView(controller, router, self.metrics, colocated=config.colocated)
         await self.view.start()
         latencies = LatencyReporter(controller)

@@ -77,14 +77,17 @@ class Placement:
 
 
 class PoolPolicy:
-    """Places requests within one pool: lowest cost wins, random among ties."""
+    """Places requests within one pool: lowest cost wins, random among ties. `round_robin` ignores cost
+    and takes the schedulable workers in turn (the baseline prefix-aware routing is measured against)."""
 
     def __init__(self, index: PrefixIndex, block_size: int, weights: CostWeights | None = None,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, round_robin: bool = False):
         self.index = index
         self.block_size = block_size
         self.weights = weights or CostWeights()
         self.rng = rng or random.Random()
+        self.round_robin = round_robin
+        self._turn = 0
 
     def place(self, block_hashes: Sequence[int], prompt_tokens: int,
               loads: Sequence[WorkerLoad]) -> Placement | None:
@@ -94,6 +97,10 @@ class PoolPolicy:
             return None
         overlaps = self.index.overlap(block_hashes, [load.worker_id for load in candidates])
         block_size = self.block_size
+        if self.round_robin:
+            chosen = sorted(candidates, key=lambda load: load.worker_id)[self._turn % len(candidates)]
+            self._turn += 1
+            return Placement(chosen.worker_id, overlaps[chosen.worker_id] * block_size, 0.0)
         w_prefill, w_decode, w_running = self.weights.prefill, self.weights.decode * block_size, self.weights.running
         # Hashes cover the prompt's full blocks only, so cached never exceeds prompt_tokens.
         costs = [w_prefill * (prompt_tokens - overlaps[load.worker_id] * block_size + load.queued_prefill_tokens)
@@ -230,13 +237,14 @@ class Router:
 
     def __init__(self, index: PrefixIndex, block_size: int, disagg: DisaggConfig | None = None,
                  prefill_weights: CostWeights | None = None, decode_weights: CostWeights | None = None,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, routing: Literal["prefix_aware", "round_robin"] = "prefix_aware"):
         rng = rng or random.Random()
         self.index = index
         self.block_size = block_size
         self.disagg = disagg or DisaggConfig()
-        self.prefill_policy = PoolPolicy(index, block_size, prefill_weights, rng)
-        self.decode_policy = PoolPolicy(index, block_size, decode_weights, rng)
+        round_robin = routing == "round_robin"
+        self.prefill_policy = PoolPolicy(index, block_size, prefill_weights, rng, round_robin)
+        self.decode_policy = PoolPolicy(index, block_size, decode_weights, rng, round_robin)
 
     def route(self, block_hashes: Sequence[int], prompt_tokens: int, prefill_loads: Sequence[WorkerLoad],
               decode_loads: Sequence[WorkerLoad], elapsed_s: float = 0.0) -> RouteDecision:

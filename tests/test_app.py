@@ -82,3 +82,10 @@ def test_placement_is_by_measured_cost_against_the_slos_unless_thresholds_are_ch
     config = ClusterConfig(slo={"itl_ms": 100})
     assert config.engine_config(config.decode, "decode").itl_slo_ms == 100
     assert config.engine_config(config.prefill, "prefill").itl_slo_ms is None
+
+
+def test_round_robin_routing_is_a_router_option_the_ingress_gets():
+    assert ingress_config(ClusterConfig()).routing == "prefix_aware"
+    assert ingress_config(ClusterConfig(router={"routing": "round_robin"})).routing == "round_robin"
+    with pytest.raises(ConfigError, match="router.routing"):
+        load_config(None, **{"router.routing": "random"})

@@ -298,3 +298,13 @@ def test_the_router_places_by_measured_cost_by_default_and_by_thresholds_when_to
     fixed = Router(PrefixIndex(), BLOCK, disagg=CONFIG, rng=random.Random(0)).route(hashes, len(tokens), prefill,
                                                                                      decode)
     assert fixed.prefill is None and fixed.reason == "short_uncached_prompt"
+
+
+def test_round_robin_takes_the_workers_in_turn_whatever_they_cache():
+    index = PrefixIndex()
+    policy = PoolPolicy(index, 16, round_robin=True)
+    loads = [WorkerLoad("decode-1"), WorkerLoad("decode-0", num_running=9), WorkerLoad("decode-2", healthy=False)]
+    index.apply(KVEventBatch("decode-1", 0, [KVEvent("stored", [1, 2])]))
+    chosen = [policy.place([1, 2], 32, loads) for _ in range(4)]
+    assert [p.worker_id for p in chosen] == ["decode-0", "decode-1", "decode-0", "decode-1"]
+    assert [p.cached_tokens for p in chosen] == [0, 32, 0, 32]  # what the chosen worker caches is still known
