@@ -42,10 +42,7 @@ from bench.serve_metrics import RequestResult, max_rate_meeting_slos, parse_slos
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = "/tmp/tandem-bench.lock"
 SLOS = ["ttft:2000", "tpot:250"]
-NO_ROUND_ROBIN = ("not selectable: tandem's config has no routing-policy option (ClusterConfig.router is "
-                  "RouterOptions: max_local_prefill_length, max_remote_prefill_cache_hit_ratio, "
-                  "max_prefill_queue_size, max_queued_requests, migration_limit; router.policy.CostWeights is "
-                  "not in the config); pass --round-robin-config FILE once it exists")
+ROUND_ROBIN_YAML = "router: {routing: round_robin}\n"
 
 
 @dataclass(slots=True)
@@ -180,11 +177,12 @@ def case_c(cfg) -> list[dict]:
     # whether its prefix is already cached (one shared prefill worker would hide the routing).
     flags = ["--colocated", "--decode", "2"]
     runs = [run_case(tandem("tandem-prefix-aware", *flags), argv, cfg.prefix_rates, cfg.seed + 200, cfg.out)]
-    if cfg.round_robin_config:
-        rr = tandem("tandem-round-robin", *flags, "--config", str(cfg.round_robin_config))
-        runs.append(run_case(rr, argv, cfg.prefix_rates, cfg.seed + 200, cfg.out))
-    else:
-        runs.append({"server": "tandem-round-robin", "error": NO_ROUND_ROBIN, "runs": []})
+    config = cfg.round_robin_config
+    if config is None:
+        config = cfg.out / "round-robin.yaml"
+        config.write_text(ROUND_ROBIN_YAML)
+    rr = tandem("tandem-round-robin", *flags, "--config", str(config))
+    runs.append(run_case(rr, argv, cfg.prefix_rates, cfg.seed + 200, cfg.out))
     return runs
 
 
@@ -279,7 +277,8 @@ def parse_args(argv=None):
     p.add_argument("--num-prefixes", type=int, default=4)
     p.add_argument("--seed", type=int, default=int(time.time()) % 100000,
                    help="default: from the clock, so a rerun never hits the last run's cached prefixes")
-    p.add_argument("--round-robin-config", type=Path, help="tandem --config YAML that selects round-robin")
+    p.add_argument("--round-robin-config", type=Path,
+                   help="tandem --config YAML for the round-robin arm (default: router.routing round_robin)")
     p.add_argument("--result-dir", type=Path, default=ROOT / "bench/results")
     cfg = p.parse_args(argv)
     if cfg.smoke:
@@ -311,7 +310,7 @@ def main(argv=None) -> int:
     print(f"\nwrote {cfg.out}")
     servers = [srv for case in results["cases"].values() for srv in case]
     failed = sum(r["summary"]["failed"] for srv in servers for r in srv["runs"])
-    broken = [srv["server"] for srv in servers if srv.get("error") and srv["error"] != NO_ROUND_ROBIN]
+    broken = [srv["server"] for srv in servers if srv.get("error")]
     if broken:
         print(f"servers that failed: {', '.join(broken)} (their logs are in {cfg.out})")
     return 1 if failed or broken else 0
