@@ -71,7 +71,9 @@ class RequestRouter:
                 async with aclosing(run_request(request, *actors)) as deltas:
                     async for delta in deltas:
                         if delta.token_ids:
-                            token_times.append(time.time())
+                            # A coalesced delta's tokens arrive together: one stamp each, so ITL is
+                            # still counted per token and averages to TPOT.
+                            token_times.extend([time.time()] * len(delta.token_ids))
                             streamed.extend(delta.token_ids)
                         # Each worker stamps its own copy of the request; gather the stages here.
                         request.times.update(delta.times)

@@ -10,6 +10,10 @@ from cluster.pools import Pools
 from engine import SamplingParams
 from engine.protocol import GenerateRequest
 from router.dispatch import run_request
+from router.latency_report import LatencyReporter
+from router.metrics import Metrics
+from router.policy import Placement, RouteDecision
+from router.request_router import RequestRouter
 from tests.pool_helpers import collect, only, wait_for
 
 PROMPT = [11, 23, 5, 81, 402, 77, 19, 3, 260, 14, 9, 55]
@@ -63,3 +67,41 @@ def test_a_stop_string_in_coalesced_deltas_still_ends_the_text_before_it(decode)
     stop = text[len(text) // 2:len(text) // 2 + 3]
     slow = check_adds_up(decode, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))
     assert slow[-1].finish_reason == "stop" and stop not in "".join(d.text for d in slow)
+
+
+class OneWorkerView:
+    """Just enough of a WorkerView for a RequestRouter over one decode worker."""
+    block_size = 16
+
+    def __init__(self, actor):
+        self.decode = actor
+
+    def route(self, block_hashes, num_tokens, excluded, **options):
+        return RouteDecision(Placement("decode-0", 0, 0.0), None, "only worker")
+
+    def begin(self, decision, request_id, num_tokens):
+        pass
+
+    def end(self, decision, request_id):
+        pass
+
+    def actor(self, worker_id):
+        return self.decode
+
+
+def test_itl_is_still_counted_per_token_when_deltas_coalesce(decode):
+    metrics = Metrics()
+    requests = RequestRouter(OneWorkerView(decode), metrics, LatencyReporter(controller=None))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def main() -> list:
+        deltas = [await anext(stream := requests.stream(GenerateRequest("itl", PROMPT, params), []))]
+        await asyncio.to_thread(wait_for, lambda: ray.get(decode.num_in_flight.remote()) == 0)
+        await asyncio.sleep(0.5)
+        return deltas + [d async for d in stream]
+
+    deltas = asyncio.run(main())
+    assert len(deltas) < 12
+    labels = {"pool": "decode", "worker": "decode-0"}
+    assert metrics.registry.get_sample_value("vllm:inter_token_latency_seconds_count", labels) == 11
+    assert metrics.registry.get_sample_value("vllm:time_to_first_token_seconds_count", labels) == 1
