@@ -208,6 +208,7 @@ class WorkerStatsCollector:
             for s in stats:
                 family.add_metric([s.pool, s.worker_id], float(get(s)))
             yield family
+        yield from _measured_costs(stats)
         transfer_bytes = CounterMetricFamily("tandem:kv_transfer_bytes", "KV bytes pulled by decode workers.",
                                              labels=labels)
         for worker_id, t in self.transfer.items():
@@ -228,3 +229,22 @@ class WorkerStatsCollector:
             for reason, n in t.get("transfer_failures_by_reason", {}).items():
                 failures.add_metric(["decode", worker_id, reason], float(n))
         yield failures
+
+
+def _measured_costs(stats: list) -> Iterable[Metric]:
+    """What placement decides with: each worker's measured prefill speed and decode step time per bucket,
+    and (decode workers) KV pull speed."""
+    labels = ["pool", "worker"]
+    speed = GaugeMetricFamily("tandem:prefill_tokens_per_second", "Measured prompt tokens per second, by the "
+                              "context length a chunk ends at (power-of-two bucket).", labels=labels + ["context"])
+    step = GaugeMetricFamily("tandem:decode_step_seconds", "Measured time of a step, by decode batch size "
+                             "(power-of-two bucket).", labels=labels + ["batch"])
+    pull = GaugeMetricFamily("tandem:kv_pull_gbps", "Measured KV pull speed of a decode worker (GB/s).", labels=labels)
+    for s in stats:
+        for context, value in sorted(s.step_costs.prefill_tokens_per_s.items()):
+            speed.add_metric([s.pool, s.worker_id, str(context)], value)
+        for batch, value in sorted(s.step_costs.decode_step_s.items()):
+            step.add_metric([s.pool, s.worker_id, str(batch)], value)
+        if s.pool == "decode":
+            pull.add_metric([s.pool, s.worker_id], s.kv_pull_gbps)
+    return [speed, step, pull]

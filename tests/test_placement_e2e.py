@@ -113,8 +113,13 @@ def test_a_cold_256_token_prompt_is_prefilled_by_the_idle_prefill_worker_while_s
         assert complete(client, cold_prompt(256, seed=1)).choices[0].finish_reason == "length"
     after = wait_for_prefills(url, sum(before.values()) + 1)
     assert after == {"remote": before["remote"] + 1, "local": before["local"]}
-    decisions = scrape(url)
-    assert total(decisions, "tandem:routing_decisions_total", pool="prefill", reason="remote_within_ttft_slo") >= 1
+    samples = scrape(url)
+    assert total(samples, "tandem:routing_decisions_total", pool="prefill", reason="remote_within_ttft_slo") >= 1
+    # What the decision was made with: both workers' measured speeds, the decode worker's pulls.
+    for pool in ("prefill", "decode"):
+        assert total(samples, "tandem:prefill_tokens_per_second", pool=pool) > 0
+        assert total(samples, "tandem:decode_step_seconds", pool=pool) > 0
+    assert total(samples, "tandem:kv_pull_gbps", pool="decode") > 0
 
 
 def test_a_full_prefill_queue_makes_requests_wait_for_a_slot_instead_of_stalling_the_streams(patient):
