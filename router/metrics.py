@@ -60,6 +60,13 @@ class Metrics:
                                   "failed mid-stream, by the worker that failed.", ["worker"], registry=r)
         self.rejected = Counter("tandem:requests_rejected", "Requests refused at admission.", ["reason"],
                                 registry=r)
+        self.reroutes = Counter("tandem:request_reroutes", "Requests placed again before their first token because "
+                                "a worker failed (e.g. a prefill worker killed mid-prefill) or was draining, by "
+                                "that worker.", ["pool", "worker", "cause"], registry=r)
+        self.decode_waits = Counter("tandem:decode_worker_waits", "Requests that found no schedulable decode "
+                                    "worker while the pool could heal (a worker restarting or being replaced) "
+                                    "and waited for one, on arrival or to migrate, by how the wait ended.",
+                                    ["stage", "outcome"], registry=r)
         self.workers = WorkerStatsCollector()
         self.scaling = ScalingCollector()
         self.shared = CollectorRegistry()

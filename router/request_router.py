@@ -1,10 +1,16 @@
 """Runs one sequence through the cluster: place it, run it, re-place it if its worker fails.
 
-A worker that is draining or dead before anything reached the client is excluded and the request is
-placed again (a bounded number of times). A decode worker that dies once tokens went out has its
-request migrated (Dynamo's name): placed on another decode worker with the tokens streamed so far, which
-it prefills locally (prompt + those tokens) and continues after, so the client's stream goes on. Only
-past `migration_limit` migrations does the stream end with finish_reason "error".
+A worker that is draining or dead before anything reached the client (a prefill worker killed
+mid-prefill, say) is routed around and the request is placed again (a bounded number of times,
+counted in tandem:request_reroutes). A decode worker that dies once tokens went out has its request
+migrated (Dynamo's name): placed on another decode worker with the tokens streamed so far, which it
+prefills locally (prompt + those tokens) and continues after, so the client's stream goes on. Only past
+`migration_limit` migrations does the stream end with finish_reason "error".
+
+When no decode worker is schedulable but the pool can heal (Ray restarting a crashed worker in place,
+the controller replacing a dead one), a request waits up to `decode_wait_s` for one, whether it just
+arrived or is migrating, and goes on there: the only decode worker's crash costs the client a pause, not
+its stream (tandem:decode_worker_waits).
 
 A migrated request continues with the tokens and text it would have had on one worker: greedy ones
 because the new worker recomputes the same context, seeded ones because its generator first skips the
@@ -32,24 +38,27 @@ logger = logging.getLogger(__name__)
 
 # A request waiting for a prefill slot routes again on every load report, and at least this often.
 PREFILL_SLOT_POLL_S = 0.1
+# Likewise a request waiting for a decode worker (every membership change and load report wakes it).
+DECODE_WAIT_POLL_S = 0.5
 
 
 class RequestRouter:
     """Places and runs GenerateRequests, and observes each one's latencies when it ends."""
 
     def __init__(self, view: WorkerView, metrics: Metrics, latencies: LatencyReporter, max_attempts: int = 3,
-                 migration_limit: int = 3):
+                 migration_limit: int = 3, decode_wait_s: float = 60.0):
         self.view = view
         self.metrics = metrics
         self.latencies = latencies
         self.max_attempts = max_attempts  # placements before the first token
         self.migration_limit = migration_limit  # placements after it
+        self.decode_wait_s = decode_wait_s  # for a decode worker, while none is schedulable and the pool can heal
 
     async def stream(self, request: GenerateRequest, block_hashes: Sequence[int]) -> AsyncIterator[TokenDelta]:
         """Yield the request's token deltas. Closing the iterator aborts it on every worker it runs on.
 
-        Raises NoDecodeWorker when no decode worker can take it, and InvalidRequestError when a worker
-        refuses it (both before anything was yielded)."""
+        Raises NoDecodeWorker when no decode worker can take it (none came within `decode_wait_s`), and
+        InvalidRequestError when a worker refuses it (both before anything was yielded)."""
         excluded: set[str] = set()
         token_times: list[float] = []
         streamed: list[int] = []  # token ids the client has, over every worker the request ran on
@@ -58,10 +67,10 @@ class RequestRouter:
         while attempts < self.max_attempts:
             try:
                 decision = await self._route(request, block_hashes, excluded)
-            except NoDecodeWorker:
+            except NoDecodeWorker as exc:
                 if not token_times:
                     raise
-                yield self._give_up(request, *failure, token_times)  # the last worker left as we migrated
+                yield self._give_up(request, *failure, token_times, str(exc))  # nowhere to migrate to
                 return
             decode = decision.decode.worker_id
             prefill = decision.prefill.worker_id if decision.prefill else None
@@ -86,17 +95,22 @@ class RequestRouter:
                 # Before the first delta, only the prefill call (when there is one) has run.
                 failed = prefill if prefill is not None and not token_times else decode
                 if isinstance(exc, ray.exceptions.RayActorError):
+                    # Unschedulable until a later call succeeds: a worker Ray restarts may take it again.
                     self.view.lost(failed, type(exc).__name__)
-                excluded.add(failed)
+                else:
+                    excluded.add(failed)
                 failure = failed, exc
                 if not token_times:
                     attempts += 1
+                    pool = "prefill" if failed == prefill else "decode"
+                    cause = "draining" if isinstance(exc, WorkerDraining) else "failed"
+                    self.metrics.reroutes.labels(pool, failed, cause).inc()
                     logger.info("re-routing %s away from %s (attempt %d): %s", request.request_id, failed,
                                 attempts, type(exc).__name__)
                     continue
-                if migrations == self.migration_limit or not self.view.num_schedulable("decode"):
+                if migrations == self.migration_limit:
                     finished = True
-                    yield self._give_up(request, decode, exc, token_times)
+                    yield self._give_up(request, decode, exc, token_times, f"{migrations} migrations already")
                     return
                 migrations += 1
                 migrating = True
@@ -118,17 +132,20 @@ class RequestRouter:
         context = request.prompt_token_ids + request.output_token_ids
         return hashing.extend_block_hashes(list(block_hashes), context, self.view.block_size, request.cache_salt)
 
-    def _give_up(self, request: GenerateRequest, worker: str, exc: Exception, token_times: list[float]) -> TokenDelta:
-        """The last delta of a stream that cannot go on: finish_reason "error", naming the failed worker."""
+    def _give_up(self, request: GenerateRequest, worker: str, exc: Exception, token_times: list[float],
+                 why: str) -> TokenDelta:
+        """The last delta of a stream that cannot go on: finish_reason "error", naming the failed worker and
+        why the request could not move on."""
         self._observe(worker, request.times, token_times, "error")
-        return TokenDelta(request.request_id, [], "", finished=True, finish_reason="error",
-                          error=f"worker {worker} failed mid-stream: {type(exc).__name__}")
+        error = f"worker {worker} failed mid-stream ({type(exc).__name__}) and the request cannot move on: {why}"
+        logger.warning("%s: %s", request.request_id, error)
+        return TokenDelta(request.request_id, [], "", finished=True, finish_reason="error", error=error)
 
     async def _route(self, request: GenerateRequest, block_hashes: Sequence[int], excluded: set[str]) -> RouteDecision:
         """Place the request. While the prefill queue is full and the remote path still meets the TTFT SLO,
         wait for a slot and route again; the policy turns to local prefill once waiting longer would miss
         the SLO, so the wait ends within ttft_slo_s of the request's arrival."""
-        waited_since = None
+        waited_since = decode_wait = None
         while True:
             try:
                 # A migrated request prefills on its decode worker: a prefill worker hands over prompt KV only.
@@ -136,8 +153,13 @@ class RequestRouter:
                                            remote_prefill=not request.output_token_ids,
                                            elapsed_s=max(0.0, time.time() - request.times["arrival"]))
             except NoDecodeWorker:
+                decode_wait = decode_wait or _DecodeWait(request, self.decode_wait_s, self.metrics)
+                if await decode_wait.wait(self.view):
+                    continue
                 self.metrics.rejected.labels("no_decode_worker").inc()
-                raise
+                raise NoDecodeWorker(decode_wait.reason) from None
+            if decode_wait is not None:
+                decode_wait.found()
             if not decision.wait:
                 break
             waited_since = waited_since or time.monotonic()
@@ -153,3 +175,44 @@ class RequestRouter:
         self.metrics.observe_finished("decode", worker, times, token_times, finish_reason)
         self.latencies.add(times.get("arrival"), token_times)
 
+
+
+class _DecodeWait:
+    """One request's wait for a schedulable decode worker, bounded by `limit_s`, counted by how it ended."""
+
+    def __init__(self, request: GenerateRequest, limit_s: float, metrics: Metrics):
+        self.request = request
+        self.stage = "migration" if request.output_token_ids else "arrival"
+        self.metrics = metrics
+        self.deadline = time.monotonic() + limit_s
+        self.limit_s = limit_s
+        self.waiting = False
+        self.reason = ""
+
+    async def wait(self, view: WorkerView) -> bool:
+        """Wait a little for the decode pool to change; False (with `reason` set) once waiting is pointless:
+        the pool cannot heal, or the bound passed."""
+        remaining = self.deadline - time.monotonic()
+        if not view.can_heal("decode"):
+            self.reason = "no decode worker is healthy and every one is draining"
+            return self._end("unhealable")
+        if remaining <= 0:
+            self.reason = f"no decode worker became available within {self.limit_s:g} s"
+            return self._end("timeout")
+        if not self.waiting:
+            self.waiting = True
+            logger.warning("%s: no decode worker is schedulable; waiting up to %g s for one (%s)",
+                           self.request.request_id, remaining, self.stage)
+        await view.wait_for_loads(min(remaining, DECODE_WAIT_POLL_S))
+        return True
+
+    def found(self) -> None:
+        if self.waiting:
+            logger.info("%s: a decode worker is back; going on", self.request.request_id)
+            self._end("found")
+
+    def _end(self, outcome: str) -> bool:
+        if self.waiting:
+            self.waiting = False
+            self.metrics.decode_waits.labels(self.stage, outcome).inc()
+        return False

@@ -4,8 +4,10 @@ Each replica follows the controller's membership (long-poll on its version), and
 follows its KV events into a `PrefixIndex` (a long-poll starting from a snapshot) and polls its stats
 into a `WorkerLoad`. Replicas do all of this independently, so each holds an exact index of its own.
 
-A worker whose calls fail is dropped from the index at once and not chosen again until a call to it
-succeeds (a restarted actor resyncs from a fresh snapshot); one that leaves the membership is forgotten.
+A worker whose calls fail is dropped from the index at once and not chosen again until a call made after
+the failure succeeds (a restarted actor resyncs from a fresh snapshot); one that leaves the membership is
+forgotten. A pool whose workers are all unschedulable can still heal while one of them is not draining (Ray
+restarts it in place) or none is known (the controller is replacing the dead): `can_heal` says so.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ class WorkerState:
     actor: object
     healthy: bool  # the controller's health check
     draining: bool
-    reachable: bool = True  # False from a failed call until one succeeds
+    reachable: bool = True  # False from a failed call until one made after it succeeds
+    lost_at: float = float("-inf")  # monotonic time of the last failed call
     stats: WorkerStats | None = None
     stats_asked_at: float = 0.0  # monotonic time the current stats were asked for
     pending: dict[str, tuple[float, int]] = field(default_factory=dict)  # request id -> (routed at, prefill tokens)
@@ -43,8 +46,12 @@ class WorkerState:
 
     @property
     def schedulable(self) -> bool:
-        draining = self.draining or (self.stats is not None and self.stats.draining)
-        return self.healthy and self.reachable and not draining
+        return self.healthy and self.reachable and not self.leaving
+
+    @property
+    def leaving(self) -> bool:
+        """Draining, as the controller or the worker itself says: it will not take requests again."""
+        return self.draining or (self.stats is not None and self.stats.draining)
 
     def load(self) -> WorkerLoad:
         """The last reported load plus what this replica routed here since that report was asked for,
@@ -176,12 +183,20 @@ class WorkerView:
         if w.reachable:
             logger.warning("worker %s is unreachable (%s); routing around it", worker_id, reason)
         w.reachable = False
+        w.lost_at = time.monotonic()
         w.stats = None
         self.index.remove_worker(worker_id)
         self.metrics.workers.forget(worker_id)
 
     def num_schedulable(self, pool: str) -> int:
         return sum(1 for w in self.workers.values() if w.pool == pool and w.schedulable)
+
+    def can_heal(self, pool: str) -> bool:
+        """Whether `pool` may get a schedulable worker without an operator: one of its workers is unhealthy
+        or unreachable but not draining (Ray restarts it in place), or it has no worker at all (the controller
+        replaces dead ones). Not when every worker it has is draining."""
+        members = [w for w in self.workers.values() if w.pool == pool]
+        return not members or any(not w.leaving for w in members)
 
     # ---- following the cluster ----------------------------------------------------------------
 
@@ -199,6 +214,7 @@ class WorkerView:
                 w.healthy, w.draining = entry.healthy, entry.draining
         for worker_id in set(self.workers) - current:
             self._forget(worker_id)
+        self._notify_loads()  # a worker may have become schedulable
 
     def _forget(self, worker_id: str) -> None:
         w = self.workers.pop(worker_id)
@@ -221,6 +237,7 @@ class WorkerView:
         """Snapshot first (after_seq=-1), then every batch in order; a gap or a restart resyncs."""
         after = -1
         while True:
+            asked = time.monotonic()
             try:
                 reply = await w.actor.kv_events.remote(after, self.events_timeout_s)
             except Exception as exc:
@@ -228,7 +245,9 @@ class WorkerView:
                 after = -1
                 await asyncio.sleep(self.retry_s)
                 continue
-            w.reachable = True
+            if not self._answered(w, asked):
+                after = -1
+                continue
             if reply.snapshot is not None:
                 self.index.resync(w.worker_id, reply.snapshot, reply.seq)
                 after = reply.seq
@@ -248,11 +267,23 @@ class WorkerView:
                 self._failed(w, exc)
                 await asyncio.sleep(self.retry_s)
                 continue
-            w.reachable = True
+            if not self._answered(w, asked):
+                continue
             w.report(stats, asked)
             self._notify_loads()
             self.metrics.workers.update(stats, transfer)
             await asyncio.sleep(self.stats_interval_s)
+
+    def _answered(self, w: WorkerState, asked: float) -> bool:
+        """A call made at `asked` succeeded: the worker is reachable, unless it was lost after the call went
+        out (an answer from before a crash says nothing about the restarted process)."""
+        if asked < w.lost_at:
+            return False
+        if not w.reachable:
+            logger.info("worker %s is reachable again", w.worker_id)
+            self._notify_loads()
+        w.reachable = True
+        return True
 
     def _failed(self, w: WorkerState, exc: Exception) -> None:
         if isinstance(exc, ray.exceptions.RayActorError):
