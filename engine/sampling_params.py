@@ -6,11 +6,17 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16  # each is matched against the text of every new token
+# Below this a temperature is greedy, as in vLLM: dividing logits by it would overflow to inf.
+SAMPLING_EPS = 1e-5
+SEED_RANGE = (-2**63, 2**63 - 1)  # what torch.Generator.manual_seed takes, with room for seed + n
+TOP_K_MAX = 2**31 - 1
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. temperature=0 means greedy; top_k<=0 means no top-k."""
+    """How to pick tokens and when to stop. temperature 0 (or below SAMPLING_EPS) means greedy; top_k<=0
+    means no top-k."""
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -40,7 +46,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     def validate(self, vocab_size: int | None = None) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -51,15 +57,16 @@ class SamplingParams:
         check(_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
               f"must be in [0, 100], got {self.temperature!r}")
         check(_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
-              f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        check(isinstance(self.top_k, int) and -1 <= self.top_k <= TOP_K_MAX, "top_k",
+              f"must be -1, 0 (disabled) or a positive integer up to {TOP_K_MAX}, got {self.top_k!r}")
         check(_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             check(_num(value) and -2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value!r}")
         check(_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0, "repetition_penalty",
               f"must be in (0, 10], got {self.repetition_penalty!r}")
-        check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        check(self.seed is None or (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+              "seed", f"must be a 64-bit signed integer, got {self.seed!r}")
         check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
               f"must be a positive integer, got {self.max_tokens!r}")
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
@@ -69,7 +76,7 @@ class SamplingParams:
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
               "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        check(len(self.stop) <= 16, "stop", "may hold at most 16 strings")
+        check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"may hold at most {MAX_STOP_STRINGS} strings")
         self._validate_token_ids(vocab_size)
 
     def _validate_token_ids(self, vocab_size: int | None) -> None:
