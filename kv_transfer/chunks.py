@@ -28,6 +28,8 @@ from engine.kv_cache import KVCache, KVLayout
 # layers (60 segments of 12 KiB) took 4.4 ms over Gloo as views and 1.4 ms coalesced; at 16 blocks
 # (196 KiB segments) the gather copy cost about what the saved messages did (7.2 vs 6.7 ms).
 COALESCE_BELOW_BYTES = 64 << 10
+# A pull's smallest allowed chunk limit: smaller ones would turn a pull into very many messages.
+MIN_CHUNK_BYTES = 4 << 10
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import grpc
 
 from engine.kv_cache import KVCache
-from kv_transfer.chunks import ChunkSpec
+from kv_transfer.chunks import MIN_CHUNK_BYTES, ChunkSpec
 from kv_transfer.failures import failure_reason
 from kv_transfer.handle import (KVAuthError, KVHandle, KVLayoutMismatchError, KVLeaseNotFoundError,
                                 KVTransferError)
@@ -70,6 +70,8 @@ class KVClientBase:
         max_chunk_bytes = max_chunk_bytes or self.default_chunk_bytes
         if max_chunk_bytes > max_message_bytes - (64 << 10):
             raise ValueError("max_chunk_bytes must leave 64 KiB of max_message_bytes for framing")
+        if max_chunk_bytes < MIN_CHUNK_BYTES:
+            raise ValueError(f"max_chunk_bytes must be at least {MIN_CHUNK_BYTES} (servers refuse smaller chunks)")
         self.cache = cache
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from kv_transfer.chunks import ChunkSpec
 from kv_transfer.dist_group import RECEIVER_RANK, SENDER_RANK, abort_group, backend_for, host_store, pair_group
+from kv_transfer.faults import corrupted, fail_mid_pull
 from protos import kv_transfer_pb2 as pb
 
 if TYPE_CHECKING:
@@ -208,14 +209,24 @@ class DistSender:
         with pair.lock:
             if pair.closed:  # discarded while we waited for it: the client reconnects
                 context.abort(grpc.StatusCode.ABORTED, f"pair {request.pair_id!r} is not connected")
-            lease, block_ids = self.server.open_pull(request, context)
+            lease, block_ids, fault = self.server.open_pull(request, context)
             sends, finished = _Sends(group, pair.sender), False
             try:
                 for batch, staged in self._ready_batches(lease, block_ids, request, context):
-                    sends.post(batch, staged)
+                    if fault == "corrupt":  # sent with a bit flipped, checksummed as it was
+                        (spec, segments), fault = batch[0], None
+                        sends.post([(spec, corrupted(segments)), *batch[1:]], staged)
+                    else:
+                        sends.post(batch, staged)
                     for spec, segments in batch:
                         yield self.server.chunk_header(spec, segments, checksum)  # hashed while the bytes go out
                     sends.wait_below(SEND_WINDOW_BYTES // 2)
+                    if fault in ("stall", "drop"):
+                        sends.wait_below(-1)
+                        if fault == "drop":  # the data connection breaks under the receiver
+                            abort_group(group)
+                        fail_mid_pull(fault, context)
+                        return
                 sends.wait_below(-1)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # the blocks may be reused once the lease ends

@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from engine.auth import bearer_token, token_matches
 from engine.kv_cache import KVCache
 from kv_transfer.addresses import check_host, host_port
-from kv_transfer.chunks import ChunkSpec, host_bytes, payload_checksum, plan_chunks, read_chunk
+from kv_transfer.chunks import MIN_CHUNK_BYTES, ChunkSpec, host_bytes, payload_checksum, plan_chunks, read_chunk
 from kv_transfer.dist_server import DistSender
+from kv_transfer.faults import FaultInjector, corrupted, fail_mid_pull
 from kv_transfer.handle import KVHandle
 from kv_transfer.lease import Lease, LeaseTable, OnRelease
 from kv_transfer.malloc import keep_message_buffers_in_heap
@@ -40,17 +42,28 @@ class KVServerConfig:
     hashing them costs about a fifth of Gloo's throughput on a 2-core box);
     device payloads (NCCL) never do. A decode client's process group that
     sees no pull for `dist_pair_idle_s` is discarded (the client reconnects).
+
+    What a caller may ask for is bounded, so that no request can make the server plan or hold more than
+    its lease: requests are at most `max_request_bytes`, a pull names at most `max_blocks_per_pull`
+    distinct block indices, and chunks are at least MIN_CHUNK_BYTES. `faults` is for tests only
+    (faults.py); by default it comes from TANDEM_KV_FAULTS, unset in production.
     """
     advertise_host: str = "127.0.0.1"
     bind_host: str | None = None
     port: int = 0
     max_workers: int = 16
     max_message_bytes: int = 16 << 20
+    max_request_bytes: int = 1 << 20
+    max_blocks_per_pull: int = 1 << 16
     lease_ttl_s: float = 30.0
     dist: bool = False
     dist_timeout_s: float = 30.0
     dist_checksums: bool = True
     dist_pair_idle_s: float = 600.0
+    faults: FaultInjector | None = field(default_factory=FaultInjector.from_env)
+
+
+MAX_ID_CHARS = 256  # request and pair ids; theirs are uuid-sized
 
 
 @dataclass(slots=True)
@@ -99,7 +112,7 @@ class KVTransferServer:
         self._layout_proto = layout_to_proto(cache.layout)
         keep_message_buffers_in_heap(self.config.max_message_bytes)
         limits = [("grpc.max_send_message_length", self.config.max_message_bytes),
-                  ("grpc.max_receive_message_length", self.config.max_message_bytes)]
+                  ("grpc.max_receive_message_length", self.config.max_request_bytes)]
         self._server = grpc.server(futures.ThreadPoolExecutor(self.config.max_workers, "kv-export"),
                                    interceptors=[_BearerTokenAuth(token)], options=limits,
                                    maximum_concurrent_rpcs=self.config.max_workers)
@@ -163,24 +176,45 @@ class KVTransferServer:
         self.stats.add(header.num_bytes)
         return header
 
-    def open_pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> tuple[Lease, list[int]]:
-        """Check a pull and pin its lease; aborts the call with a precise status when it is refused."""
+    def open_pull(self, request: pb.PullRequest,
+                  context: grpc.ServicerContext) -> tuple[Lease, list[int], str | None]:
+        """Check a pull and pin its lease; aborts the call with a precise status when it is refused.
+        Also returns the fault to inject into this pull (tests only; None)."""
+        self.check_pull(request, context)
+        fault = self.config.faults.pick() if self.config.faults is not None else None
+        if fault == "expire":
+            self.leases.release(request.request_id)
+        lease = self.leases.begin_pull(request.request_id)
+        if lease is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no KV lease for request {request.request_id!r}")
+        if request.block_indices and max(request.block_indices) >= len(lease.block_ids):
+            self.leases.end_pull(lease)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"block_indices: index beyond the request's {len(lease.block_ids)} blocks")
+        return lease, [lease.block_ids[i] for i in request.block_indices], fault
+
+    def check_pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> None:
+        """Refuse, with INVALID_ARGUMENT naming the field, a pull whose plan could exceed what its lease
+        holds (duplicate or too many block indices, tiny chunks) or that is malformed otherwise."""
         if layout_from_proto(request.layout) != self.cache.layout:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"KV layout mismatch: server has {self.cache.layout}, "
                           f"client has {layout_from_proto(request.layout)}")
-        if not 0 <= request.layer_start < request.layer_end <= self.cache.layout.num_layers:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad layer range")
-        if not 0 < request.max_chunk_bytes <= self.config.max_message_bytes - (64 << 10):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"max_chunk_bytes must be in (0, {self.config.max_message_bytes - (64 << 10)}]")
-        lease = self.leases.begin_pull(request.request_id)
-        if lease is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no KV lease for request {request.request_id!r}")
-        if any(i >= len(lease.block_ids) for i in request.block_indices):
-            self.leases.end_pull(lease)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block index beyond the request's blocks")
-        return lease, [lease.block_ids[i] for i in request.block_indices]
+        max_chunk = self.config.max_message_bytes - (64 << 10)
+        problems = [
+            ("request_id", not 0 < len(request.request_id) <= MAX_ID_CHARS, f"1 to {MAX_ID_CHARS} characters"),
+            ("pair_id", len(request.pair_id) > MAX_ID_CHARS, f"at most {MAX_ID_CHARS} characters"),
+            ("layer_start, layer_end", not 0 <= request.layer_start < request.layer_end <= self.cache.layout.num_layers,
+             f"a layer range within [0, {self.cache.layout.num_layers}]"),
+            ("max_chunk_bytes", not MIN_CHUNK_BYTES <= request.max_chunk_bytes <= max_chunk,
+             f"in [{MIN_CHUNK_BYTES}, {max_chunk}]"),
+            ("block_indices", len(request.block_indices) > self.config.max_blocks_per_pull,
+             f"at most {self.config.max_blocks_per_pull} per pull"),
+            ("block_indices", len(set(request.block_indices)) != len(request.block_indices), "without duplicates"),
+        ]
+        for name, bad, rule in problems:
+            if bad:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be {rule}")
 
     def chunk_plan(self, lease: Lease, num_blocks: int, request: pb.PullRequest,
                    context: grpc.ServicerContext) -> tuple[list[ChunkSpec], Callable[[ChunkSpec], None]]:
@@ -209,11 +243,16 @@ class KVTransferServer:
             yield spec, self.export_chunk(block_ids[spec.block_start:spec.block_end], spec, to_host)
 
     def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        lease, block_ids = self.open_pull(request, context)
+        lease, block_ids, fault = self.open_pull(request, context)
         try:
             for spec, segments in self.chunks(lease, block_ids, request, context, to_host=True):
                 header = self.chunk_header(spec, segments, checksum=True)
+                if fault == "corrupt":
+                    segments, fault = corrupted(segments), None
                 yield encode_chunk(header, [host_bytes(s) for s in segments])
+                if fault in ("stall", "drop"):
+                    fail_mid_pull(fault, context)
+                    return
         finally:
             self.leases.end_pull(lease)
 
@@ -232,6 +271,8 @@ class KVTransferServer:
     def _connect(self, request: pb.ConnectRequest, context) -> pb.ConnectResponse:
         if self.dist is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server has no torch.distributed data plane")
+        if not 0 < len(request.pair_id) <= MAX_ID_CHARS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pair_id must be 1 to {MAX_ID_CHARS} characters")
         if layout_from_proto(request.layout) != self.cache.layout:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout mismatch: server has {self.cache.layout}")
         return self.dist.connect(request.pair_id)
@@ -243,15 +284,40 @@ class KVTransferServer:
 
     def _handlers(self) -> grpc.GenericRpcHandler:
         def unary(fn, request_type):
-            return grpc.unary_unary_rpc_method_handler(fn, request_type.FromString, lambda m: m.SerializeToString())
+            return grpc.unary_unary_rpc_method_handler(_parsed(fn), _parser(request_type),
+                                                       lambda m: m.SerializeToString())
 
         return grpc.method_handlers_generic_handler(SERVICE, {
             # Pull's handler yields pre-encoded KVChunk bytes (see wire.py), hence no serializer.
-            "Pull": grpc.unary_stream_rpc_method_handler(self._pull, pb.PullRequest.FromString, None),
+            "Pull": grpc.unary_stream_rpc_method_handler(_parsed(self._pull), _parser(pb.PullRequest), None),
             "PullDist": grpc.unary_stream_rpc_method_handler(
-                self._pull_dist, pb.PullRequest.FromString, pb.ChunkHeader.SerializeToString),
+                _parsed(self._pull_dist), _parser(pb.PullRequest), pb.ChunkHeader.SerializeToString),
             "Release": unary(self._release, pb.ReleaseRequest),
             "Health": unary(self._health, pb.HealthRequest),
             "Connect": unary(self._connect, pb.ConnectRequest),
             "Disconnect": unary(self._disconnect, pb.DisconnectRequest),
         })
+
+
+@dataclass(slots=True)
+class _Malformed:
+    """A request whose bytes did not parse; its handler answers INVALID_ARGUMENT (gRPC's own answer to a
+    deserializer that raises is INTERNAL, which reads like a server bug)."""
+    detail: str
+
+
+def _parser(request_type):
+    def parse(data: bytes):
+        try:
+            return request_type.FromString(data)
+        except DecodeError as err:
+            return _Malformed(f"malformed {request_type.DESCRIPTOR.name}: {err}")
+    return parse
+
+
+def _parsed(handler):
+    def checked(request, context):
+        if isinstance(request, _Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+        return handler(request, context)
+    return checked

@@ -19,6 +19,7 @@ from engine.kv_cache import KVCache, KVLayout
 from kv_transfer import (KVAuthError, KVChecksumError, KVLayoutMismatchError, KVLeaseNotFoundError,
                          KVServerConfig, KVTransferError, KVTransferServer)
 from kv_transfer.dist_client import DistKVClient
+from kv_transfer.faults import FaultInjector
 from kv_transfer import chunks, grpc_client
 from kv_transfer.grpc_client import GrpcKVClient
 from protos import kv_transfer_pb2 as pb
@@ -158,34 +159,17 @@ def test_wrong_or_missing_token_is_unauthenticated(peers):
     assert len(server.leases) == 1  # refused callers cannot touch leases
 
 
-def flip_a_bit(segments: list[torch.Tensor]) -> None:
-    segments[-1].view(-1).view(torch.uint8)[5] ^= 0x10
-
-
-class CorruptingServer(KVTransferServer):
-    """Sends payloads with one bit flipped but checksums them as they were, as a bad link or buffer would."""
-
-    def export_chunk(self, block_ids, spec, to_host):
-        corrupted = [s.clone() for s in super().export_chunk(block_ids, spec, to_host)]
-        flip_a_bit(corrupted)
-        return corrupted
-
-    def chunk_header(self, spec, segments, checksum):
-        intact = [s.clone() for s in segments]
-        flip_a_bit(intact)  # flipped back
-        return super().chunk_header(spec, intact, checksum)
-
-
 def test_corrupted_chunk_fails_the_pull_and_the_client_recovers(peers):
-    src = random_cache()
-    handle = peers.server(src, cls=CorruptingServer).lease("req", [0, 1, 2], [1, 2, 3], 48, Released())
+    src, faults = random_cache(), FaultInjector()
+    faults.inject("corrupt")  # one bit of the first chunk flips after its checksum was taken
+    server = peers.server(src, faults=faults)
+    handle = server.lease("req", [0, 1, 2], [1, 2, 3], 48, Released())
     dst = KVCache(LAYOUT, 64)
     client = peers.client(dst, **SMALL_CHUNKS)
     with pytest.raises(KVChecksumError) as failed:
         client.pull(handle, [0, 1, 2], [0, 1, 2])
     assert failed.value.reason == "checksum"
-    good = peers.server(src).lease("req", [0, 1, 2], [1, 2, 3], 48, Released())
-    client.pull(good, [0, 1, 2], [0, 1, 2])
+    client.pull(handle, [0, 1, 2], [0, 1, 2])  # the lease survives; the same server sends it intact now
     assert_blocks_equal(src, [0, 1, 2], dst, [0, 1, 2])
 
 
@@ -255,13 +239,16 @@ def test_layers_stream_as_the_producer_marks_them_ready(peers):
 
 
 def test_a_pull_waiting_on_a_stalled_prefill_ends_at_its_deadline(peers):
-    server = peers.server()
+    src = random_cache()
+    server = peers.server(src)
     handle = server.lease("req", [0, 1], [], 32, Released(), layers_ready=1)
     with pytest.raises(KVTransferError, match="DEADLINE_EXCEEDED") as late:
         peers.client(timeout_s=1.0).pull(handle, [0, 1], [0, 1])
     assert late.value.reason == "timeout"
     server.mark_layers_ready("req", LAYOUT.num_layers)  # the lease outlives the failed pull
-    peers.client().pull(handle, [0, 1], [0, 1])
+    dst = KVCache(LAYOUT, 64)
+    peers.client(dst).pull(handle, [3, 4], [0, 1])
+    assert_blocks_equal(src, [0, 1], dst, [3, 4])
 
 
 def test_chunks_beyond_the_message_size_limit_are_refused(peers):

@@ -11,9 +11,13 @@ import grpc
 import pytest
 
 from engine.kv_cache import KVCache
-from kv_transfer import KVHandle, KVTransferError
+from kv_transfer import KVHandle, KVServerConfig, KVTransferError
 from kv_transfer.failures import FAILURE_REASONS, TransferFailures, failure_reason
-from tests.test_kv_transfer import CLIENTS, LAYOUT, TOKEN
+from kv_transfer.faults import ENV, FaultInjector
+from tests import test_kv_transfer
+from tests.test_kv_transfer import CLIENTS, LAYER_CHUNKS, LAYOUT, TOKEN, Released, assert_blocks_equal, random_cache
+
+peers, transport = test_kv_transfer.peers, test_kv_transfer.transport  # the transfer suite's fixtures
 
 
 def closed_port() -> int:
@@ -79,3 +83,38 @@ def test_each_reason_and_peer_is_logged_once_and_every_failure_counted(caplog):
     assert "decode-7" in warnings[0] and "10.0.0.2:5000" in warnings[0] and "unreachable" in warnings[0]
     assert failures.snapshot() == {**dict.fromkeys(FAILURE_REASONS, 0), "unreachable": 4, "timeout": 1, "other": 1}
     assert failures.total == 6
+
+
+# ---- faults injected into a real server's pulls, on both transports --------------------------------------
+
+@pytest.mark.parametrize("fault,reason", [("corrupt", "checksum"), ("stall", "timeout"), ("drop", "peer_gone"),
+                                          ("expire", "lease_expired")])
+def test_an_injected_fault_fails_the_pull_with_its_reason_and_the_server_keeps_serving(peers, fault, reason):
+    src, faults = random_cache(), FaultInjector()
+    server = peers.server(src, faults=faults)
+    faults.inject(fault)
+    handle = server.lease("hit", list(range(8)), [], 8 * 16, Released())
+    client = peers.client(timeout_s=3.0 if fault == "stall" else 30.0, **LAYER_CHUNKS)  # a pull of 4 chunks
+    with pytest.raises(KVTransferError) as failed:
+        client.pull(handle, list(range(8)), list(range(8)))
+    assert failed.value.reason == reason, failed.value
+    assert faults.injected[fault] == 1
+    assert (len(server.leases) == 0) == (fault == "expire")  # only an expired lease is gone
+    client.timeout_s = 30.0
+    good = server.lease("next", [9, 3, 30], [], 40, Released())
+    client.pull(good, [20, 21, 22], [0, 1, 2])
+    assert_blocks_equal(src, [9, 3, 30], client.cache, [20, 21, 22])
+
+
+def test_fault_rates_come_from_the_environment_and_are_seeded(monkeypatch):
+    monkeypatch.setenv(ENV, "corrupt=0.25,drop=0.25,seed=3")
+    first, second = FaultInjector.from_env(), FaultInjector.from_env()
+    drawn = [first.pick() for _ in range(400)]
+    assert drawn == [second.pick() for _ in range(400)]
+    assert 60 < drawn.count("corrupt") < 140 and 60 < drawn.count("drop") < 140
+    assert first.injected == {"corrupt": drawn.count("corrupt"), "drop": drawn.count("drop"), "stall": 0, "expire": 0}
+    monkeypatch.setenv(ENV, "explode=0.5")
+    with pytest.raises(ValueError, match="explode"):
+        FaultInjector.from_env()
+    monkeypatch.delenv(ENV)
+    assert FaultInjector.from_env() is None and KVServerConfig().faults is None
