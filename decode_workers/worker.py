@@ -43,7 +43,8 @@ class DecodeWorker(EngineServer):
         config = self.engine.config
         if config.itl_slo_ms:  # local prefills go in chunks that keep each step within the ITL SLO
             self.engine.scheduler.prefill_budget = functools.partial(
-                self.engine.step_costs.prefill_budget, step_s=config.itl_slo_ms / 1000, min_tokens=config.block_size)
+                self.engine.step_costs.prefill_budget, step_s=config.itl_slo_ms / 1000, min_tokens=config.block_size,
+                stall_ratio=config.stall_ratio)
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult | None = None):
         """Yield TokenDelta items until the request finishes; cancel the stream to abort it.

@@ -47,6 +47,7 @@ class EngineConfig:
     # A decode worker caps the prompt tokens of a step beside running decodes so that the step's predicted
     # time stays within this (stall-free batching); None: chunks up to max_num_batched_tokens.
     itl_slo_ms: float | None = None
+    stall_ratio: float = 2.0  # ... and within this many plain decode steps
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

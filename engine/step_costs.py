@@ -75,10 +75,15 @@ class StepCosts:
             return 0.0
         return self.decode_time(1) + num_tokens / self.prefill_speed(context or num_tokens)
 
-    def prefill_budget(self, num_decodes: int, step_s: float, min_tokens: int) -> int:
-        """Prompt tokens a step beside `num_decodes` decodes may carry and still take at most `step_s`
+    def step_limit(self, num_decodes: int, step_s: float, stall_ratio: float | None = None) -> float:
+        """The longest step beside `num_decodes` decodes that stalls nobody: `step_s` (the ITL SLO), and
+        at most `stall_ratio` times a plain decode step, so the streams' ITL tail stays near their median."""
+        return step_s if stall_ratio is None else min(step_s, stall_ratio * self.decode_time(num_decodes))
+
+    def prefill_budget(self, num_decodes: int, step_s: float, min_tokens: int, stall_ratio: float | None = None) -> int:
+        """Prompt tokens a step beside `num_decodes` decodes may carry and still take at most `step_limit`
         (stall-free batching); never fewer than `min_tokens`, so a prefill always progresses."""
-        room = step_s - self.decode_time(num_decodes)
+        room = self.step_limit(num_decodes, step_s, stall_ratio) - self.decode_time(num_decodes)
         tokens = min_tokens
         for _ in range(2):  # a chunk's speed depends on its length (its context, at a prompt's start)
             tokens = max(min_tokens, int(room * self.prefill_speed(max(tokens, 1))))

@@ -127,6 +127,7 @@ class DisaggConfig:
     placement: Literal["slo", "thresholds"] = "slo"
     ttft_slo_s: float = 2.0
     itl_slo_s: float = 0.25
+    stall_ratio: float = 2.0
 
 
 @dataclass(slots=True)
@@ -172,7 +173,7 @@ def remote_prefill_ttft(prompt_tokens: int, prefill_cached_tokens: int, decode_c
 
 
 def local_prefill_cost(prompt_tokens: int, decode_cached_tokens: int, decode: WorkerLoad,
-                       itl_slo_s: float, min_chunk: int) -> tuple[float, float]:
+                       itl_slo_s: float, min_chunk: int, stall_ratio: float | None = None) -> tuple[float, float]:
     """(predicted seconds to the first token, seconds added to each running stream) when the decode
     worker prefills. Beside running streams the prompt goes in chunks that keep each step within the
     ITL SLO (the decode worker's stall-free budget), after the local prefills already queued there."""
@@ -182,7 +183,7 @@ def local_prefill_cost(prompt_tokens: int, decode_cached_tokens: int, decode: Wo
     if not decode.num_running:
         return costs.prefill_time(work, prompt_tokens), 0.0
     speed = costs.prefill_speed(prompt_tokens)
-    chunk = costs.prefill_budget(decode.num_running, itl_slo_s, min_chunk)
+    chunk = costs.prefill_budget(decode.num_running, itl_slo_s, min_chunk, stall_ratio)
     step_s = costs.decode_time(decode.num_running) + min(chunk, work) / speed
     return math.ceil(work / chunk) * step_s, uncached / speed
 
@@ -200,12 +201,14 @@ def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefil
         return PrefillDecision(False, "no_prefill_worker")
     remote = elapsed_s + remote_prefill_ttft(prompt_tokens, prefill_cached_tokens, decode_cached_tokens,
                                              prefill, decode)
-    local, stall = local_prefill_cost(prompt_tokens, decode_cached_tokens, decode, config.itl_slo_s, min_chunk)
+    local, stall = local_prefill_cost(prompt_tokens, decode_cached_tokens, decode, config.itl_slo_s, min_chunk,
+                                      config.stall_ratio)
     local += elapsed_s
     if not decode.num_running and local <= remote:
         return PrefillDecision(False, "decode_idle")
     one_step = decode.step_costs.decode_time(decode.num_running) + stall
-    if decode.num_running and one_step <= config.itl_slo_s and local <= remote:
+    step_limit = decode.step_costs.step_limit(decode.num_running, config.itl_slo_s, config.stall_ratio)
+    if decode.num_running and one_step <= step_limit and local <= remote:
         return PrefillDecision(False, "stall_within_itl_slo")
     if prefill.num_waiting >= config.max_prefill_queue_size:
         if remote <= config.ttft_slo_s:

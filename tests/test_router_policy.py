@@ -258,6 +258,22 @@ def test_a_small_uncached_tail_that_fits_one_step_within_the_itl_slo_is_prefille
     assert by_cost(1024, decode_worker(num_running=8), prefill_worker(), decode_cached=512, prefill_cached=512).remote
 
 
+def test_the_stall_ratio_keeps_a_step_beside_local_prefill_within_a_few_plain_decode_steps():
+    costs = measured()  # 40 ms a step with 8 decodes
+    assert costs.step_limit(8, 0.25, stall_ratio=2.0) == pytest.approx(0.08)
+    assert costs.step_limit(8, 0.05, stall_ratio=2.0) == pytest.approx(0.05)  # the ITL SLO when tighter
+    budget = costs.prefill_budget(8, 0.25, min_tokens=16, stall_ratio=2.0)
+    assert 16 <= budget < costs.prefill_budget(8, 0.25, min_tokens=16)
+    assert 0.04 + budget / costs.prefill_speed(budget) <= 0.08 + 1e-9
+    # A 64-token tail adds 128 ms to a 40 ms step: within the 250 ms ITL SLO but 4x the step the streams
+    # run at, so it goes remote; only a looser stall ratio lets the decode worker take it.
+    tail = dict(decode_cached=448)  # the prefill worker would compute all 512: local is faster
+    assert by_cost(512, decode_worker(num_running=8), prefill_worker(), **tail).remote
+    loose = DisaggConfig(max_prefill_queue_size=2, ttft_slo_s=2.0, itl_slo_s=0.25, stall_ratio=10.0)
+    assert by_cost(512, decode_worker(num_running=8), prefill_worker(), config=loose, **tail) == \
+        PrefillDecision(False, "stall_within_itl_slo")
+
+
 def test_a_remote_path_that_misses_the_ttft_slo_loses_to_a_local_one_that_meets_it():
     backlog = prefill_worker(queued_prefill_tokens=2000, num_waiting=1)  # 4 s of queued prompts
     assert by_cost(256, decode_worker(num_running=4), backlog) == PrefillDecision(False, "remote_misses_ttft_slo")
