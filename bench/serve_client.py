@@ -15,7 +15,7 @@ from bench.serve_data import Session
 from bench.serve_metrics import RequestResult
 
 SCRAPED_COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
-                    "tandem:prefills", "tandem:kv_transfer_failures")
+                    "tandem:prefills", "tandem:kv_transfer_failures", "tandem:routing_decisions")
 
 
 @dataclass(slots=True)
