@@ -5,6 +5,18 @@ from dataclasses import dataclass
 from typing import Literal
 
 
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """PEM files for TLS on the gRPC KV transport (kv_transfer/tls.py): this worker's certificate and key,
+    the CA that signed its peers' (None: the system's roots); `mutual` also makes servers require client
+    certificates; `server_name` is the name clients expect in the server's certificate (None: its address)."""
+    cert_file: str
+    key_file: str
+    ca_file: str | None = None
+    mutual: bool = False
+    server_name: str | None = None
+
+
 @dataclass(slots=True)
 class TransferConfig:
     """`backend` grpc works on any network; torch_dist uses NCCL on GPUs and Gloo on CPUs.
@@ -24,3 +36,4 @@ class TransferConfig:
     timeout_s: float = 30.0
     max_workers: int = 8
     layerwise: bool = False
+    tls: TLSFiles | None = None

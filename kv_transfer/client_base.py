@@ -7,11 +7,13 @@ from collections.abc import Callable
 import grpc
 
 from engine.kv_cache import KVCache
+from engine.transfer_config import TLSFiles
 from kv_transfer.chunks import MIN_CHUNK_BYTES, ChunkSpec
 from kv_transfer.failures import failure_reason
 from kv_transfer.handle import (KVAuthError, KVHandle, KVLayoutMismatchError, KVLeaseNotFoundError,
                                 KVTransferError)
 from kv_transfer.malloc import keep_message_buffers_in_heap
+from kv_transfer.tls import channel_credentials
 from kv_transfer.wire import layout_to_proto
 from protos import kv_transfer_pb2 as pb
 from protos.kv_transfer_pb2_grpc import KVTransferStub
@@ -66,7 +68,7 @@ class KVClientBase:
     default_chunk_bytes = 4 << 20
 
     def __init__(self, cache: KVCache, token: str, *, timeout_s: float = 30.0,
-                 max_message_bytes: int = 16 << 20, max_chunk_bytes: int | None = None):
+                 max_message_bytes: int = 16 << 20, max_chunk_bytes: int | None = None, tls: TLSFiles | None = None):
         max_chunk_bytes = max_chunk_bytes or self.default_chunk_bytes
         if max_chunk_bytes > max_message_bytes - (64 << 10):
             raise ValueError("max_chunk_bytes must leave 64 KiB of max_message_bytes for framing")
@@ -76,6 +78,8 @@ class KVClientBase:
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
         self.max_chunk_bytes = max_chunk_bytes
+        self.tls = tls
+        self._credentials = channel_credentials(tls) if tls is not None else None
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._channels: dict[tuple[str, int], grpc.Channel] = {}
         self._stubs: dict[str, KVTransferStub] = {}
@@ -90,7 +94,12 @@ class KVClientBase:
                 options = [("grpc.max_send_message_length", self.max_message_bytes),
                            ("grpc.max_receive_message_length", self.max_message_bytes),
                            ("grpc.use_local_subchannel_pool", 1)]
-                self._channels[key] = grpc.insecure_channel(address, options=options)
+                if self._credentials is None:
+                    self._channels[key] = grpc.insecure_channel(address, options=options)
+                else:
+                    if self.tls.server_name:
+                        options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+                    self._channels[key] = grpc.secure_channel(address, self._credentials, options=options)
             return self._channels[key]
 
     def stub(self, address: str) -> KVTransferStub:

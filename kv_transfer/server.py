@@ -19,12 +19,14 @@ from google.protobuf.message import DecodeError
 
 from engine.auth import bearer_token, token_matches
 from engine.kv_cache import KVCache
+from engine.transfer_config import TLSFiles
 from kv_transfer.addresses import check_host, host_port
 from kv_transfer.chunks import MIN_CHUNK_BYTES, ChunkSpec, host_bytes, payload_checksum, plan_chunks, read_chunk
 from kv_transfer.dist_server import DistSender
 from kv_transfer.faults import FaultInjector, corrupted, fail_mid_pull
 from kv_transfer.handle import KVHandle
 from kv_transfer.lease import Lease, LeaseTable, OnRelease
+from kv_transfer.tls import server_credentials
 from kv_transfer.malloc import keep_message_buffers_in_heap
 from kv_transfer.wire import SERVICE, encode_chunk, layout_from_proto, layout_to_proto
 from protos import kv_transfer_pb2 as pb
@@ -60,6 +62,7 @@ class KVServerConfig:
     dist_timeout_s: float = 30.0
     dist_checksums: bool = True
     dist_pair_idle_s: float = 600.0
+    tls: TLSFiles | None = None  # serve TLS only (kv_transfer/tls.py)
     faults: FaultInjector | None = field(default_factory=FaultInjector.from_env)
 
 
@@ -120,7 +123,9 @@ class KVTransferServer:
         advertise = check_host(self.config.advertise_host, "advertise_host", wildcard_ok=False)
         bind = check_host(self.config.bind_host or advertise, "bind_host", wildcard_ok=True)
         try:
-            self.port = self._server.add_insecure_port(host_port(bind, self.config.port))
+            target = host_port(bind, self.config.port)
+            self.port = (self._server.add_secure_port(target, server_credentials(self.config.tls)) if self.config.tls
+                         else self._server.add_insecure_port(target))
         except RuntimeError as err:  # e.g. an address that is not this host's
             raise OSError(f"the KV transfer server cannot listen on {host_port(bind, self.config.port)} "
                           f"(transfer.bind_host / TANDEM_KV_BIND_HOST): {err}") from None
