@@ -64,10 +64,10 @@ def ingress_config(config: ClusterConfig) -> IngressConfig:
                          block_size=config.engine.block_size,
                          disagg=DisaggConfig(r.max_local_prefill_length, r.max_remote_prefill_cache_hit_ratio,
                                              r.max_prefill_queue_size, r.placement, config.slo.ttft_ms / 1000,
-                                             config.slo.itl_ms / 1000),
+                                             config.slo.itl_ms / 1000, config.slo.stall_ratio),
                          max_queued_requests=r.max_queued_requests, migration_limit=r.migration_limit,
-                         api_keys=dict(config.api_keys), colocated=config.mode == "colocated",
-                         routing=r.routing)
+                         api_keys=dict(config.api_keys), colocated=config.mode == "colocated", limits=config.limits,
+                         routing=r.routing, decode_wait_s=r.decode_wait_s)
 
 
 def start_or_adopt_controller(config: ClusterConfig):

@@ -14,6 +14,7 @@ from engine.errors import first_field_error
 from cluster.scaling_policy import Thresholds
 from engine.transfer_config import TransferConfig
 from kv_transfer.addresses import check_host
+from router.request_limits import RequestLimits
 
 
 class _Strict(BaseModel):
@@ -74,6 +75,9 @@ class RouterOptions(_Strict):
     max_prefill_queue_size: int = Field(2, ge=1)
     max_queued_requests: int = Field(256, ge=1)
     migration_limit: int = Field(3, ge=0)  # moves of one request after its decode worker died mid-stream
+    # How long a request (arriving, or migrating mid-stream) waits for a decode worker while none is
+    # schedulable but the pool can heal: Ray restarting a crashed worker, the controller replacing a dead one.
+    decode_wait_s: float = Field(60.0, ge=0)
     routing: Literal["prefix_aware", "round_robin"] = "prefix_aware"  # round_robin: a baseline to compare with
 
     @model_validator(mode="after")
@@ -85,9 +89,12 @@ class RouterOptions(_Strict):
 
 class SloConfig(_Strict):
     """Latency targets of the placement policy and of stall-free local prefill: time to first token,
-    and inter-token latency (a decode worker's step time while prompts join its batch)."""
+    and inter-token latency (a decode worker's step time while prompts join its batch). `stall_ratio`
+    bounds that step relative to the worker's plain decode step as well, so a local prefill never
+    makes the running streams' ITL tail more than that many times their median, however loose itl_ms."""
     ttft_ms: float = Field(2000.0, gt=0)
     itl_ms: float = Field(250.0, gt=0)
+    stall_ratio: float = Field(2.0, ge=1)
 
 
 class PrefillScaling(_Strict):
@@ -171,6 +178,7 @@ class ClusterConfig(_Strict):
     autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
     cpu: CpuOptions = Field(default_factory=CpuOptions)
     ingress_replicas: int = Field(1, ge=1, le=64)  # Serve replicas of the HTTP ingress
+    limits: RequestLimits = Field(default_factory=RequestLimits)  # what one request may ask of the ingress
     api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant")
     admin_key: str | None = None
     host: str = "127.0.0.1"
@@ -197,6 +205,7 @@ class ClusterConfig(_Strict):
         itl_slo_ms = self.slo.itl_ms if role == "decode" else None
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
                             num_threads=threads, cpu_binding=binding, itl_slo_ms=itl_slo_ms,
+                            stall_ratio=self.slo.stall_ratio,
                             **self.engine.model_dump())
 
     def transfer_config(self) -> TransferConfig:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from fastapi import APIRouter, FastAPI, Request
@@ -26,8 +26,9 @@ from router.auth import Authenticator
 from router.index import PrefixIndex
 from router.latency_report import LatencyReporter
 from router.metrics import Metrics
-from router.openai_api import APIError
+from router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, request_body_schema
 from router.policy import DisaggConfig, Router
+from router.request_limits import RequestLimits, read_body
 from router.request_router import RequestRouter
 from router.service import ModelInfo, OpenAIService, to_api_error
 from router.worker_view import WorkerView
@@ -51,6 +52,8 @@ class IngressConfig:
     api_keys: dict[str, str]
     colocated: bool
     routing: str = "prefix_aware"  # or round_robin: the baseline for benchmarks
+    decode_wait_s: float = 60.0  # how long a request waits for a decode worker while the pool heals
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def load_model_info(config: IngressConfig):
@@ -91,11 +94,12 @@ class Ingress:
                                      Admission(config.max_queued_requests,
                                                self.metrics.rejected.labels("admission_full")),
                                      RequestRouter(self.view, self.metrics, latencies,
-                                                   migration_limit=config.migration_limit),
-                                     config.block_size)
+                                                   migration_limit=config.migration_limit,
+                                                   decode_wait_s=config.decode_wait_s),
+                                     config.block_size, config.limits)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = build_api(self.service, self.view, self.scrape)
+        app = build_api(self.service, self.view, self.scrape, self.config.limits)
         if self.extra_routes is not None:
             app.include_router(self.extra_routes())
         return app
@@ -147,6 +151,7 @@ class Ingress:
     async def __del__(self):
         for task in self._tasks:
             task.cancel()
+        self.service.tokenizers.close()
         try:
             await self.metrics_hub.forget.remote(self.replica_id)
         except ray.exceptions.RayError:
@@ -154,26 +159,29 @@ class Ingress:
         await self.view.close()
 
 
-def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awaitable[bytes]]) -> FastAPI:
+def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awaitable[bytes]],
+              limits: RequestLimits) -> FastAPI:
     """The HTTP surface: the OpenAI API, /health and /metrics (`scrape` makes its body). Every error,
-    including unknown routes, has OpenAI's error shape."""
+    including unknown routes, has OpenAI's error shape; bodies beyond `limits` are refused unparsed."""
     app = FastAPI(title="tandem", description="OpenAI-compatible disaggregated inference")
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(APIError(exc.status_code, str(exc.detail), type="invalid_request_error"))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         try:
-            return await service.completions(await request.body(), request.headers.get("authorization"))
+            body = await read_body(request, limits.max_body_bytes)
+            return await service.completions(body, request.headers.get("authorization"))
         except Exception as exc:
             return error_response(to_api_error(exc))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         try:
-            return await service.chat(await request.body(), request.headers.get("authorization"))
+            body = await read_body(request, limits.max_body_bytes)
+            return await service.chat(body, request.headers.get("authorization"))
         except Exception as exc:
             return error_response(to_api_error(exc))
 

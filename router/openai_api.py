@@ -193,6 +193,22 @@ def parse_body(model: type[_Body], body: bytes) -> _Body:
         raise APIError.bad_request(message, first.loc[0] if first.loc else None) from None
 
 
+def request_body_schema(model: type[_Body]) -> dict:
+    """The OpenAPI `requestBody` of an endpoint that reads its body itself, from the model that parses it
+    (references inlined: the schema stands alone in the operation)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[1]])
+            return {key: inline(value) for key, value in node.items()}
+        return [inline(value) for value in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 def _default(value, default):
     return default if value is None else value
 

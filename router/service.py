@@ -1,8 +1,9 @@
 """The OpenAI endpoints' logic, independent of Serve and HTTP framing.
 
-Per request: auth -> validate the body -> model -> tokenize (chat template) -> context check ->
-block hashes with the tenant's salt -> admission -> n candidates placed and run by the RequestRouter
--> one response, or server-sent events.
+Per request: auth -> validate the body and its limits -> model -> admission -> tokenize (chat template),
+context check and block hashes with the tenant's salt, on the tokenizer pool -> n candidates placed and
+run by the RequestRouter -> one response, or server-sent events. Admission comes before the expensive
+work, and that work runs off the event loop, so a huge prompt holds up neither other streams nor memory.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from router.openai_api import (APIError, ChatCompletionRequest, CompletionReques
 from router.openai_responses import (ChatFormatter, Choice, CompletionFormatter, Formatter, ModelCard, ModelList,
                                      usage)
 from router.policy import NoDecodeWorker
+from router.request_limits import RequestLimits, TokenizerPool
 from router.request_router import RequestRouter
 
 logger = logging.getLogger(__name__)
@@ -47,17 +49,24 @@ class Candidate:
     block_hashes: list[int]
 
 
+def candidate_seed(seed: int, i: int) -> int:
+    """Candidate i's seed: the request's seed + i, wrapped into the signed 64 bits a seed must fit."""
+    return (seed + i + 2**63) % 2**64 - 2**63
+
+
 class OpenAIService:
     """Serves /v1/completions, /v1/chat/completions and /v1/models on top of a RequestRouter."""
 
     def __init__(self, model: ModelInfo, tokenizer, auth: Authenticator, admission: Admission,
-                 requests: RequestRouter, block_size: int):
+                 requests: RequestRouter, block_size: int, limits: RequestLimits | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.auth = auth
         self.admission = admission
         self.requests = requests
         self.block_size = block_size
+        self.limits = limits or RequestLimits()
+        self.tokenizers = TokenizerPool(self.limits.tokenizer_threads)
 
     def models(self, authorization: str | None) -> ModelList:
         self.auth.tenant(authorization)
@@ -68,53 +77,72 @@ class OpenAIService:
         tenant = self.auth.tenant(authorization)
         req = parse_body(CompletionRequest, body)
         self._check_model(req.model)
-        prompts = [self._prompt_ids(p) for p in req.prompts()]
+        prompts = req.prompts()
+
+        def tokenize() -> list[list[int]]:
+            return [self._prompt_ids(p) for p in prompts]
+
         fmt = CompletionFormatter(self.model.name, self.tokenizer)
-        return await self._generate(req, prompts, "prompt", req.max_tokens, tenant, fmt)
+        return await self._generate(req, len(prompts), tokenize, "prompt", req.max_tokens, tenant, fmt)
 
     async def chat(self, body: bytes, authorization: str | None) -> Response:
         tenant = self.auth.tenant(authorization)
         req = parse_body(ChatCompletionRequest, body)
         self._check_model(req.model)
         messages = [m.template_dict() for m in req.messages]
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
-        except Exception as exc:  # a template that rejects the conversation (roles, order)
-            raise APIError.bad_request(f"the chat template cannot render these messages: {exc}", "messages") from None
+
+        def tokenize() -> list[list[int]]:
+            try:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)
+            except Exception as exc:  # a template that rejects the conversation (roles, order)
+                raise APIError.bad_request(f"the chat template cannot render these messages: {exc}",
+                                           "messages") from None
+            return [list(ids)]
+
         fmt = ChatFormatter(self.model.name, self.tokenizer)
-        return await self._generate(req, [list(ids)], "messages", req.requested_max_tokens, tenant, fmt)
+        return await self._generate(req, 1, tokenize, "messages", req.requested_max_tokens, tenant, fmt)
 
     # ---- shared pipeline --------------------------------------------------------------------------
 
-    async def _generate(self, req, prompts: list[list[int]], prompt_field: str, max_tokens: int | None,
+    async def _generate(self, req, num_prompts: int, tokenize, prompt_field: str, max_tokens: int | None,
                         tenant: str | None, fmt: Formatter) -> Response:
+        """`tokenize()` makes the prompts' token ids; it runs on the tokenizer pool once admitted."""
+        self.limits.check_sampling(req)
         params = req.sampling_params(max_tokens, self.model.vocab_size)
-        for ids in prompts:
-            self._check_context(ids, max_tokens, prompt_field, req.max_tokens_param)
         salt = cache_salt(tenant, req.cache_salt)
-        candidates = []
-        for p, ids in enumerate(prompts):
-            hashes = block_hashes(ids, self.block_size, salt)
-            for i in range(params.n):
-                # Unseeded candidates get a seed of their own here: workers seed their generators alike,
-                # so letting each worker pick would give equal samples on different workers.
-                seed = secrets.randbits(62) if params.seed is None else params.seed + i
-                request = GenerateRequest(f"{fmt.id}-{p}-{i}", ids, replace(params, n=1, seed=seed), salt)
-                candidates.append(Candidate(Choice(p * params.n + i, p), request, hashes))
-        logger.debug("%s: %d candidates for tenant %r user %r", fmt.id, len(candidates), tenant, req.user)
-        prompt_lengths = [len(ids) for ids in prompts]
-        ticket = self.admission.acquire(len(candidates))
-        if not req.stream:
-            try:
-                return JSONResponse((await self._complete(candidates, prompt_lengths, fmt)).model_dump())
-            finally:
-                ticket.release()
+        ticket = self.admission.acquire(num_prompts * params.n)
         try:
-            return await self._stream(candidates, prompt_lengths, req.include_usage, fmt, ticket)
+            prompts, hashes = await self.tokenizers.run(self._prepare, tokenize, salt, max_tokens, prompt_field,
+                                                        req.max_tokens_param)
+            candidates = []
+            for p, ids in enumerate(prompts):
+                for i in range(params.n):
+                    # Unseeded candidates get a seed of their own here: workers seed their generators alike,
+                    # so letting each worker pick would give equal samples on different workers.
+                    seed = secrets.randbits(62) if params.seed is None else candidate_seed(params.seed, i)
+                    request = GenerateRequest(f"{fmt.id}-{p}-{i}", ids, replace(params, n=1, seed=seed), salt)
+                    candidates.append(Candidate(Choice(p * params.n + i, p), request, hashes[p]))
+            logger.debug("%s: %d candidates for tenant %r user %r", fmt.id, len(candidates), tenant, req.user)
+            prompt_lengths = [len(ids) for ids in prompts]
+            if req.stream:  # the stream releases the ticket when it ends
+                return await self._stream(candidates, prompt_lengths, req.include_usage, fmt, ticket)
+            return JSONResponse((await self._complete(candidates, prompt_lengths, fmt)).model_dump())
         except BaseException:
             ticket.release()
             raise
+        finally:
+            if not req.stream:
+                ticket.release()
+
+    def _prepare(self, tokenize, salt: str | None, max_tokens: int | None, prompt_field: str,
+                 max_field: str) -> tuple[list[list[int]], list[list[int]]]:
+        """The expensive part, on a pool thread: each prompt's token ids, checked against the context,
+        and its block hashes."""
+        prompts = tokenize()
+        for ids in prompts:
+            self._check_context(ids, max_tokens, prompt_field, max_field)
+        return prompts, [block_hashes(ids, self.block_size, salt) for ids in prompts]
 
     async def _complete(self, candidates: list[Candidate], prompt_lengths: list[int], fmt: Formatter):
         async def collect(cand: Candidate) -> None:

@@ -38,9 +38,16 @@ HEADERS = [
     (f"Bearer {KEY.lower()}", KEY.lower()),  # the token is case-sensitive (and then does not match)
     (f"Bearer {KEY} x", f"{KEY} x"),       # the token is everything after the scheme
 ]
+# HTTP's white space is spaces and tabs, not Unicode's: a key and a no-break space is another key.
+# (Headers only: an HTTP client will not send these.)
+UNICODE_SPACES = [
+    (f"Bearer {KEY}\u00a0", f"{KEY}\u00a0"),
+    (f"Bearer\u00a0{KEY}", None),
+    (f"Bearer {KEY}\u3000", f"{KEY}\u3000"),
+]
 
 
-@pytest.mark.parametrize("header,token", HEADERS)
+@pytest.mark.parametrize("header,token", HEADERS + UNICODE_SPACES)
 def test_bearer_token(header, token):
     assert bearer_token(header) == token
 

@@ -78,9 +78,10 @@ def apps(ray_cluster, tiny_llama_dir):
     engine = {"num_kv_blocks": 128, "max_num_batched_tokens": 256}
     main = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-main", api_keys=KEYS,
                          admin_key=ADMIN_KEY,
-                         engine=engine, router={"max_local_prefill_length": 48},
+                         engine=engine, router={"max_local_prefill_length": 48, "decode_wait_s": 2},
                          prefill={"num_cpus": 0.5}, decode={"replicas": 2, "num_cpus": 0.5, "replace_dead": False})
-    # Workers these tests kill stay dead (not replaced), so each test knows which workers there are.
+    # Workers these tests kill stay dead (not replaced), so each test knows which workers there are; main's
+    # last test kills its last decode worker, and a stream waits only 2 s for one to come back.
     aux = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-aux", mode="colocated",
                         engine=engine, router={"max_queued_requests": 2},
                         decode={"replicas": 3, "num_cpus": 0.5, "replace_dead": False})
