@@ -1,0 +1,298 @@
+"""Worker processes killed outright (SIGKILL) at the worst moments cost no client its request, through the
+real app with one prefill and one decode worker (the default pools) on a tiny random-weight model:
+
+- a prefill worker killed mid-prefill: the request is placed again (here on its decode worker, which
+  prefills it) and completes, counted in tandem:request_reroutes;
+- a prefill worker killed while the decode worker pulls the KV it computed: decode recomputes the prompt
+  and the stream goes on, counted in tandem:kv_transfer_failures_total{reason="peer_gone"};
+- the only decode worker killed mid-stream: the request waits for Ray to restart it and continues there,
+  one stream with the text of an uninterrupted run; a request arriving meanwhile waits too;
+- with no decode worker coming back, the wait ends at its bound with finish_reason "error".
+
+A worker is caught at the moment by freezing it there from inside (its engine loop after a step that
+satisfies a condition, or its KV export): the test waits for the worker to say it froze, then kills it.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+
+import openai
+import pytest
+import ray
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.config import ClusterConfig
+from cluster.controller import get_controller
+from engine.hashing import block_hashes
+from engine.protocol import GenerateRequest
+from engine.sampling_params import SamplingParams
+from router.index import PrefixIndex
+from router.latency_report import LatencyReporter
+from router.metrics import Metrics
+from router.policy import DisaggConfig, Router
+from router.request_router import RequestRouter
+from router.worker_view import WorkerView
+from tests.cluster_load import serve_tandem
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-llama"
+NAME = "worker-faults"
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster, tiny_llama_dir):
+    """One prefill and one decode worker; every prompt with uncached tokens is prefilled remotely, in
+    chunks of 32 tokens. Ray restarts a killed worker in place; the controller never replaces one."""
+    config = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name=NAME, namespace="tandem-tests",
+                           engine={"num_kv_blocks": 128, "max_num_batched_tokens": 32},
+                           router={"placement": "thresholds", "max_local_prefill_length": 0, "decode_wait_s": 120},
+                           prefill={"num_cpus": 0.5, "replace_dead": False},
+                           decode={"num_cpus": 0.5, "replace_dead": False})
+    with serve_tandem(config) as url:
+        yield url
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+
+
+def token_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def params(prompt: list[int], max_tokens: int) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "extra_body": {"ignore_eos": True}}
+
+
+def actor(worker_id: str):
+    membership = ray.get(get_controller(NAME, "tandem-tests").membership.remote())
+    return next(w.actor for w in membership.workers if w.worker_id == worker_id)
+
+
+def pid_of(handle) -> int:
+    return ray.get(handle.__ray_call__.remote(lambda worker: os.getpid()), timeout=120)
+
+
+def wait_for(predicate, timeout_s: float = 180.0, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def ready(worker_id: str) -> bool:
+    """Whether the worker answers calls (a killed one does once Ray restarted it: until then calls fail with
+    ActorUnavailableError) and the app routes to it."""
+    def answers() -> bool:
+        try:
+            return pid_of(actor(worker_id)) > 0
+        except ray.exceptions.ActorUnavailableError:
+            return False
+
+    return wait_for(answers, interval_s=0.5) and wait_for(lambda: schedulable(worker_id))
+
+
+def schedulable(worker_id: str) -> bool:
+    from ray import serve
+    return serve.get_app_handle(NAME).workers.remote().result().get(worker_id, {}).get("schedulable", False)
+
+
+def metric(url: str, name: str, **labels) -> float:
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def failures(url: str) -> dict[str, float]:
+    """Every KV pull that fell back to local recompute, by worker and reason (to show in a failed assertion)."""
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return {f"{s.labels['worker']}/{s.labels['reason']}": s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "tandem:kv_transfer_failures_total" and s.value}
+
+
+def _freeze_loop_when(worker, condition) -> None:
+    """In the worker: after the first engine step at whose end `condition(engine)` holds, block the engine
+    loop thread for good (that step's outputs are never delivered), and say so in `worker.frozen`."""
+    worker.frozen = threading.Event()
+    after_step = worker.loop.on_step
+
+    def on_step(outputs):
+        after_step(outputs)
+        if condition(worker.engine):
+            worker.frozen.set()
+            threading.Event().wait()
+
+    worker.loop.on_step = on_step
+
+
+def _freeze_kv_export(worker) -> None:
+    """In a prefill worker: the first KV chunk a decode worker pulls is never sent; the pull stays open."""
+    worker.frozen = threading.Event()
+
+    def export_chunk(*args, **kwargs):
+        worker.frozen.set()
+        threading.Event().wait()
+
+    worker.kv_server.export_chunk = export_chunk
+
+
+def prefilling(engine) -> bool:
+    return any(0 < r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
+
+
+def decoded_8_tokens(engine) -> bool:
+    return any(r.num_output_tokens >= 8 for r in engine.scheduler.running)
+
+
+def kill_when_frozen(handle) -> None:
+    """SIGKILL the worker's process once it froze (it answers calls while its engine loop is blocked)."""
+    pid = pid_of(handle)
+    assert wait_for(lambda: ray.get(handle.__ray_call__.remote(lambda worker: worker.frozen.is_set()), timeout=30))
+    os.kill(pid, signal.SIGKILL)
+
+
+def text_of(chunks) -> str:
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+# ---- prefill faults -----------------------------------------------------------------------------------
+
+
+def test_a_prefill_worker_killed_mid_prefill_leaves_the_request_to_its_decode_worker(app):
+    assert wait_for(lambda: schedulable("prefill-0") and schedulable("decode-0"))
+    prefill = actor("prefill-0")
+    ray.get(prefill.__ray_call__.remote(_freeze_loop_when, prefilling))
+    prompt = token_prompt(100, seed=31)  # four chunks: the prefill freezes after the first
+    before = metric(app, "tandem:request_reroutes_total", pool="prefill", worker="prefill-0", cause="failed")
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        response=client(app).completions.create(**params(prompt, 40))))
+    thread.start()
+    kill_when_frozen(prefill)
+    thread.join(timeout=300)
+    assert result["response"].choices[0].finish_reason == "length"
+    assert metric(app, "tandem:request_reroutes_total", pool="prefill", worker="prefill-0", cause="failed") \
+        == before + 1
+    again = client(app).completions.create(**params(prompt, 40))  # the decode worker caches it now
+    assert result["response"].choices[0].text == again.choices[0].text
+
+
+def test_a_prefill_worker_killed_while_its_kv_is_pulled_leaves_the_request_to_recompute(app):
+    assert ready("prefill-0")
+    prefill = actor("prefill-0")
+    ray.get(prefill.__ray_call__.remote(_freeze_kv_export))
+    prompt = token_prompt(80, seed=32)
+    reroutes = metric(app, "tandem:request_reroutes_total")
+    recomputed = metric(app, "tandem:kv_transfer_failures_total", worker="decode-0", reason="peer_gone")
+    # With logprobs every token is a chunk: the first token's text may be held back (half a UTF-8
+    # character of the random model's vocabulary), and then its chunk would wait for decode.
+    stream = client(app).completions.create(stream=True, logprobs=1, **params(prompt, 60))
+    chunks = [next(stream)]  # the prefill worker's first token; decode is pulling now
+    kill_when_frozen(prefill)
+    chunks.extend(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert wait_for(lambda: metric(app, "tandem:kv_transfer_failures_total", worker="decode-0",
+                                   reason="peer_gone") == recomputed + 1, timeout_s=30), failures(app)
+    assert metric(app, "tandem:request_reroutes_total") == reroutes  # nothing was placed again
+    whole = client(app).completions.create(**params(prompt, 60))
+    assert text_of(chunks) == whole.choices[0].text
+
+
+def test_the_normal_path_reroutes_and_recomputes_nothing(app):
+    assert ready("prefill-0") and ready("decode-0")  # the last test killed prefill-0
+    reroutes = metric(app, "tandem:request_reroutes_total")
+    recomputed = metric(app, "tandem:kv_transfer_failures_total")
+    remote = metric(app, "tandem:prefills_total", where="remote")
+    for seed in (33, 34):
+        assert client(app).completions.create(**params(token_prompt(50, seed), 8)).choices[0].finish_reason \
+            == "length"
+    assert wait_for(lambda: metric(app, "tandem:prefills_total", where="remote") == remote + 2, timeout_s=30), \
+        failures(app)
+    assert metric(app, "tandem:request_reroutes_total") == reroutes
+    assert metric(app, "tandem:kv_transfer_failures_total") == recomputed, failures(app)
+
+
+# ---- decode faults ------------------------------------------------------------------------------------
+
+
+def test_the_only_decode_worker_killed_mid_stream_is_waited_for_and_the_stream_completes(app):
+    assert ready("decode-0")
+    decode = actor("decode-0")
+    ray.get(decode.__ray_call__.remote(_freeze_loop_when, decoded_8_tokens))
+    prompt = token_prompt(24, seed=35)
+    waits = {outcome: metric(app, "tandem:decode_worker_waits_total", outcome=outcome)
+             for outcome in ("found", "timeout", "unhealable")}
+    stream = client(app).completions.create(stream=True, stream_options={"include_usage": True},
+                                            **params(prompt, 300))
+    chunks = [next(stream)]
+    kill_when_frozen(decode)
+    # A request arriving while no decode worker is schedulable waits for one too.
+    assert wait_for(lambda: not schedulable("decode-0"), timeout_s=30)
+    arrived = {}
+    thread = threading.Thread(target=lambda: arrived.update(
+        response=client(app).completions.create(**params(token_prompt(20, seed=36), 16))))
+    thread.start()
+    chunks.extend(stream)
+    thread.join(timeout=300)
+    assert metric(app, "tandem:request_migrations_total", worker="decode-0") == 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 300
+    assert arrived["response"].choices[0].finish_reason == "length"
+    assert metric(app, "tandem:decode_worker_waits_total", stage="migration", outcome="found") == 1
+    assert metric(app, "tandem:decode_worker_waits_total", stage="arrival", outcome="found") == 1
+    assert metric(app, "tandem:decode_worker_waits_total", outcome="found") == waits["found"] + 2
+    assert metric(app, "tandem:decode_worker_waits_total", outcome="timeout") == waits["timeout"]
+    whole = client(app).completions.create(**params(prompt, 300))
+    assert text_of(chunks) == whole.choices[0].text
+
+
+def test_without_a_decode_worker_coming_back_a_stream_ends_with_an_error_at_the_wait_bound(app):
+    """A RequestRouter over the app's workers, waiting at most 2 s; the decode worker is killed for good
+    (no restart, and this pool does not replace dead workers). Last in the module: it leaves no decode
+    worker."""
+    assert wait_for(lambda: schedulable("decode-0"))
+    decode = actor("decode-0")
+    ray.get(decode.__ray_call__.remote(_freeze_loop_when, decoded_8_tokens))
+    prompt = token_prompt(24, seed=37)
+    metrics = Metrics()
+
+    async def run() -> list:
+        view = WorkerView(get_controller(NAME, "tandem-tests"), Router(PrefixIndex(), BLOCK, DisaggConfig()),
+                          metrics, colocated=False)
+        await view.start()
+        try:
+            router = RequestRouter(view, metrics, LatencyReporter(controller=None), decode_wait_s=2)
+            await asyncio.to_thread(wait_for, lambda: view.num_schedulable("decode") == 1)
+            request = GenerateRequest("no-heal", prompt, SamplingParams(temperature=0, max_tokens=300,
+                                                                        ignore_eos=True))
+            stream = router.stream(request, block_hashes(prompt, BLOCK))
+            deltas = [await anext(stream)]
+            await asyncio.to_thread(wait_for, lambda: ray.get(
+                decode.__ray_call__.remote(lambda worker: worker.frozen.is_set()), timeout=30))
+            ray.kill(decode, no_restart=True)
+            deltas.extend([d async for d in stream])
+            return deltas
+        finally:
+            await view.close()
+
+    deltas = asyncio.run(run())
+    assert deltas[-1].finished and deltas[-1].finish_reason == "error"
+    assert "no decode worker became available within 2 s" in deltas[-1].error
+    assert 0 < sum(len(d.token_ids) for d in deltas) < 300
+    assert metrics.registry.get_sample_value("tandem:decode_worker_waits_total",
+                                             {"stage": "migration", "outcome": "timeout"}) == 1
