@@ -1,7 +1,8 @@
 """The Kubernetes manifests under k8s/: rendered by `kubectl kustomize`, validated against KubeRay's CRD
 schema and Kubernetes' own schemas, and checked for what the deployment promises (pools pinned to their
 worker groups, KV reachable across pods, bf16 on GPUs, a CPU overlay without GPUs, monitoring that scrapes
-real ports, a dashboard on the metrics tandem exports)."""
+real ports, a dashboard on the metrics tandem exports, a Ray head closed to everyone but the cluster's own pods,
+pods that never run as root)."""
 from __future__ import annotations
 
 import ast
@@ -23,6 +24,7 @@ from ray.serve.schema import ServeDeploySchema
 from cluster.config import ClusterConfig
 from engine.config import resolve_dtype
 from kv_transfer.addresses import ADVERTISE_HOST_ENV
+from kv_transfer.server import KVServerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
@@ -156,8 +158,9 @@ def test_every_yaml_file_under_k8s_is_used_by_a_kustomization():
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_every_kustomization_renders_with_kubectl_kustomize(name):
-    kinds = {"base": {"RayService", "Secret", "ConfigMap", "PodMonitor"}, "monitoring": {"ConfigMap", "PodMonitor"},
-             "overlays/cpu": {"RayService", "Secret", "ConfigMap"}}[name]
+    kinds = {"base": {"RayService", "Secret", "ConfigMap", "PodMonitor", "NetworkPolicy"},
+             "monitoring": {"ConfigMap", "PodMonitor", "NetworkPolicy"},
+             "overlays/cpu": {"RayService", "Secret", "ConfigMap", "NetworkPolicy"}}[name]
     assert {doc["kind"] for doc in rendered(name)} == kinds
 
 
@@ -182,6 +185,7 @@ def test_rayservice_matches_the_kuberay_crd_schema(name):
     (lambda rs: rs["spec"]["rayClusterConfig"].update(enableInTreeAutoScaling=True), "enableInTreeAutoScaling"),
     (lambda rs: rs["spec"].update(serveConfigV2={"applications": []}), "serveConfigV2"),
     (lambda rs: containers(rs)[0]["resources"]["limits"].update(cpu="four"), "cpu"),
+    (lambda rs: rs["spec"]["rayClusterConfig"]["authOptions"].update(mode="on"), "mode"),
 ])
 def test_crd_validator_rejects_a_broken_rayservice(mutate, field):
     def errors(rayservice):
@@ -200,7 +204,7 @@ def test_every_kind_but_the_custom_resources_matches_kubernetes_schemas(name, ve
     """kubernetes-validate raises SchemaNotFoundError for a kind it does not know."""
     custom = {("ray.io/v1", "RayService"), ("monitoring.coreos.com/v1", "PodMonitor")}
     core = [doc for doc in rendered(name) if (doc["apiVersion"], doc["kind"]) not in custom]
-    assert {doc["kind"] for doc in core} >= {"Secret", "ConfigMap"}
+    assert {doc["kind"] for doc in core} >= {"Secret", "ConfigMap", "NetworkPolicy"}
     for doc in core:
         kubernetes_validate.validate(doc, version, strict=True)
 
@@ -333,6 +337,156 @@ def test_every_ray_container_reads_both_keys_from_secrets_that_exist(name):
         assert set(refs) == {"TANDEM_API_KEYS", "TANDEM_ADMIN_KEY"}
         for ref in refs.values():
             assert ref["key"] in secrets[ref["name"]]
+
+
+# -- security: a Ray head closed to other pods, pods that never run as root ----------------------
+
+NAMESPACE = "tandem"  # where the manifests are applied: they name none, so all land in one namespace
+ALL_PORTS = frozenset(range(1, 65536))
+API_PORT = 8000
+RAY_HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
+OUTSIDE = None  # a client that is no pod of the Kubernetes cluster
+
+
+def pod(labels: dict, namespace: str = NAMESPACE) -> dict:
+    """A source of connections: a pod's labels, its namespace and that namespace's labels."""
+    return {"labels": labels, "namespace": namespace, "namespace_labels": {"kubernetes.io/metadata.name": namespace}}
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"this check reads matchLabels only: {selector}"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def peer_admits(peer: dict, source: dict | None) -> bool:
+    """A NetworkPolicy peer: a podSelector alone means pods of the policy's own namespace."""
+    assert set(peer) <= {"podSelector", "namespaceSelector"}, f"this check reads no ipBlock: {peer}"
+    if source is OUTSIDE:
+        return False
+    if "namespaceSelector" in peer:
+        in_namespace = selects(peer["namespaceSelector"], source["namespace_labels"])
+    else:
+        in_namespace = source["namespace"] == NAMESPACE
+    return in_namespace and selects(peer.get("podSelector", {}), source["labels"])
+
+
+def rule_ports(rule: dict) -> set[int]:
+    """The TCP ports a rule opens: all of them when it names none."""
+    if not rule.get("ports"):
+        return set(ALL_PORTS)
+    ports = set()
+    for entry in rule["ports"]:
+        assert isinstance(entry["port"], int), f"this check reads port numbers only: {entry}"
+        if entry.get("protocol", "TCP") == "TCP":
+            ports |= set(range(entry["port"], entry.get("endPort", entry["port"]) + 1))
+    return ports
+
+
+def reachable(policies: list[dict], pod_labels: dict, source: dict | None) -> set[int]:
+    """The TCP ports of a pod that `source` can connect to, as Kubernetes combines NetworkPolicies: a pod
+    no Ingress policy selects takes every connection, a selected pod only what some rule of one admits."""
+    selecting = [policy["spec"] for policy in policies if "Ingress" in policy["spec"]["policyTypes"]
+                 and selects(policy["spec"]["podSelector"], pod_labels)]
+    if not selecting:
+        return set(ALL_PORTS)
+    ports = set()
+    for rule in (rule for spec in selecting for rule in spec.get("ingress", [])):
+        if not rule.get("from") or any(peer_admits(peer, source) for peer in rule["from"]):
+            ports |= rule_ports(rule)
+    return ports
+
+
+def network_policies(docs: list[dict]) -> list[dict]:
+    policies = [doc for doc in docs if doc["kind"] == "NetworkPolicy"]
+    assert all("namespace" not in doc["metadata"] for doc in docs)
+    return policies
+
+
+@pytest.mark.parametrize("name", DEPLOYABLE)
+def test_only_the_clusters_own_pods_reach_ray_and_the_kv_ports(name):
+    """GCS, the dashboard and the Ray client port, and the free ports that Ray's processes, the KV servers,
+    the torch.distributed rendezvous (TCPStore) and its Gloo/NCCL connections take at start: every port of
+    every tandem pod is open to the RayService's own pods. Other pods, in this namespace or another, and
+    clients outside the cluster reach the OpenAI API port and nothing else."""
+    docs = rendered(name)
+    policies = network_policies(docs)
+    templates = pod_templates(the(docs, "RayService"))
+    [head] = templates[0]["spec"]["containers"]
+    assert RAY_HEAD_PORTS.items() <= {port["name"]: port["containerPort"] for port in head["ports"]}.items()
+    assert KVServerConfig().port == 0  # a free port: no list of ports short of all of them covers the KV servers
+    strangers = [pod({"app.kubernetes.io/name": "client"}), pod({"app.kubernetes.io/name": "tandem"}, "other"),
+                 OUTSIDE]
+    for template in templates:
+        labels = template["metadata"]["labels"]
+        for own in templates:
+            assert reachable(policies, labels, pod(own["metadata"]["labels"])) == ALL_PORTS
+        for stranger in strangers:
+            assert reachable(policies, labels, stranger) == {API_PORT}
+
+
+@pytest.mark.parametrize("name, prometheus", [("base", {API_PORT, 8080}), ("overlays/cpu", {API_PORT})])
+def test_the_kuberay_operator_reaches_the_dashboard_and_prometheus_the_metrics_port(name, prometheus):
+    docs = rendered(name)
+    policies = network_policies(docs)
+    metrics = {port["containerPort"] for c in containers(the(docs, "RayService")) for port in c["ports"]
+               if port["name"] == "metrics"}
+    assert metrics == {8080}
+    operator = pod({"app.kubernetes.io/name": "kuberay-operator"}, "kuberay-system")
+    for template in pod_templates(the(docs, "RayService")):
+        labels = template["metadata"]["labels"]
+        assert reachable(policies, labels, operator) == {API_PORT, RAY_HEAD_PORTS["dashboard"], 52365}
+        assert reachable(policies, labels, pod({"app.kubernetes.io/name": "prometheus"}, "monitoring")) == prometheus
+
+
+def test_reachability_check_fails_without_the_policy_or_its_own_pods_rule():
+    docs = rendered("base")
+    labels = pod_templates(the(docs, "RayService"))[0]["metadata"]["labels"]
+    assert reachable([], labels, OUTSIDE) == ALL_PORTS
+    policy = the(docs, "NetworkPolicy", "tandem")
+    [own_pods] = [rule for rule in policy["spec"]["ingress"] if "ports" not in rule]
+    policy["spec"]["ingress"].remove(own_pods)
+    assert RAY_HEAD_PORTS["gcs-server"] not in reachable([policy], labels, pod(labels))
+
+
+@pytest.mark.parametrize("name", DEPLOYABLE)
+def test_ray_token_authentication_is_on(name):
+    """KubeRay generates the token's Secret and hands it to every Ray container; a token in a container's
+    env would override it (and sit in the manifests)."""
+    cluster = the(rendered(name), "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    for container in containers(cluster):
+        assert not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} & {env["name"] for env in container.get("env", [])}
+
+
+def dockerfile_user() -> tuple[int, int]:
+    """The uid and gid of the image's last USER instruction, after checking that the image creates them."""
+    dockerfile = (K8S / "Dockerfile").read_text()
+    uid, gid = map(int, re.findall(r"^USER (\d+):(\d+)$", dockerfile, re.M)[-1])
+    assert re.search(rf"useradd --uid {uid} --gid {gid} ", dockerfile)
+    return uid, gid
+
+
+def assert_unprivileged(container_context: dict) -> None:
+    assert container_context["allowPrivilegeEscalation"] is False
+    assert container_context["capabilities"] == {"drop": ["ALL"]}
+    assert not container_context.get("privileged") and container_context.get("runAsUser", 1) != 0
+    assert container_context.get("runAsNonRoot", True) is True
+
+
+@pytest.mark.parametrize("name", DEPLOYABLE)
+def test_every_pod_runs_as_the_images_unprivileged_user(name):
+    rayservice = the(rendered(name), "RayService")
+    uid, gid = dockerfile_user()
+    assert uid > 0 and gid > 0
+    for template in pod_templates(rayservice):
+        context = template["spec"]["securityContext"]
+        assert context["runAsNonRoot"] is True
+        assert (context["runAsUser"], context["runAsGroup"], context["fsGroup"]) == (uid, gid, gid)
+        assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in containers(template):
+            assert_unprivileged(container["securityContext"])
+    # the autoscaler's sidecar on the head
+    assert_unprivileged(rayservice["spec"]["rayClusterConfig"]["autoscalerOptions"]["securityContext"])
 
 
 # -- monitoring -------------------------------------------------------------------
