@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -53,6 +54,11 @@ class TransferOptions(_Strict):
     # Per node, TANDEM_KV_ADVERTISE_HOST / TANDEM_KV_BIND_HOST in a worker's environment win over these.
     advertise_host: str | None = None  # None: the node's IP as Ray sees it
     bind_host: str | None = None  # None: the advertised address itself; "0.0.0.0": every interface
+
+    @field_validator("token")
+    @classmethod
+    def _token_not_placeholder(cls, token: str | None) -> str | None:
+        return refuse_placeholder(token, "transfer.token")
 
     @field_validator("advertise_host", "bind_host")
     @classmethod
@@ -191,7 +197,14 @@ class ClusterConfig(_Strict):
     def _keys_not_empty(cls, keys: dict[str, str]) -> dict[str, str]:
         if any(not k or not t for k, t in keys.items()):
             raise ValueError("API keys and tenant names must be non-empty")
+        for key in keys:
+            refuse_placeholder(key, "api_keys")
         return keys
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key_not_placeholder(cls, key: str | None) -> str | None:
+        return refuse_placeholder(key, "admin_key")
 
     @property
     def model_name(self) -> str:
@@ -215,12 +228,18 @@ class ClusterConfig(_Strict):
                               advertise_host=self.transfer.advertise_host, bind_host=self.transfer.bind_host)
 
     def with_env(self) -> ClusterConfig:
-        """Fill keys from the environment: TANDEM_API_KEYS ("key:tenant,key2:tenant2") and TANDEM_ADMIN_KEY."""
+        """Fill keys from the environment: TANDEM_API_KEYS ("key:tenant,key2:tenant2") and TANDEM_ADMIN_KEY.
+        Raises ConfigError for a published placeholder in them or in TANDEM_KV_TOKEN (which the controller
+        reads), so a deployment that kept k8s/base/secrets.yaml fails where it starts."""
         update = {}
         if not self.api_keys and os.environ.get("TANDEM_API_KEYS"):
             update["api_keys"] = parse_api_keys(os.environ["TANDEM_API_KEYS"])
+            for key in update["api_keys"]:
+                refuse_placeholder(key, "TANDEM_API_KEYS")
         if not self.admin_key and os.environ.get("TANDEM_ADMIN_KEY"):
-            update["admin_key"] = os.environ["TANDEM_ADMIN_KEY"]
+            update["admin_key"] = refuse_placeholder(os.environ["TANDEM_ADMIN_KEY"], "TANDEM_ADMIN_KEY")
+        if not self.transfer.token:
+            refuse_placeholder(os.environ.get("TANDEM_KV_TOKEN"), "TANDEM_KV_TOKEN")
         return self.model_copy(update=update) if update else self
 
 
@@ -235,6 +254,25 @@ def parse_api_keys(text: str) -> dict[str, str]:
 
 class ConfigError(ValueError):
     """A config file or flag that cannot be used; the message says which field and why."""
+
+
+# The form of every value k8s/base/secrets.yaml publishes: anyone who has read the repository knows them.
+PLACEHOLDER = re.compile(r"placeholder-[a-z-]+-replace-me")
+# Each secret setting and the environment variable a real value goes in.
+SECRET_ENV = {"api_keys": "TANDEM_API_KEYS", "admin_key": "TANDEM_ADMIN_KEY", "transfer.token": "TANDEM_KV_TOKEN"}
+
+
+def refuse_placeholder(value: str | None, setting: str) -> str | None:
+    """`value`, unless it is a published placeholder: then a ConfigError naming `setting` (a config field or
+    its environment variable) and where a real secret goes. A cluster started with one is open to anyone."""
+    if not value or not PLACEHOLDER.fullmatch(value):
+        return value
+    env = SECRET_ENV.get(setting, setting)
+    where = (f"{env}, or leave it unset and the controller makes a random one" if env == "TANDEM_KV_TOKEN"
+             else f"{env} (on Kubernetes, the Secret it is read from: k8s/README.md shows how)")
+    raise ConfigError(f"{setting} is the published placeholder {value!r} from k8s/base/secrets.yaml, which protects "
+                      f"nothing; refusing to start. Set a real secret (for instance the output of "
+                      f"`openssl rand -hex 32`) in {where}")
 
 
 def load_config(path: str | Path | None = None, **overrides) -> ClusterConfig:

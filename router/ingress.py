@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import ray
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 # How often a replica publishes its own series to the metrics hub between scrapes.
 METRICS_PUBLISH_S = 5.0
+OPENAPI_PATH = "/openapi.json"
 
 
 @dataclass(slots=True)
@@ -161,9 +163,12 @@ class Ingress:
 
 def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awaitable[bytes]],
               limits: RequestLimits) -> FastAPI:
-    """The HTTP surface: the OpenAI API, /health and /metrics (`scrape` makes its body). Every error,
-    including unknown routes, has OpenAI's error shape; bodies beyond `limits` are refused unparsed."""
-    app = FastAPI(title="tandem", description="OpenAI-compatible disaggregated inference")
+    """The HTTP surface: the OpenAI API, /health and /metrics (`scrape` makes its body), and the API's own
+    description. Every error, including unknown routes, has OpenAI's error shape; bodies beyond `limits` are
+    refused unparsed."""
+    app = FastAPI(title="tandem", description="OpenAI-compatible disaggregated inference",
+                  openapi_url=None, docs_url=None, redoc_url=None)  # FastAPI's own are open to anyone
+    add_api_docs(app, service.auth)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -205,6 +210,31 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
         return Response(await scrape(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def add_api_docs(app: FastAPI, auth: Authenticator) -> None:
+    """/openapi.json, /docs (Swagger UI) and /redoc under the API-key rule of every other route: with keys
+    configured they need a valid one, so the schema says nothing to strangers. (A browser sends no key:
+    with keys, fetch the schema with one and read it with any OpenAPI viewer.)"""
+    def page(make: Callable[[str], Response]):
+        async def endpoint(request: Request) -> Response:
+            try:
+                auth.tenant(request.headers.get("authorization"))
+            except APIError as exc:
+                return error_response(exc)
+            return make(request.scope.get("root_path", "").rstrip("/"))
+        return endpoint
+
+    def schema(root: str) -> Response:
+        body = app.openapi()
+        return JSONResponse({**body, "servers": [{"url": root}]} if root else body)
+
+    for path, make in {
+        OPENAPI_PATH: schema,
+        "/docs": lambda root: get_swagger_ui_html(openapi_url=root + OPENAPI_PATH, title="tandem - Swagger UI"),
+        "/redoc": lambda root: get_redoc_html(openapi_url=root + OPENAPI_PATH, title="tandem - ReDoc"),
+    }.items():
+        app.add_api_route(path, page(make), methods=["GET"], include_in_schema=False)
 
 
 def error_response(exc: APIError) -> JSONResponse:
