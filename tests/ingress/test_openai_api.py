@@ -4,6 +4,7 @@ import random
 
 import pytest
 import ray
+import requests
 
 from engine import SamplingParams
 from tests.ingress.conftest import MODEL
@@ -144,6 +145,19 @@ def test_stop_string_ends_the_output_before_it(main_app):
     assert out.choices[0].text == text[:text.index(stop)]
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].model_extra["stop_reason"] == stop
+
+
+def test_api_docs_follow_the_api_key_rule(main_app, aux_app):
+    """With keys (main) the schema and its viewers need one like every route; without keys (aux) they are open.
+    The schema names the app's route prefix, under which Serve mounts it."""
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert main_app.get(path).status_code == 401
+        keyed = requests.get(f"{main_app.base_url}{path}", headers={"Authorization": "Bearer key-a"}, timeout=30)
+        assert keyed.status_code == 200
+        assert aux_app.get(path).status_code == 200
+    schema = requests.get(f"{main_app.base_url}/openapi.json", headers={"Authorization": "Bearer key-a"}, timeout=30)
+    assert "/v1/chat/completions" in schema.json()["paths"]
+    assert schema.json()["servers"] == [{"url": "/main"}]
 
 
 def test_health_counts_the_schedulable_workers(main_app):
