@@ -21,6 +21,7 @@ from cluster.admin_api import build_admin_router
 from cluster.autoscaler import start_autoscaler
 from cluster.config import ClusterConfig, ConfigError
 from cluster.controller import CONTROLLER_NAME, ON_HEAD, get_controller, start_controller
+from cluster.pools import stop_named_workers
 from router.ingress import Ingress, IngressConfig
 from router.metrics import MetricsHub
 from router.policy import DisaggConfig
@@ -128,8 +129,10 @@ def shutdown_cluster(name: str = "tandem", namespace: str = "tandem") -> None:
     if controller is not None:
         try:
             ray.get(controller.shutdown.remote(), timeout=60)
-        finally:
-            ray.kill(controller, no_restart=True)
+        except ray.exceptions.RayError as exc:
+            logger.warning("the controller did not stop its pools (%s); stopping the workers by name", exc)
+        ray.kill(controller, no_restart=True)
+    stop_named_workers(name, namespace)  # detached: any the controller did not stop (it was dead, say)
     _kill(f"{name}-metrics", namespace)
 
 

@@ -81,6 +81,8 @@ class Autoscaler:
         while not self._stop.wait(self.config.interval_s):
             try:
                 self.evaluate()
+            except ray.exceptions.RayActorError as exc:  # the controller restarting: Ray brings it back
+                logger.warning("autoscaler round skipped: the controller is unavailable (%s)", type(exc).__name__)
             except Exception:  # the loop must outlive a failed round (e.g. a worker that did not start)
                 logger.exception("autoscaler round failed")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.membership import Membership, ScaleResult, ScalingEvent, ScalingReport, WorkerEntry
-from cluster.pools import Pools, WorkerInfo, WorkerPool, stop_worker
+from cluster.pools import Pools, WorkerInfo, WorkerPool, stop_named_workers, stop_worker
 from cluster.scaling_policy import LatencyWindow
 
 logger = logging.getLogger(__name__)
@@ -37,12 +38,16 @@ class ClusterController:
     worker itself refuse new requests: requests routed to it just before (still in their prefill on
     another worker) are accepted, as a load balancer deregisters a target before stopping it."""
 
-    def __init__(self, config: ClusterConfig, health_interval_s: float = 2.0, drain_grace_s: float = 2.0):
+    def __init__(self, config: ClusterConfig, health_interval_s: float = 2.0, drain_grace_s: float = 2.0,
+                 transfer_token: str | None = None):
+        """`transfer_token`: the KV servers' token when the config sets none. Ray restarts a crashed
+        controller with the same arguments, so the restarted one shares it with the workers it adopts."""
         enable_info_logging()
         self.config = config
         self.drain_grace_s = drain_grace_s
-        self.pools = Pools(config)
-        self.version = 0
+        self.pools = Pools(config, transfer_token)
+        # Versions start from the clock: a restarted controller's never repeat one an ingress already saw.
+        self.version = time.time_ns() // 1000
         self.events: list[ScalingEvent] = []
         self.event_counts: collections.Counter[tuple[str, str]] = collections.Counter()
         self.lock = threading.RLock()
@@ -51,9 +56,37 @@ class ClusterController:
         self.latency = LatencyWindow()
         self.health_interval_s = health_interval_s
         self._stop = threading.Event()
-        self.pools.start()
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self._adopt()
+        else:
+            stop_named_workers(config.name, config.namespace)  # left by a controller that was killed for good
+            self.pools.start()
         self._bump()
         threading.Thread(target=self._health_loop, name="health", daemon=True).start()
+
+    def _adopt(self) -> None:
+        """After a crash: take over the live workers, keeping each pool at the size it had (an operator's or
+        the autoscaler's choice); finish the drains that were under way; start the pools that lost every
+        worker afresh."""
+        adopted = self.pools.adopt()
+        for pool in self.pools.pools():
+            infos = adopted[pool.pool]
+            for info in infos:
+                self._record(pool.pool, "adopt", info.worker_id, "controller restarted")
+            active = [info for info in infos if not info.draining]
+            if active:
+                self.desired[pool.pool] = len(active)
+            elif self.desired[pool.pool] > 0:
+                self._add(pool, self.desired[pool.pool], "controller restarted without workers")
+            draining = [info for info in infos if info.draining]
+            if draining:
+                threading.Thread(target=self._finish_drain, args=(pool, draining), daemon=True).start()
+        logger.info("controller restarted: adopted %s",
+                    {pool: [info.worker_id for info in infos] for pool, infos in adopted.items()})
+
+    def _finish_drain(self, pool: WorkerPool, infos: list[WorkerInfo]) -> None:
+        with self.pool_locks[pool.pool]:
+            self._drain(pool, infos, "drain under way when the controller restarted")
 
     # ---- membership -----------------------------------------------------------------------------
 
@@ -311,10 +344,12 @@ def start_controller(config: ClusterConfig, detached: bool = False, wait: bool =
     """Create the named controller actor (which starts the pools), or get the one of that name already
     running; with `wait`, until it is up. `options` go to ClusterController (health_interval_s,
     drain_grace_s)."""
+    # Restarted by Ray whenever its process dies: it adopts the workers, which outlive it (detached).
     actor_options = {"name": f"{config.name}-{CONTROLLER_NAME}", "namespace": config.namespace, "num_cpus": 0,
-                     "max_concurrency": 32, "get_if_exists": True, **ON_HEAD}
+                     "max_concurrency": 32, "get_if_exists": True, "max_restarts": -1, **ON_HEAD}
     if detached:
         actor_options["lifetime"] = "detached"
+    options.setdefault("transfer_token", secrets.token_hex(16))
     actor = ray.remote(ClusterController).options(**actor_options).remote(config, **options)
     if wait:
         ray.get(actor.membership.remote())

@@ -5,6 +5,7 @@ import hashlib
 import itertools
 import logging
 import os
+import re
 import secrets
 from dataclasses import dataclass, replace
 
@@ -66,9 +67,12 @@ class WorkerPool:
         num_gpus = pc.num_gpus
         if num_gpus is None:
             num_gpus = 1.0 if self.config.device in ("auto", "cuda") and _cluster_has_gpus() else 0.0
+        # Detached and named in the cluster's namespace: a worker outlives the controller that started it,
+        # and a restarted controller finds it by name (`adopt`).
         return {"num_cpus": pc.num_cpus, "num_gpus": num_gpus, "resources": dict(pc.resources),
                 "max_restarts": pc.max_restarts, "max_task_retries": 0, "max_concurrency": 1000,
-                "namespace": self.config.namespace, "runtime_env": {"env_vars": WORKER_ENV}}
+                "namespace": self.config.namespace, "lifetime": "detached",
+                "runtime_env": {"env_vars": WORKER_ENV}}
 
     def add_worker(self) -> WorkerInfo:
         worker_id = f"{self.pool}-{next(self._ids)}"
@@ -80,6 +84,42 @@ class WorkerPool:
         info = WorkerInfo(worker_id, self.pool, actor)
         self.workers[worker_id] = info
         return info
+
+    def adopt(self, timeout_s: float = 120.0) -> list[WorkerInfo]:
+        """Take over the live workers of this pool that an earlier controller of the cluster started (this
+        one is its restart): each answers a ping and says whether it is draining. New ids continue after
+        the highest one found, so none is reused. Workers that do not answer in time are stopped."""
+        found = {}
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            match = re.fullmatch(rf"{re.escape(self.config.name)}-({self.pool}-(\d+))", entry["name"])
+            if match and entry["namespace"] == self.config.namespace:
+                found[match.group(1)] = int(match.group(2))
+        if not found:
+            return []
+        self._ids = itertools.count(max(found.values()) + 1)
+        infos = []
+        for worker_id in sorted(found, key=found.get):
+            try:
+                actor = ray.get_actor(f"{self.config.name}-{worker_id}", namespace=self.config.namespace)
+            except ValueError:  # gone since it was listed
+                continue
+            infos.append(self.workers.setdefault(worker_id, WorkerInfo(worker_id, self.pool, actor)))
+        refs = {info.worker_id: info.actor.stats.remote() for info in infos}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        adopted = []
+        for info in infos:
+            try:
+                stats = ray.get(refs[info.worker_id], timeout=0) if refs[info.worker_id] in ready else None
+            except ray.exceptions.RayError:
+                stats = None
+            if stats is None:
+                logger.warning("%s did not answer the restarted controller; stopping it", info.worker_id)
+                self.remove(info.worker_id)
+                continue
+            info.ready = info.healthy = True
+            info.draining = stats.draining
+            adopted.append(info)
+        return adopted
 
     def scale_up(self, n: int) -> list[WorkerInfo]:
         return [self.add_worker() for _ in range(n)]
@@ -132,13 +172,19 @@ class WorkerPool:
 class Pools:
     """Both pools of one cluster; in colocated mode only the decode pool exists and prefills locally."""
 
-    def __init__(self, config: ClusterConfig):
+    def __init__(self, config: ClusterConfig, transfer_token: str | None = None):
+        """`transfer_token`: the KV servers' shared token when the config sets none (default: a new random
+        one). A restarted controller passes the one its workers were started with."""
         self.config = config
         transfer = config.transfer_config()
-        transfer = replace(transfer, token=transfer.token or secrets.token_hex(16))
+        transfer = replace(transfer, token=transfer.token or transfer_token or secrets.token_hex(16))
         self.decode = WorkerPool("decode", config, config.decode, transfer)
         self.prefill = WorkerPool("prefill", config, config.prefill, transfer) if config.mode == "disaggregated" \
             else None
+
+    def adopt(self) -> dict[str, list[WorkerInfo]]:
+        """Take over the live workers an earlier controller of this cluster started, per pool."""
+        return {pool.pool: pool.adopt() for pool in self.pools()}
 
     def start(self, timeout_s: float = 600.0) -> None:
         started = self.decode.scale_up(self.config.decode.replicas)
@@ -162,6 +208,21 @@ def stop_worker(info: WorkerInfo) -> None:
     except ray.exceptions.RayError:
         pass
     ray.kill(info.actor, no_restart=True)
+
+
+def stop_named_workers(name: str, namespace: str) -> list[str]:
+    """Stop every worker of the cluster `name` still alive in `namespace` (workers are detached: they outlive
+    a controller that was killed for good). Returns their actor names."""
+    stopped = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == namespace and re.fullmatch(rf"{re.escape(name)}-(prefill|decode)-\d+", entry["name"]):
+            try:
+                actor = ray.get_actor(entry["name"], namespace=namespace)
+            except ValueError:
+                continue
+            stop_worker(WorkerInfo(entry["name"], "", actor))
+            stopped.append(entry["name"])
+    return stopped
 
 
 def stable_hash(text: str) -> int:
