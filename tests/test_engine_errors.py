@@ -109,10 +109,14 @@ def test_duplicate_request_id_is_refused_and_the_first_request_is_untouched(tiny
 
 
 def test_a_finished_request_id_can_be_used_again(tiny_engine):
+    expected = tiny_engine.generate(["Hello"], GREEDY)[0].token_ids
     for _ in range(2):
-        tiny_engine.add_request("again", "Hello", SamplingParams(max_tokens=1))
+        tiny_engine.add_request("again", "Hello", GREEDY)
+        finished = []
         while tiny_engine.has_unfinished_requests():
-            tiny_engine.step()
+            finished += [(o.request_id, o.token_ids, o.error) for o in tiny_engine.step() if o.finished]
+        assert finished == [("again", expected, None)]
+        assert "again" not in tiny_engine.requests
 
 
 def test_running_requests_finish_normally_after_bad_ones_are_refused(tiny_engine):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import pickle
 import threading
-import time
+from concurrent import futures
 
 import grpc
 import pytest
@@ -24,6 +24,7 @@ from kv_transfer import chunks, grpc_client
 from kv_transfer.grpc_client import GrpcKVClient
 from protos import kv_transfer_pb2 as pb
 from protos.kv_transfer_pb2_grpc import KVTransferStub
+from tests.pool_helpers import wait_for
 
 TOKEN = "test-token"
 LAYOUT = KVLayout("tiny", "float32", 16, 4, 2, 8)
@@ -226,14 +227,13 @@ def test_layers_stream_as_the_producer_marks_them_ready(peers):
         if hi >= 2:
             first_two.set()
 
-    pull = threading.Thread(target=client.pull, args=(handle, list(range(6)), list(range(6)), on_layers))
-    pull.start()
-    server.mark_layers_ready("req", 2)
-    assert first_two.wait(20)
-    assert pull.is_alive()  # layers 2 and 3 are not produced yet, so the pull cannot be done
-    server.mark_layers_ready("req", 4)
-    pull.join(20)
-    assert not pull.is_alive()
+    with futures.ThreadPoolExecutor(1) as pool:
+        pull = pool.submit(client.pull, handle, list(range(6)), list(range(6)), on_layers)
+        server.mark_layers_ready("req", 2)
+        assert first_two.wait(60), pull.exception() if pull.done() else "layers 0 and 1 did not arrive"
+        assert not pull.done()  # layers 2 and 3 are not produced yet, so the pull cannot be done
+        server.mark_layers_ready("req", 4)
+        pull.result(timeout=60)
     assert [layer for lo, hi in seen for layer in range(lo, hi)] == [0, 1, 2, 3]
     assert_blocks_equal(src, list(range(6)), dst, list(range(6)))
 
@@ -262,16 +262,17 @@ def test_calls_beyond_the_bounded_thread_pool_are_turned_away(peers, transport):
     server = peers.server(max_workers=1)
     handle = server.lease("req", [0], [], 16, Released(), layers_ready=0)
     client = peers.client()
-    pull = threading.Thread(target=lambda: pytest.raises(KVTransferError, client.pull, handle, [0], [0]))
-    pull.start()
-    while server.leases.num_active_pulls == 0:  # until the pull occupies the only worker
-        time.sleep(0.01)
-    with pytest.raises(KVTransferError, match="RESOURCE_EXHAUSTED") as busy:
-        peers.client().health(server.address)
-    assert busy.value.reason == "overloaded"
-    server.release("req")
-    pull.join(20)
-    assert not pull.is_alive()
+    with futures.ThreadPoolExecutor(1) as pool:
+        pull = pool.submit(client.pull, handle, [0], [0])
+        # Until the pull occupies the only worker (waiting for layers nobody marks ready).
+        assert wait_for(lambda: server.leases.num_active_pulls == 1 or pull.done(), timeout_s=60)
+        assert not pull.done(), pull.exception()
+        with pytest.raises(KVTransferError, match="RESOURCE_EXHAUSTED") as busy:
+            peers.client().health(server.address)
+        assert busy.value.reason == "overloaded"
+        server.release("req")
+        with pytest.raises(KVLeaseNotFoundError):  # the waiting pull ends: its lease is gone
+            pull.result(timeout=60)
 
 
 def test_handle_pickles_for_ray(peers):
@@ -290,6 +291,10 @@ def _serve_until_killed(transport: str, conn) -> None:
 
 def _pull_until_killed(transport: str, conn) -> None:
     client = CLIENTS[transport](KVCache(LAYOUT, 64), TOKEN, **LAYER_CHUNKS)
+    conn.send("up")
+    warm_up = conn.recv()
+    client.pull(warm_up, [0], [0])  # connected now (torch.distributed: the pair's group has joined)
+    client.release(warm_up)
     conn.send("ready")
     handle = conn.recv()
     client.pull(handle, list(range(8)), list(range(8)), on_layers=lambda lo, hi: conn.send(hi))
@@ -341,8 +346,12 @@ def test_receiver_killed_mid_transfer_lets_the_lease_expire(peers, transport):
     server = peers.server()
     released = Released()
     proc, conn = _start(_pull_until_killed, transport)
-    assert conn.recv() == "ready"
-    conn.send(server.lease("req", list(range(8)), [], 8 * 16, released, ttl=1.0, layers_ready=1))
+    assert conn.recv() == "up"
+    conn.send(server.lease("warm-up", [0], [], 16, Released()))
+    assert conn.poll(120) and conn.recv() == "ready"
+    # The TTL only has to outlive the hand-over of the lease to a connected receiver, and then runs once
+    # more after the receiver is gone.
+    conn.send(server.lease("req", list(range(8)), [], 8 * 16, released, ttl=3.0, layers_ready=1))
     assert conn.poll(60) and conn.recv() == 1  # the receiver holds layer 0
     proc.kill()
     proc.join(30)

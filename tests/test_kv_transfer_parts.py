@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -49,9 +50,9 @@ def coalescing(request, monkeypatch) -> str:
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_export_then_import_copies_blocks_exactly(dtype, coalescing):
     layout = KVLayout("tiny", dtype, 16, 6, 2, 8)
-    src = KVCache(layout, 16)
+    src, gen = KVCache(layout, 16), torch.Generator().manual_seed(0)
     for t in src.k + src.v:
-        t.copy_(torch.randn(t.shape).to(t.dtype))
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
     spec = ChunkSpec(2, 5, 0, 3)
     for src_ids, dst_ids in [([4, 5, 6], [9, 10, 11]), ([7, 1, 3], [0, 12, 5]), ([4, 5, 6], [0, 12, 5]),
                              ([7, 1, 3], [9, 10, 11])]:
@@ -113,10 +114,12 @@ def test_lease_released_during_a_pull_hands_blocks_back_when_the_pull_ends():
 
 
 def test_lease_being_pulled_does_not_expire():
-    table = LeaseTable(num_layers=2, default_ttl=0.05)
+    table = LeaseTable(num_layers=2, default_ttl=60)
     released = threading.Event()
-    table.add("r", [1], [], 16, lambda ids: released.set())
-    lease = table.begin_pull("r")
+    lease = table.add("r", [1], [], 16, lambda ids: released.set())
+    assert table.begin_pull("r") is lease
+    lease.ttl, lease.expires_at = 0.05, time.monotonic()  # its TTL runs out while the pull reads it
+    table.wake()  # the reaper looks again
     assert not released.wait(0.3)
     table.end_pull(lease)  # the TTL restarts now
     assert released.wait(10)

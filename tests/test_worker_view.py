@@ -1,6 +1,7 @@
 """One ingress replica's view of its workers: load between stats polls, and workers going away."""
 import asyncio
 import logging
+import random
 import threading
 import time
 
@@ -20,7 +21,7 @@ PROMPT = list(range(100, 140))  # two full blocks and a partial one
 
 
 def view_with(*workers: str) -> WorkerView:
-    view = WorkerView(controller=None, router=Router(PrefixIndex(), BLOCK), metrics=Metrics(), colocated=False)
+    view = WorkerView(controller=None, router=Router(PrefixIndex(), BLOCK, rng=random.Random(0)), metrics=Metrics(), colocated=False)
     for worker_id in workers:
         view.workers[worker_id] = WorkerState(worker_id, "decode", actor=None, healthy=True, draining=False)
         view.workers[worker_id].report(WorkerStats(worker_id, "decode", num_total_blocks=64), time.monotonic())
