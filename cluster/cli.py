@@ -225,7 +225,8 @@ def _api_key(text: str) -> tuple[str, str]:
     if not key or any(c.isspace() or c == "," for c in text) or (sep and not tenant):
         raise argparse.ArgumentTypeError(f"{text!r}: give KEY or KEY:TENANT, both non-empty, without spaces "
                                          f"or commas")
-    return key, tenant or key
+    from cluster.config import key_tenant
+    return key, tenant or key_tenant(key)
 
 
 def _url(text: str) -> str:

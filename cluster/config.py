@@ -1,6 +1,7 @@
 """The typed cluster configuration: from YAML, CLI flags or Serve args, validated at the edge."""
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -244,12 +245,18 @@ class ClusterConfig(_Strict):
 
 
 def parse_api_keys(text: str) -> dict[str, str]:
-    """"key:tenant,key2:tenant2"; a bare key is its own tenant."""
+    """"key:tenant,key2:tenant2"; a bare key's tenant is named after its digest (`key_tenant`)."""
     keys = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, _, tenant = item.partition(":")
-        keys[key] = tenant or key
+        keys[key] = tenant or key_tenant(key)
     return keys
+
+
+def key_tenant(key: str) -> str:
+    """The tenant of an API key given without one: named after a digest of the key, never the key itself,
+    which would then show wherever a tenant does (logs, the cache salt in KV events and worker state)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 class ConfigError(ValueError):

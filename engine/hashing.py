@@ -2,9 +2,10 @@
 
 A full block's hash is H(parent_hash, token_ids, extra). The first block mixes
 in the tenant salt, so two tenants never share a cached prefix. H is blake2b
-(stable across processes and machines, unlike Python's hash()), truncated to
-64 bits so the router's index can hold millions of entries cheaply; hits are
-still confirmed by comparing token ids.
+(stable across processes and machines, unlike Python's hash()) with a 128-bit
+digest: a client that could find a 64-bit collision for another tenant's
+prefix would still need the token ids to match, but 128 bits put collisions out
+of reach of anyone's compute; hits are also confirmed by comparing token ids.
 """
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import struct
 from collections.abc import Sequence
 
 NONE_HASH = 0
+HASH_BYTES = 16  # 128-bit block hashes
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int], extra: bytes = b"") -> int:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(struct.pack("<Q", parent_hash))
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
+    h.update(parent_hash.to_bytes(HASH_BYTES, "little"))
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
     h.update(extra)
     return int.from_bytes(h.digest(), "little")

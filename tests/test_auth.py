@@ -87,3 +87,16 @@ def test_the_ingress_the_admin_api_and_the_kv_server_agree(header, token):
     details = SimpleNamespace(invocation_metadata=metadata)
     got = _BearerTokenAuth(KEY).intercept_service(lambda _: handler, details)
     assert (got is handler) == accepted
+
+
+def test_a_bare_key_is_never_its_own_tenant():
+    """A key given without a tenant gets one named after its digest: the key itself would show wherever a
+    tenant does (logs, the cache salt in KV events and worker state)."""
+    from cluster.cli import _api_key
+    from cluster.config import key_tenant, parse_api_keys
+
+    keys = parse_api_keys("s3cret-Key, other-key:team-b")
+    assert keys == {"s3cret-Key": key_tenant("s3cret-Key"), "other-key": "team-b"}
+    assert "s3cret" not in key_tenant("s3cret-Key") and key_tenant("s3cret-Key") != key_tenant("s3cret-Kez")
+    assert _api_key("s3cret-Key") == ("s3cret-Key", key_tenant("s3cret-Key"))
+    assert Authenticator(keys).tenant("Bearer s3cret-Key") == key_tenant("s3cret-Key")
