@@ -7,13 +7,15 @@
     tandem scale [--prefill N] [--decode M]
     tandem drain WORKER
 
-`serve` runs the cluster in the foreground until Ctrl-C or SIGTERM. `status`, `scale` and `drain` talk
+`serve` runs the cluster in the foreground until Ctrl-C, SIGINT, SIGTERM or SIGHUP (a second one, or a stop over
+30 s, ends it at once); a local Ray instance it started never outlives it, even after kill -9. `status`, `scale` and `drain` talk
 to a running server's admin API (--url, default http://127.0.0.1:8000) with its admin key (--admin-key
 or TANDEM_ADMIN_KEY). Every failure prints what to do next, never a traceback.
 """
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import re
@@ -58,6 +60,9 @@ def serve_command(args, parser) -> int:
                            f"lower --{name} or raise {name}.max_replicas in the config file")
     if config.decode.replicas < 1:
         raise CLIError("the decode pool needs at least one worker: --decode 1 or more")
+    warning = open_host_warning(config.host, config.port, config.api_keys)
+    if warning:
+        print(f"tandem: warning: {warning}", file=sys.stderr, flush=True)
     address = args.address or os.environ.get("RAY_ADDRESS") or None
     if address is None:
         # A purely local instance: Ray on loopback only, no token prompt.
@@ -99,6 +104,25 @@ def drain_command(args, parser) -> int:
     result = _client(args).drain(args.worker)
     print(f"{result['worker_id']} drained: its requests finished and it left the {result['pool']} pool")
     return 0
+
+
+def open_host_warning(host: str, port: int, api_keys: dict[str, str]) -> str | None:
+    """What an operator must know before serving on a non-loopback address without API keys; None when
+    the address is loopback or keys are set."""
+    if api_keys or _is_loopback(host):
+        return None
+    return (f"serving on {host}:{port} without API keys: the API, and the prefix cache all its clients "
+            f"share, are open to anyone who can reach that address; set TANDEM_API_KEYS (or --api-key) to "
+            f"require keys and give each tenant its own cache, or serve on --host 127.0.0.1")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to any interface
 
 
 def say(message: str) -> None:

@@ -1,5 +1,7 @@
 """`tandem serve`: Ray (a local instance, or an existing cluster), the tandem Serve application on it, and
-a clean stop on Ctrl-C or SIGTERM. Ray is imported only here, after the CLI has set Ray's environment."""
+a clean stop on Ctrl-C, SIGINT, SIGTERM or SIGHUP, bounded by STOP_DEADLINE_S. A local Ray instance dies
+with `tandem serve` however it ends (cluster/local_ray_watchdog.py). Ray is imported only here, after the
+CLI has set Ray's environment."""
 from __future__ import annotations
 
 import logging
@@ -12,21 +14,30 @@ from collections.abc import Callable
 
 from cluster.admin_client import CLIError
 from cluster.config import ClusterConfig
+from cluster.local_ray_watchdog import kill_marked, start_watchdog
 
 # Logical CPUs beyond the pools' own for the Serve controller, HTTP proxy, ingress replica and autoscaler.
 SERVE_CPUS = 4
+# A clean stop (Serve, the pools, Ray) that takes longer is cut short: the local Ray's processes are killed.
+STOP_DEADLINE_S = 30.0
+# A restart right after a stop or a kill waits this long for the old HTTP proxy to let go of the port.
+PORT_WAIT_S = 15.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def serve_until_stopped(config: ClusterConfig, address: str | None, say: Callable[[str], None]) -> None:
-    """Start everything, print where the API is, block until a signal, then stop everything."""
-    if address is None:
-        check_port_free(config.host, config.port)
-        prepare_model(config, say)
-        config = fit_pools_to_node(config, say)
-    import ray
-
+    """Start everything, print where the API is, block until a signal, then stop everything within
+    STOP_DEADLINE_S."""
+    stop = _StopOnSignal(say)
     started = time.monotonic()
     try:
+        if address is None:
+            wait_for_port(config.host, config.port, say)
+            prepare_model(config, say)
+            config = fit_pools_to_node(config, say)
+            stop.marker = start_watchdog()
+        import ray
+
         if address is None:
             num_cpus = max(os.cpu_count() or 1, local_cpus(config))
             say(f"starting a local Ray instance on 127.0.0.1 ({num_cpus} logical CPUs)")
@@ -35,8 +46,7 @@ def serve_until_stopped(config: ClusterConfig, address: str | None, say: Callabl
         else:
             say(f"joining the Ray cluster at {address}")
             ray.init(address=address, namespace=config.namespace, logging_level=logging.WARNING)
-        # After ray.init, which installs its own SIGTERM handler: ours stops everything cleanly.
-        signal.signal(signal.SIGTERM, _interrupt)
+        stop.install()  # again: ray.init puts in its own SIGTERM handler, which exits without stopping
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         _run_app(config, say)
         say(f"ready in {time.monotonic() - started:.0f} s: OpenAI API at http://{config.host}:{config.port}/v1, "
@@ -49,8 +59,52 @@ def serve_until_stopped(config: ClusterConfig, address: str | None, say: Callabl
     except KeyboardInterrupt:
         say("stopping")
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        stop.begin(STOP_DEADLINE_S)
         _stop(config, say)
+        stop.done()
+
+
+class _StopOnSignal:
+    """SIGINT, SIGTERM and SIGHUP stop `tandem serve` cleanly from its main thread, whatever dispositions
+    it inherited (a job started in the background by a script starts with SIGINT ignored, and Python then
+    leaves it ignored). A second signal while stopping, or a stop that overruns its deadline, ends the
+    process at once, killing the local Ray's processes (those carrying `marker`)."""
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say, self.marker = say, None
+        self.stopping = False
+        self.finished = threading.Event()
+        # SIGHUP stays ignored under nohup; SIGINT is taken back from a background job's SIG_IGN.
+        self.signals = [s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN]
+        self.install()
+
+    def install(self) -> None:
+        for signum in self.signals:
+            signal.signal(signum, self._handle)
+
+    def begin(self, deadline_s: float) -> None:
+        self.stopping = True
+        threading.Thread(target=self._enforce, args=(deadline_s,), daemon=True).start()
+
+    def done(self) -> None:
+        self.finished.set()
+
+    def _handle(self, signum, frame) -> None:
+        if not self.stopping:
+            self.stopping = True
+            raise KeyboardInterrupt
+        self._force(f"{signal.Signals(signum).name} while stopping")
+
+    def _enforce(self, deadline_s: float) -> None:
+        if not self.finished.wait(deadline_s):
+            self._force(f"the clean stop took over {deadline_s:.0f} s")
+
+    def _force(self, reason: str) -> None:
+        self.say(f"stopping now ({reason}): killing the local Ray instance" if self.marker else
+                 f"stopping now ({reason}); the application may still run on the Ray cluster")
+        if self.marker:
+            kill_marked(self.marker)
+        os._exit(1)
 
 
 def _run_app(config: ClusterConfig, say: Callable[[str], None]) -> None:
@@ -101,6 +155,20 @@ def prepare_model(config: ClusterConfig, say: Callable[[str], None]) -> None:
         import torch
         if not torch.cuda.is_available():
             raise CLIError("--device cuda, but torch sees no CUDA device here; use --device cpu (or auto)")
+
+
+def wait_for_port(host: str, port: int, say: Callable[[str], None], wait_s: float = PORT_WAIT_S) -> None:
+    """Return once host:port can be listened on; a server stopped or killed a moment ago gets `wait_s` to
+    let go of it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return check_port_free(host, port)
+        except CLIError:
+            if time.monotonic() >= deadline:
+                raise
+        say(f"{host}:{port} is still taken; waiting up to {wait_s:.0f} s for it")
+        time.sleep(1.0)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -154,10 +222,6 @@ def fit_pools_to_cores(config: ClusterConfig, cores: int) -> ClusterConfig:
         taken = prefill * int(update["prefill"].num_cpus if "prefill" in update else config.prefill.num_cpus)
         update["decode"] = config.decode.model_copy(update={"num_cpus": float(max(1, (usable - taken) // decode))})
     return config.model_copy(update=update) if update else config
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 class _Ticker:

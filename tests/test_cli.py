@@ -87,6 +87,40 @@ def test_admin_commands_without_a_server_say_how_to_start_one(capsys):
     assert "no tandem server at http://127.0.0.1:" in err and "start one with `make run`" in err
 
 
+@pytest.mark.parametrize("host, keys, warned", [
+    ("0.0.0.0", {}, True),
+    ("10.1.2.3", {}, True),
+    ("::", {}, True),
+    ("tandem.example", {}, True),
+    ("0.0.0.0", {"key": "tenant"}, False),
+    ("127.0.0.1", {}, False),
+    ("127.0.0.2", {}, False),
+    ("::1", {}, False),
+    ("localhost", {}, False),
+])
+def test_only_a_non_loopback_host_without_api_keys_is_warned_about(host, keys, warned):
+    from cluster.cli import open_host_warning
+
+    warning = open_host_warning(host, 8000, keys)
+    assert (warning is not None) == warned
+    if warned:
+        assert f"{host}:8000 without API keys" in warning and "prefix cache" in warning
+        assert "TANDEM_API_KEYS" in warning
+
+
+def test_serve_on_an_open_host_without_keys_prints_the_warning_before_starting(capsys, monkeypatch):
+    import cluster.launcher
+
+    monkeypatch.delenv("TANDEM_API_KEYS", raising=False)
+    started = []
+    monkeypatch.setattr(cluster.launcher, "serve_until_stopped", lambda config, *_: started.append(config.host))
+    code, _, err = run_cli(capsys, "serve", "--host", "0.0.0.0", "--port", "8123")
+    assert (code, started) == (0, ["0.0.0.0"])
+    assert "tandem: warning: serving on 0.0.0.0:8123 without API keys" in err
+    code, _, err = run_cli(capsys, "serve", "--host", "0.0.0.0", "--api-key", "k:t")
+    assert code == 0 and "warning" not in err
+
+
 # ---- the admin API on a real controller -----------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,170 @@
+"""`tandem serve` stops cleanly within seconds on every documented signal, nothing of its local Ray instance
+outlives it even after kill -9, and a restart on the same port right after serves normally.
+
+Real processes, started like a background job of a script (SIGINT ignored on entry, which Python would
+keep), each in a process group of its own (a terminal's Ctrl-C signals the group). Every server serves a
+short request loop, gets its signal right after, and the next test's server is started at once on the same
+port: each test stops one server and starts its successor. Ray's processes are recognized by a marker in
+the environment they inherit from `tandem serve`."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cluster.local_ray_watchdog import kill_marked, marked_processes
+from tests.test_cli import free_port
+
+pytestmark = pytest.mark.slow
+
+RUN_ENV = "TANDEM_TEST_RUN"
+START_BOUND_S = 240
+STOP_BOUND_S = 20  # "within seconds": a clean stop takes about 6 s on 2 busy cores
+LEFTOVER_BOUND_S = 10
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    run: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def ray_processes(self) -> list[str]:
+        return [_cmdline(pid) for pid in marked_processes(self.run, RUN_ENV)]
+
+
+class Relay:
+    """The server the next test stops, on one port for the whole module."""
+
+    def __init__(self, model: str, logs: Path):
+        self.model, self.logs, self.port = model, logs, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server: Server | None = None
+        self.starts = 0
+
+    def start(self) -> Server:
+        self.starts += 1
+        run = uuid.uuid4().hex
+        env = {**os.environ, RUN_ENV: run}
+        env.pop("RAY_ADDRESS", None)
+        log = self.logs / f"serve-{self.starts}.log"
+        command = [sys.executable, "-m", "cluster.cli", "serve", "--model", self.model, "--port", str(self.port)]
+        process = subprocess.Popen(["sh", "-c", "trap '' INT; exec \"$@\"", "sh", *command], env=env,
+                                   stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.server = Server(process, run, log)
+        deadline = time.monotonic() + START_BOUND_S
+        while not _healthy(self.url):
+            assert process.poll() is None, self.server.output()
+            assert time.monotonic() < deadline, self.server.output()
+            time.sleep(0.5)
+        return self.server
+
+    def serving(self) -> Server:
+        """The running server, after it answered a short request loop."""
+        server = self.server if self.server and self.server.process.poll() is None else self.start()
+        for i in range(5):
+            assert complete(self.url, self.model, f"request {i} of start {self.starts}") in ("length", "stop")
+        return server
+
+    def stop(self, send, clean: bool = True) -> float:
+        """Send a signal the way `send` does to a server that just served; returns the seconds it took to
+        exit; asserts nothing of its Ray instance remains."""
+        server = self.serving()
+        started = time.monotonic()
+        send(server.process.pid)
+        try:
+            code = server.process.wait(timeout=STOP_BOUND_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {STOP_BOUND_S} s after the signal:\n{server.output()[-3000:]}")
+        took = time.monotonic() - started
+        if clean:
+            output = server.output()
+            assert code == 0, output
+            assert "tandem: stopping" in output and "tandem: stopped" in output, output
+            assert "Traceback" not in output, output
+        deadline = time.monotonic() + LEFTOVER_BOUND_S
+        while server.ray_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.ray_processes() == [], "outlived tandem serve"
+        self.server = None
+        return took
+
+    def close(self) -> None:
+        server, self.server = self.server, None
+        if server is None:
+            return
+        if server.process.poll() is None:
+            server.process.send_signal(signal.SIGTERM)
+            try:
+                server.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.process.pid, signal.SIGKILL)
+                server.process.wait()
+        kill_marked(server.run, RUN_ENV)
+
+
+@pytest.fixture(scope="module")
+def relay(tiny_llama_dir, tmp_path_factory):
+    relay = Relay(tiny_llama_dir, tmp_path_factory.mktemp("serve-logs"))
+    yield relay
+    relay.close()
+
+
+def complete(url: str, model: str, prompt: str) -> str:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200
+        return json.loads(response.read())["choices"][0]["finish_reason"]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return f"{pid} " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+    except OSError:
+        return f"{pid} (gone)"
+
+
+def test_sigint_to_the_pid_stops_it_cleanly_although_it_started_with_sigint_ignored(relay):
+    relay.stop(lambda pid: os.kill(pid, signal.SIGINT))
+
+
+def test_sigint_to_its_process_group_stops_it_cleanly_like_ctrl_c(relay):
+    relay.stop(lambda pid: os.killpg(pid, signal.SIGINT))
+
+
+def test_sigterm_stops_it_cleanly(relay):
+    relay.stop(lambda pid: os.kill(pid, signal.SIGTERM))
+
+
+def test_sighup_stops_it_cleanly(relay):
+    relay.stop(lambda pid: os.kill(pid, signal.SIGHUP))
+
+
+def test_kill_9_takes_its_whole_ray_instance_with_it(relay):
+    relay.stop(lambda pid: os.kill(pid, signal.SIGKILL), clean=False)
+
+
+def test_a_restart_right_after_kill_9_serves_normally(relay):
+    relay.serving()
