@@ -77,7 +77,11 @@ class DecodeWorker(EngineServer):
         """Pull the missing prompt blocks into freshly reserved ones; returns how to queue the request
         (None when its first token finished it)."""
         handle = prefill.kv_handle
-        indices = await self.loop.run(self.engine.reserve_for_import, req)
+        try:
+            indices = await self.loop.run(self.engine.reserve_for_import, req)
+        except asyncio.CancelledError:  # the reservation still happens (EngineLoop.run): undo it after
+            self.loop.submit(self.engine.release_import, req)
+            raise
         if indices is None:
             self.failures.record("no_free_blocks", handle.address, f"no free KV blocks for {req.request_id}")
             await self._release_lease(handle)

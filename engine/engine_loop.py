@@ -51,7 +51,7 @@ class EngineLoop:
         return future
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        """`submit` for asyncio callers."""
+        """`submit` for asyncio callers. Cancelling the caller does not cancel the command."""
         return await asyncio.wrap_future(self.submit(fn, *args))
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
@@ -91,10 +91,18 @@ class EngineLoop:
     def _run_commands(self) -> None:
         while self.inbox:
             fn, args, future = self.inbox.popleft()
+            # A command runs even when its caller stopped waiting (an asyncio caller cancelled in `run`
+            # cancels the future): it may take or free what later commands count on. Its result then goes
+            # nowhere; setting it on the cancelled future would raise and end this thread.
+            waiting = future.set_running_or_notify_cancel()
             try:
-                future.set_result(fn(*args))
+                result = fn(*args)
             except Exception as exc:
-                future.set_exception(exc)
+                if waiting:
+                    future.set_exception(exc)
+                continue
+            if waiting:
+                future.set_result(result)
 
     def _fail_inbox(self) -> None:
         """Commands the stopped loop will never run fail instead of leaving their callers waiting."""
@@ -103,7 +111,8 @@ class EngineLoop:
                 _, _, future = self.inbox.popleft()
             except IndexError:
                 return
-            future.set_exception(EngineStopped("the engine loop has stopped"))
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineStopped("the engine loop has stopped"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their consumers: one wakeup per event loop, not one per request, since
