@@ -168,6 +168,14 @@ class PinnedCores:
             self._give_back(list(self.borrowed))
             self._apply()
 
+    def threads_if_borrowing_now(self) -> int:
+        """The threads a forward starting now would run with, borrowing every core lent at this moment;
+        0 when this worker does not borrow or nothing is lent. Engine loop thread only."""
+        if not (self.binding.borrow and self.owned):
+            return 0
+        lent = sum(1 for core in self.node if core not in self.owned and self._is_lent(core))
+        return self.own_threads + lent if lent else 0
+
     def describe(self) -> dict:
         """What a worker reports: its cores, the borrowed ones, its threads now and its affinity."""
         return {"cores": sorted(c for core in self.owned for c in core),

@@ -47,6 +47,7 @@ class Engine:
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         self.step_costs = StepCosts()  # measured on every step; workers report it, the router places with it
+        self.borrowing = False  # the coming step runs on borrowed cores as well (set by the engine loop)
         # Called with each step's schedule before its forward runs (a prefill worker leasing blocks early).
         self.on_scheduled: Callable[[list[tuple[Request, int]]], None] | None = None
 
@@ -228,7 +229,7 @@ class Engine:
             req.num_computed_tokens += n
             self.block_manager.cache_full_blocks(req)
         tokens, logprobs = self.sampler(logits, sampled) if sampled else ([], [])
-        self.step_costs.observe(*shape, time.perf_counter() - started)
+        self.step_costs.observe(*shape, time.perf_counter() - started, borrowed=self.borrowing)
         return [self._append_token(req, t, lp) for req, t, lp in zip(sampled, tokens, logprobs)]
 
     def _append_token(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:

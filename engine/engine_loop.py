@@ -79,6 +79,7 @@ class EngineLoop:
                 continue
             if self.cores is not None:
                 self.cores.busy()
+                self.engine.borrowing = bool(self.cores.borrowed)
             try:
                 outputs = self.engine.step()
             except Exception:  # the loop must outlive any one bad step

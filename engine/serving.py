@@ -80,8 +80,18 @@ class EngineServer:
     # ---- what the router and operators read ---------------------------------------------------
 
     async def stats(self) -> WorkerStats:
-        counters = await self.loop.run(self.engine.stats)
+        counters = await self.loop.run(self._counters)
         return WorkerStats(self.worker_id, self.pool, draining=self.draining, **counters)
+
+    def _counters(self) -> dict:
+        """The engine's counters and step costs, with the threads a forward would get now (on the loop
+        thread, which owns the cores)."""
+        counters = self.engine.stats()
+        if self.cores is not None:
+            costs = counters["step_costs"]
+            costs.own_threads = self.cores.own_threads
+            costs.borrow_threads = self.cores.threads_if_borrowing_now()
+        return counters
 
     async def kv_events(self, after_seq: int, timeout_s: float = 1.0) -> KVEventsReply:
         """New KV event batches after `after_seq`, waiting up to `timeout_s` for some to appear.

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 PRIOR_PREFILL_TOKENS_PER_S = 500.0
 PRIOR_DECODE_STEP_S = 0.05
 PRIOR_KV_PULL_GBPS = 1.0  # DESIGN §3: gRPC streaming moves ~1 GB/s on loopback
+# Until a worker has measured a forward on borrowed cores: the speed-up per thread it adds, of a perfect
+# one. Measured on the dev box: a 256-token SmolLM2 prefill on 2 threads ran 1.77x its 1-thread speed.
+PRIOR_BORROW_EFFICIENCY = 0.85
 
 
 def bucket(n: float) -> int:
@@ -43,37 +46,58 @@ class StepCosts:
     prefill_tokens_per_s: dict[int, float] = field(default_factory=dict)  # context bucket -> tokens/s
     decode_step_s: dict[int, float] = field(default_factory=dict)  # batch-size bucket -> seconds
     alpha: float = 0.2
+    # A CPU worker that borrows idle neighbours' cores (engine/cpu_cores.py) prefills faster while they
+    # are lent: its steps on borrowed cores are measured apart, and its stats say how many threads a
+    # forward would get right now (`borrow_threads`, 0 when nothing is lent) against its own threads.
+    borrowed_prefill_tokens_per_s: dict[int, float] = field(default_factory=dict)
+    own_threads: int = 1
+    borrow_threads: int = 0
 
-    def observe(self, num_decodes: int, prefill_tokens: int, prefill_context: int, seconds: float) -> None:
-        """Take one step's time. A step with prefill chunks is charged its decode part at the current
-        estimate, the rest to its prefill tokens."""
+    def observe(self, num_decodes: int, prefill_tokens: int, prefill_context: int, seconds: float,
+                borrowed: bool = False) -> None:
+        """Take one step's time (`borrowed`: it ran on borrowed cores too). A step with prefill chunks is
+        charged its decode part at the current estimate, the rest to its prefill tokens."""
         if seconds <= 0:
             return
         if not prefill_tokens:
-            if num_decodes:
+            if num_decodes and not borrowed:
                 self._update(self.decode_step_s, bucket(num_decodes), seconds)
             return
         fixed = self.decode_time(max(num_decodes, 1))
         # The decode part is an estimate; a prefill never gets less than half the step.
         prefill_s = max(seconds - fixed, seconds / 2)
-        self._update(self.prefill_tokens_per_s, bucket(prefill_context), prefill_tokens / prefill_s)
+        table = self.borrowed_prefill_tokens_per_s if borrowed else self.prefill_tokens_per_s
+        self._update(table, bucket(prefill_context), prefill_tokens / prefill_s)
+
+    @property
+    def borrowing(self) -> bool:
+        """Whether the worker's next forwards would run on borrowed cores as well (as its stats said)."""
+        return self.borrow_threads > self.own_threads
 
     def decode_time(self, num_decodes: int) -> float:
         """Seconds of a step running `num_decodes` decode tokens (and the fixed cost of any forward)."""
         measured = _nearest(self.decode_step_s, bucket(num_decodes))
         return PRIOR_DECODE_STEP_S if measured is None else measured
 
-    def prefill_speed(self, context: int) -> float:
-        """Prompt tokens per second for chunks ending at about `context` tokens."""
+    def prefill_speed(self, context: int, borrowing: bool = False) -> float:
+        """Prompt tokens per second for chunks ending at about `context` tokens; with `borrowing`, on the
+        cores lent now as well (measured, or the own speed scaled by PRIOR_BORROW_EFFICIENCY)."""
         measured = _nearest(self.prefill_tokens_per_s, bucket(context))
-        return PRIOR_PREFILL_TOKENS_PER_S if measured is None else measured
+        own = PRIOR_PREFILL_TOKENS_PER_S if measured is None else measured
+        if not borrowing:
+            return own
+        borrowed = _nearest(self.borrowed_prefill_tokens_per_s, bucket(context))
+        if borrowed is not None:
+            return borrowed
+        extra = (self.borrow_threads - self.own_threads) / max(self.own_threads, 1)
+        return own * (1 + PRIOR_BORROW_EFFICIENCY * max(extra, 0))
 
-    def prefill_time(self, num_tokens: int, context: int | None = None) -> float:
+    def prefill_time(self, num_tokens: int, context: int | None = None, borrowing: bool = False) -> float:
         """Seconds of compute for `num_tokens` prompt tokens of a prompt of `context` tokens, as one
-        forward with no decodes beside it."""
+        forward with no decodes beside it (`borrowing`: on the cores lent now as well)."""
         if num_tokens <= 0:
             return 0.0
-        return self.decode_time(1) + num_tokens / self.prefill_speed(context or num_tokens)
+        return self.decode_time(1) + num_tokens / self.prefill_speed(context or num_tokens, borrowing)
 
     def step_limit(self, num_decodes: int, step_s: float, stall_ratio: float | None = None) -> float:
         """The longest step beside `num_decodes` decodes that stalls nobody: `step_s` (the ITL SLO), and
@@ -91,7 +115,8 @@ class StepCosts:
 
     def copy(self) -> StepCosts:
         """A snapshot another thread may read (or pickle) while this one keeps measuring."""
-        return StepCosts(dict(self.prefill_tokens_per_s), dict(self.decode_step_s), self.alpha)
+        return StepCosts(dict(self.prefill_tokens_per_s), dict(self.decode_step_s), self.alpha,
+                         dict(self.borrowed_prefill_tokens_per_s), self.own_threads, self.borrow_threads)
 
     def _update(self, table: dict[int, float], key: int, value: float) -> None:
         old = table.get(key)

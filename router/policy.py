@@ -162,11 +162,13 @@ def remote_prefill_ttft(prompt_tokens: int, prefill_cached_tokens: int, decode_c
                         prefill: WorkerLoad, decode: WorkerLoad) -> float:
     """Predicted seconds to the first token on the remote path: the prefill worker's queue (its queued
     prompt tokens at its measured speed), the compute of the part it does not cache, and the pull of
-    the KV the decode worker lacks at the decode worker's measured GB/s."""
+    the KV the decode worker lacks at the decode worker's measured GB/s. A CPU prefill worker that can
+    borrow idle decode cores right now (its last stats said some are lent) computes at its borrowed speed."""
     costs = prefill.step_costs
+    borrowing = costs.borrowing
     mean_queued = prefill.queued_prefill_tokens / max(prefill.num_waiting, 1)
-    queue_s = prefill.queued_prefill_tokens / costs.prefill_speed(max(mean_queued, 1))
-    compute_s = costs.prefill_time(prompt_tokens - prefill_cached_tokens, prompt_tokens)
+    queue_s = prefill.queued_prefill_tokens / costs.prefill_speed(max(mean_queued, 1), borrowing)
+    compute_s = costs.prefill_time(prompt_tokens - prefill_cached_tokens, prompt_tokens, borrowing)
     bytes_per_token = decode.kv_bytes_per_token or prefill.kv_bytes_per_token
     pull_s = (prompt_tokens - decode_cached_tokens) * bytes_per_token / (decode.kv_pull_gbps * 1e9)
     return queue_s + compute_s + pull_s

@@ -50,6 +50,10 @@ def test_prefill_borrows_the_idle_decode_workers_core_and_gives_it_back(pools):
     assert after["last_step_threads"] == 2
     # Idle again: the borrowed core went back, and so did the affinity and the threads.
     assert after["borrowed"] == [] and after["affinity"] == after["cores"] and after["torch_threads"] == 1
+    # Placement reads from the stats what borrowing buys: the borrowed steps' speed, measured apart, and
+    # the threads a forward would get now (the decode worker still lends its core).
+    costs = ray.get(prefill.stats.remote()).step_costs
+    assert costs.borrowed_prefill_tokens_per_s and costs.own_threads == 1 and costs.borrow_threads == 2
 
 
 def test_prefill_keeps_to_its_own_core_while_decode_runs(pools):
@@ -64,12 +68,13 @@ def test_prefill_keeps_to_its_own_core_while_decode_runs(pools):
                 await asyncio.sleep(0.01)
             await prefill.prefill.remote(GenerateRequest("while-busy", list(range(100, 180)),
                                                          SamplingParams(temperature=0.0, max_tokens=1)))
-            return placement(prefill), placement(decode)
+            return placement(prefill), placement(decode), (await prefill.stats.remote()).step_costs
         finally:
             for stream in streams:
                 stream.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
 
-    prefill_after, decode_after = asyncio.run(main())
+    prefill_after, decode_after, costs = asyncio.run(main())
     assert not decode_after["lending"]  # decode was still running when the prefill finished
     assert prefill_after["last_step_threads"] == 1
+    assert costs.borrow_threads == 0  # nothing lent: placement predicts the prefill worker's own speed

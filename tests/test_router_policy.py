@@ -8,7 +8,7 @@ import pytest
 from engine.hashing import block_hashes
 from engine.kv_events import KVEvent, KVEventBatch
 from router.index import PrefixIndex
-from engine.step_costs import PRIOR_DECODE_STEP_S, PRIOR_PREFILL_TOKENS_PER_S, StepCosts
+from engine.step_costs import PRIOR_BORROW_EFFICIENCY, PRIOR_DECODE_STEP_S, PRIOR_PREFILL_TOKENS_PER_S, StepCosts
 from router.policy import (CostWeights, DisaggConfig, NoDecodeWorker, PoolPolicy, PrefillDecision, Router, WorkerLoad,
                            decide_prefill, decide_prefill_by_cost, local_prefill_cost, remote_prefill_ttft)
 
@@ -250,6 +250,30 @@ def test_an_idle_decode_worker_prefills_when_the_remote_path_is_no_faster():
     assert by_cost(256, decode_worker(), prefill_worker()) == PrefillDecision(False, "decode_idle")
     faster = prefill_worker(step_costs=measured(tokens_per_s=1000.0))  # e.g. borrowing idle decode cores
     assert by_cost(256, decode_worker(), faster).remote
+
+
+def test_steps_on_borrowed_cores_are_measured_apart_and_a_prior_scales_the_own_speed_until_then():
+    costs = StepCosts({}, {1: 0.02})
+    costs.observe(0, 256, 256, 0.02 + 256 / 800)
+    costs.own_threads, costs.borrow_threads = 1, 2  # the worker's stats: one core lent right now
+    assert costs.borrowing and costs.prefill_speed(256) == pytest.approx(800)
+    assert costs.prefill_speed(256, borrowing=True) == pytest.approx(800 * (1 + PRIOR_BORROW_EFFICIENCY))
+    costs.observe(0, 256, 256, 0.02 + 256 / 1500, borrowed=True)
+    assert costs.prefill_speed(256) == pytest.approx(800)  # its own cores' speed is untouched
+    assert costs.prefill_speed(256, borrowing=True) == pytest.approx(1500)
+    costs.observe(1, 0, 0, 0.5, borrowed=True)  # decode steps are not measured on borrowed cores
+    assert costs.decode_time(1) == pytest.approx(0.02)
+    costs.borrow_threads = 0  # nothing lent any more
+    assert not costs.borrowing and costs.prefill_time(256, 256, costs.borrowing) == pytest.approx(0.02 + 256 / 800)
+
+
+def test_an_idle_decode_worker_leaves_the_prompt_to_a_prefill_worker_that_borrows_its_idle_cores():
+    """The decode worker's one core is lent while it is idle: the prefill worker would run the prompt on
+    both cores (its stats say so), which beats the decode worker prefilling on its own."""
+    lending = measured()
+    lending.own_threads, lending.borrow_threads = 1, 2
+    assert by_cost(256, decode_worker(), prefill_worker()) == PrefillDecision(False, "decode_idle")
+    assert by_cost(256, decode_worker(), prefill_worker(step_costs=lending)).remote
 
 
 def test_a_small_uncached_tail_that_fits_one_step_within_the_itl_slo_is_prefilled_locally():
