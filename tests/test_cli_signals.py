@@ -5,11 +5,13 @@ Real processes, started like a background job of a script (SIGINT ignored on ent
 keep), each in a process group of its own (a terminal's Ctrl-C signals the group). Every server serves a
 short request loop, gets its signal right after, and the next test's server is started at once on the same
 port: each test stops one server and starts its successor. Ray's processes are recognized by a marker in
-the environment they inherit from `tandem serve`."""
+the environment they inherit from `tandem serve`. The stop's own bounds (a deadline, a second signal) are
+checked on a stop that hangs, without Ray."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,9 +26,8 @@ import pytest
 from cluster.local_ray_watchdog import kill_marked, marked_processes
 from tests.test_cli import free_port
 
-pytestmark = pytest.mark.slow
-
 RUN_ENV = "TANDEM_TEST_RUN"
+RAY_LINE = re.compile(r"^(\x1b\[\d+m)?\(\w")
 START_BOUND_S = 240
 STOP_BOUND_S = 20  # "within seconds": a clean stop takes about 6 s on 2 busy cores
 LEFTOVER_BOUND_S = 10
@@ -40,6 +41,10 @@ class Server:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def own_output(self) -> str:
+        """The log without the lines Ray forwards from its actors ("(Name pid=...) ...")."""
+        return "\n".join(line for line in self.output().splitlines() if not RAY_LINE.match(line))
 
     def ray_processes(self) -> list[str]:
         return [_cmdline(pid) for pid in marked_processes(self.run, RUN_ENV)]
@@ -93,7 +98,7 @@ class Relay:
             output = server.output()
             assert code == 0, output
             assert "tandem: stopping" in output and "tandem: stopped" in output, output
-            assert "Traceback" not in output, output
+            assert "Traceback" not in server.own_output(), output
         deadline = time.monotonic() + LEFTOVER_BOUND_S
         while server.ray_processes() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -146,25 +151,71 @@ def _cmdline(pid: int) -> str:
         return f"{pid} (gone)"
 
 
+@pytest.mark.slow
 def test_sigint_to_the_pid_stops_it_cleanly_although_it_started_with_sigint_ignored(relay):
     relay.stop(lambda pid: os.kill(pid, signal.SIGINT))
 
 
+@pytest.mark.slow
 def test_sigint_to_its_process_group_stops_it_cleanly_like_ctrl_c(relay):
     relay.stop(lambda pid: os.killpg(pid, signal.SIGINT))
 
 
+@pytest.mark.slow
 def test_sigterm_stops_it_cleanly(relay):
     relay.stop(lambda pid: os.kill(pid, signal.SIGTERM))
 
 
+@pytest.mark.slow
 def test_sighup_stops_it_cleanly(relay):
     relay.stop(lambda pid: os.kill(pid, signal.SIGHUP))
 
 
+@pytest.mark.slow
 def test_kill_9_takes_its_whole_ray_instance_with_it(relay):
     relay.stop(lambda pid: os.kill(pid, signal.SIGKILL), clean=False)
 
 
+@pytest.mark.slow
 def test_a_restart_right_after_kill_9_serves_normally(relay):
     relay.serving()
+
+
+# ---- the stop's bounds, without Ray: a clean stop that hangs --------------------------------------
+
+HANGING_STOP = """
+import signal, sys, time
+from cluster.launcher import _StopOnSignal
+stop = _StopOnSignal(lambda message: print(message, flush=True))
+print("ignored" if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else "handled", flush=True)
+stop.begin(float(sys.argv[1]))
+print("stopping", flush=True)
+time.sleep(120)
+"""
+
+
+def run_hanging_stop(deadline_s: float, second_signal: bool) -> tuple[int, str, float]:
+    process = subprocess.Popen(["sh", "-c", "trap '' HUP INT; exec \"$@\"", "sh", sys.executable, "-c",
+                                HANGING_STOP, str(deadline_s)], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "ignored"  # SIGHUP stays ignored, as under nohup
+    assert process.stdout.readline().strip() == "stopping"
+    started = time.monotonic()
+    if second_signal:
+        process.send_signal(signal.SIGINT)  # SIGINT ignored on entry is handled all the same
+    try:
+        out, _ = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    return process.returncode, out, time.monotonic() - started
+
+
+def test_a_clean_stop_that_overruns_its_deadline_is_cut_short():
+    code, out, took = run_hanging_stop(1.0, second_signal=False)
+    assert code == 1 and "stopping now (the clean stop took over 1 s)" in out
+    assert took < 10
+
+
+def test_a_second_signal_while_stopping_ends_it_at_once():
+    code, out, took = run_hanging_stop(60.0, second_signal=True)
+    assert code == 1 and "stopping now (SIGINT while stopping)" in out
+    assert took < 10
