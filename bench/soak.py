@@ -43,7 +43,7 @@ MODEL = "tiny-llama"
 # Ingress counters the report reads, and the label each is broken down by (None: the total).
 INGRESS_COUNTERS = {"tandem:request_migrations_total": None, "tandem:request_reroutes_total": "pool",
                     "tandem:decode_worker_waits_total": "outcome", "tandem:requests_rejected_total": "reason",
-                    "vllm:request_success_total": "finish_reason"}
+                    "vllm:request_success_total": "finished_reason"}
 
 
 @dataclass(slots=True)

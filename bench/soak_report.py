@@ -75,6 +75,7 @@ def summary(r: dict) -> str:
         ("reroutes", _fmt(counter("tandem:request_reroutes_total"))),
         ("decode waits", _fmt(counter("tandem:decode_worker_waits_total"))),
         ("rejected", _fmt(counter("tandem:requests_rejected_total"))),
+        ("ingress request_success", _fmt(counter("vllm:request_success_total"))),
         ("recomputes (failed pulls)", _fmt(r["recomputes"]) + f" (total {sum(r['recomputes'].values())})"),
         ("prefills", _fmt(r["prefills"])),
         ("idle at end", f"{r['idle']} (after {r['idle_wait_s']} s)"),

@@ -166,12 +166,14 @@ class WorkerWatch:
                     pass
 
     def kill_one(self, rng: random.Random, expected: int) -> Kill | None:
-        """SIGKILL one worker picked at random, once all `expected` workers answer (at most one is ever
-        down because of the soak); None when they do not."""
-        workers = self.workers()
+        """SIGKILL one worker, once all `expected` workers answer (at most one is ever down because of the
+        soak); None when they do not. The pool is drawn first, so the lone prefill worker dies as often as
+        the decode pool loses one."""
+        workers = sorted(self.workers(), key=lambda w: w.worker_id)
         if len(workers) < expected:
             return None
-        victim = rng.choice(sorted(workers, key=lambda w: w.worker_id))
+        pool = rng.choice(sorted({w.pool for w in workers}))
+        victim = rng.choice([w for w in workers if w.pool == pool])
         try:
             pids = {w.worker_id: self._tally(w) for w in workers}
         except GONE:
