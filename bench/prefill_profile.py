@@ -1,0 +1,36 @@
+"""One 256-token prefill of the default model on the bare engine, one thread: its time and a torch.profiler
+table of where it goes. `.venv/bin/python bench/prefill_profile.py [threads]`"""
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from engine.model_loader import default_model_dir  # noqa: E402
+
+threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+torch.set_num_threads(threads)
+engine = Engine(EngineConfig(model=str(default_model_dir()), num_threads=threads, num_kv_blocks=512,
+                             max_num_batched_tokens=2048))
+rng = random.Random(0)
+
+
+def one() -> float:
+    ids = [rng.randrange(100, 40000) for _ in range(256)]  # fresh prompts: no prefix hits
+    started = time.perf_counter()
+    engine.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+    return time.perf_counter() - started
+
+
+for _ in range(3):
+    one()
+print(f"256-token prefill, {threads} thread(s):", [round(one() * 1e3) for _ in range(5)], "ms")
+with profile(activities=[ProfilerActivity.CPU]) as prof:
+    one()
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
