@@ -14,8 +14,9 @@ from engine.config import EngineConfig
 from engine.cpu_cores import CpuBinding
 from engine.errors import first_field_error
 from cluster.scaling_policy import Thresholds
-from engine.transfer_config import TransferConfig
+from engine.transfer_config import TLSFiles, TransferConfig
 from kv_transfer.addresses import check_host
+from kv_transfer.tls import check_files
 from router.request_limits import RequestLimits
 
 
@@ -46,6 +47,29 @@ class EngineOptions(_Strict):
     enable_prefix_caching: bool = True
 
 
+class TLSOptions(_Strict):
+    """TLS on the KV servers' gRPC channel (kv_transfer/tls.py): every worker's certificate and key (PEM
+    files, e.g. mounted from a Kubernetes Secret) and the CA that signed them; `mutual` makes servers
+    require client certificates too; `server_name` is the name the certificates carry when it is not the
+    address dialled. The torch.distributed data plane stays unencrypted."""
+    cert_file: str
+    key_file: str
+    ca_file: str | None = None
+    mutual: bool = False
+    server_name: str | None = None
+
+    @model_validator(mode="after")
+    def _files_readable(self) -> TLSOptions:
+        try:
+            check_files(self.files())
+        except ValueError as exc:
+            raise ValueError(str(exc).removeprefix("transfer.tls.")) from None
+        return self
+
+    def files(self) -> TLSFiles:
+        return TLSFiles(self.cert_file, self.key_file, self.ca_file, self.mutual, self.server_name)
+
+
 class TransferOptions(_Strict):
     backend: Literal["grpc", "torch_dist"] = "grpc"
     token: str | None = None
@@ -55,6 +79,7 @@ class TransferOptions(_Strict):
     # Per node, TANDEM_KV_ADVERTISE_HOST / TANDEM_KV_BIND_HOST in a worker's environment win over these.
     advertise_host: str | None = None  # None: the node's IP as Ray sees it
     bind_host: str | None = None  # None: the advertised address itself; "0.0.0.0": every interface
+    tls: TLSOptions | None = None  # None: plaintext gRPC (authenticated by the shared token)
 
     @field_validator("token")
     @classmethod
@@ -226,7 +251,8 @@ class ClusterConfig(_Strict):
         token = self.transfer.token or os.environ.get("TANDEM_KV_TOKEN", "")
         return TransferConfig(backend=self.transfer.backend, token=token, lease_ttl_s=self.transfer.lease_ttl_s,
                               timeout_s=self.transfer.timeout_s, layerwise=self.transfer.layerwise,
-                              advertise_host=self.transfer.advertise_host, bind_host=self.transfer.bind_host)
+                              advertise_host=self.transfer.advertise_host, bind_host=self.transfer.bind_host,
+                              tls=self.transfer.tls.files() if self.transfer.tls else None)
 
     def with_env(self) -> ClusterConfig:
         """Fill keys from the environment: TANDEM_API_KEYS ("key:tenant,key2:tenant2") and TANDEM_ADMIN_KEY.

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 MARKER_ENV = "TANDEM_SERVE_ID"
@@ -62,7 +63,11 @@ def main(marker: str) -> None:
     for signum in (signal.SIGINT, signal.SIGHUP):  # a terminal's Ctrl-C or hang-up is for the server
         signal.signal(signum, signal.SIG_IGN)
     sys.stdin.buffer.read()
-    kill_marked(marker)
+    # Sweep until a few sweeps in a row find nothing: a process forked while a sweep ran escapes it.
+    deadline, quiet = time.monotonic() + 30, 0
+    while quiet < 3 and time.monotonic() < deadline:
+        quiet = 0 if kill_marked(marker) else quiet + 1
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

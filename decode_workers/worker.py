@@ -20,9 +20,9 @@ logger = logging.getLogger(__name__)
 def make_kv_client(transfer: TransferConfig, cache):
     if transfer.backend == "torch_dist":
         from kv_transfer.dist_client import DistKVClient
-        return DistKVClient(cache, transfer.token, timeout_s=transfer.timeout_s)
+        return DistKVClient(cache, transfer.token, timeout_s=transfer.timeout_s, tls=transfer.tls)
     from kv_transfer.grpc_client import GrpcKVClient
-    return GrpcKVClient(cache, transfer.token, timeout_s=transfer.timeout_s)
+    return GrpcKVClient(cache, transfer.token, timeout_s=transfer.timeout_s, tls=transfer.tls)
 
 
 class DecodeWorker(EngineServer):

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from cluster.app import build_app
-from cluster.config import ConfigError, load_config, parse_api_keys
+from cluster.config import ConfigError, key_tenant, load_config, parse_api_keys
 
 SECRETS = Path(__file__).resolve().parents[1] / "k8s" / "base" / "secrets.yaml"
 ENV = ("TANDEM_API_KEYS", "TANDEM_ADMIN_KEY", "TANDEM_KV_TOKEN")
@@ -70,6 +70,6 @@ def test_real_secrets_are_kept(monkeypatch):
     monkeypatch.setenv("TANDEM_API_KEYS", "k1:tenant-a,placeholder-for-nothing")
     monkeypatch.setenv("TANDEM_KV_TOKEN", "replace-me-placeholder")
     config = load_config(admin_key="a-placeholder-admin-key-replace-me-not")
-    assert config.api_keys == {"k1": "tenant-a", "placeholder-for-nothing": "placeholder-for-nothing"}
+    assert config.api_keys == {"k1": "tenant-a", "placeholder-for-nothing": key_tenant("placeholder-for-nothing")}
     assert config.admin_key == "a-placeholder-admin-key-replace-me-not"
     assert config.transfer_config().token == "replace-me-placeholder"
