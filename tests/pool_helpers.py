@@ -25,10 +25,10 @@ def run_all(reqs, decode, prefill=None):
     return asyncio.run(main())
 
 
-def wait_for(predicate, timeout_s=10.0):
+def wait_for(predicate, timeout_s=10.0, interval_s=0.05):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return True
-        time.sleep(0.05)
+        time.sleep(interval_s)
     return predicate()

@@ -19,7 +19,6 @@ import os
 import random
 import signal
 import threading
-import time
 
 import openai
 import pytest
@@ -38,6 +37,7 @@ from router.metrics import Metrics
 from router.policy import DisaggConfig, Router
 from router.request_router import RequestRouter
 from router.worker_view import WorkerView
+from tests import pool_helpers
 from tests.cluster_load import serve_tandem
 
 pytestmark = pytest.mark.slow
@@ -87,12 +87,8 @@ def pid_of(handle) -> int:
 
 
 def wait_for(predicate, timeout_s: float = 180.0, interval_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
+    """tests.pool_helpers.wait_for with this module's generous default: workers here restart after kills."""
+    return pool_helpers.wait_for(predicate, timeout_s, interval_s)
 
 
 def ready(worker_id: str) -> bool:
