@@ -18,7 +18,7 @@ from dataclasses import asdict
 from typing import Literal
 
 import ray
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
@@ -71,37 +71,44 @@ class DrainRequest(BaseModel):
     worker_id: str = Field(min_length=1, max_length=128)
 
 
-class _AdminRoute(APIRoute):
-    """Turns AdminError and body validation errors into error bodies here, so the admin API answers
-    the same way whatever exception handlers the app around it installs."""
+def _authorize(request: Request, admin_key: str | None) -> None:
+    if not admin_key:
+        raise AdminError(403, "admin API disabled: set TANDEM_ADMIN_KEY (or `tandem serve --admin-key`)")
+    if not token_matches(bearer_token(request.headers.get("authorization")), admin_key):
+        raise AdminError(401, "missing or wrong admin key: send `Authorization: Bearer <admin key>`")
 
-    def get_route_handler(self):
-        handler = super().get_route_handler()
 
-        async def guarded(request: Request):
-            try:
-                return await handler(request)
-            except AdminError as exc:
-                return exc.response()
-            except RequestValidationError as exc:
-                first = first_field_error(exc, root="body")
-                return AdminError(400, f"invalid admin request: {first.message}", first.path or None).response()
+def _admin_route_class(admin_key: str | None) -> type[APIRoute]:
+    """A route class that checks the admin key before anything reads the body (so a caller without the
+    key learns nothing from validation errors), and turns AdminError and body validation errors into
+    error bodies here, so the admin API answers the same way whatever exception handlers the app around
+    it installs."""
 
-        return guarded
+    class AdminRoute(APIRoute):
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def guarded(request: Request):
+                try:
+                    _authorize(request, admin_key)
+                    return await handler(request)
+                except AdminError as exc:
+                    return exc.response()
+                except RequestValidationError as exc:
+                    first = first_field_error(exc, root="body")
+                    return AdminError(400, f"invalid admin request: {first.message}",
+                                      first.path or None).response()
+
+            return guarded
+
+    return AdminRoute
 
 
 def build_admin_router(get_controller: Callable[[], object], admin_key: str | None) -> APIRouter:
     """The /admin routes. `get_controller` returns the controller actor handle (looked up per call, so a
     restarted controller is found again); without an `admin_key` every route answers 403."""
 
-    async def authorize(request: Request) -> None:
-        if not admin_key:
-            raise AdminError(403, "admin API disabled: set TANDEM_ADMIN_KEY (or `tandem serve --admin-key`)")
-        if not token_matches(bearer_token(request.headers.get("authorization")), admin_key):
-            raise AdminError(401, "missing or wrong admin key: send `Authorization: Bearer <admin key>`")
-
-    router = APIRouter(prefix="/admin", dependencies=[Depends(authorize)], route_class=_AdminRoute,
-                       tags=["admin"])
+    router = APIRouter(prefix="/admin", route_class=_admin_route_class(admin_key), tags=["admin"])
 
     async def call(method: str, *args):
         try:

@@ -89,6 +89,28 @@ def test_the_ingress_the_admin_api_and_the_kv_server_agree(header, token):
     assert (got is handler) == accepted
 
 
+def test_the_admin_key_is_checked_before_the_body():
+    """A caller without the admin key learns nothing from validation errors: a bad body gets 401 too."""
+    def no_controller():
+        raise ValueError("no controller in this test")
+
+    app = FastAPI()
+    app.include_router(build_admin_router(no_controller, KEY))
+    client = TestClient(app)
+    def post(path: str, body: str, token: str | None):
+        headers = {"Content-Type": "application/json"} | ({} if token is None else {"Authorization": f"Bearer {token}"})
+        return client.post(path, content=body, headers=headers)
+
+    for path, body in (("/admin/scale", '{"pool": "decode"}'), ("/admin/drain", '{"worker": 1}'),
+                       ("/admin/scale", "not json")):
+        assert post(path, body, "tenant-key").status_code == 401 and post(path, body, None).status_code == 401
+        got = post(path, body, KEY)
+        assert got.status_code == 400 and got.json()["error"]["type"] == "invalid_request_error"
+    disabled = FastAPI()
+    disabled.include_router(build_admin_router(no_controller, None))
+    assert TestClient(disabled).post("/admin/scale", json={"pool": "decode"}).status_code == 403
+
+
 def test_a_bare_key_is_never_its_own_tenant():
     """A key given without a tenant gets one named after its digest: the key itself would show wherever a
     tenant does (logs, the cache salt in KV events and worker state)."""
