@@ -13,6 +13,25 @@ SEED_RANGE = (-2**63, 2**63 - 1)  # what torch.Generator.manual_seed takes, with
 TOP_K_MAX = 2**31 - 1
 
 
+@dataclass(slots=True, frozen=True)
+class StructuredOutputs:
+    """A constraint on the output, enforced while decoding (vLLM's `StructuredOutputsParams`): exactly one
+    of `json` (a JSON schema, as JSON text), `json_object` (any JSON object), `regex`, `choice` (one of the
+    strings) or `grammar` (an EBNF grammar)."""
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidRequestError("structured outputs need exactly one of json, json_object, regex, choice, "
+                                      f"grammar; got {given or 'none'}", field="structured_outputs")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 (or below SAMPLING_EPS) means greedy; top_k<=0
@@ -35,6 +54,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self):
         # vLLM and OpenAI clients send null or a bare string as well as a list.
