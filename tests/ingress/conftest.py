@@ -18,7 +18,8 @@ KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 ADMIN_KEY = "admin-secret"
 MODEL = "tiny-llama"
 ALIAS = "tiny-alias"
-CHAT_TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+CHAT_TEMPLATE = ("{% if greeting is defined %}{{ greeting }}\n{% endif %}"
+                 "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}[assistant]{% endif %}")
 
 
