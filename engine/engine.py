@@ -15,6 +15,7 @@ from engine.errors import InvalidRequestError
 from engine.model_loader import load_tokenizer, resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.reasoning import ReasoningBudget, ReasoningMarkers, force_reasoning_end
 from engine.request import Request
 from engine.sampler import Sampler, skip_draws
 from engine.sampling_params import SamplingParams
@@ -40,6 +41,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.eos_token_ids = _eos_token_ids(self.runner.model, self.tokenizer)
         self.sampler = Sampler(self.eos_token_ids)
+        self.reasoning_markers = (None if config.reasoning_markers is None
+                                  else ReasoningMarkers.from_tokenizer(self.tokenizer, *config.reasoning_markers))
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._seeds = torch.Generator().manual_seed(config.seed)
@@ -91,6 +94,7 @@ class Engine:
             raise InvalidRequestError(f"prompt + max_tokens needs more KV blocks than this worker has "
                                       f"({self.block_manager.num_blocks} x {self.config.block_size} tokens)",
                                       field="max_tokens")
+        self._check_reasoning(params)
         if output_token_ids:
             vocab = self.runner.vocab_size
             if len(output_token_ids) >= max_tokens or not all(0 <= t < vocab for t in output_token_ids):
@@ -100,6 +104,16 @@ class Engine:
         generator = None if params.greedy else torch.Generator(self.runner.device).manual_seed(seed)
         return Request(request_id, prompt_ids, params, max_tokens, cache_salt, generator,
                        all_token_ids=[*prompt_ids, *output_token_ids])
+
+    def _check_reasoning(self, params: SamplingParams) -> None:
+        if params.max_reasoning_tokens is None:
+            return
+        if self.reasoning_markers is None:
+            raise InvalidRequestError("max_reasoning_tokens needs a model that thinks between markers; this "
+                                      "engine has no reasoning_markers configured", field="max_reasoning_tokens")
+        if params.structured is not None:
+            raise InvalidRequestError("max_reasoning_tokens cannot be combined with structured outputs",
+                                      field="max_reasoning_tokens")
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None) -> Request:
@@ -121,6 +135,9 @@ class Engine:
         detok.take_new_text(finished=False)
         if req.generator is not None:
             skip_draws(req.generator, self.runner.vocab_size, req.num_output_tokens)
+        if req.sampling_params.max_reasoning_tokens is not None:
+            req.reasoning = ReasoningBudget.replay(self.reasoning_markers, req.sampling_params.max_reasoning_tokens,
+                                                   req.prompt_token_ids, req.output_token_ids)
         self.detokenizers[req.request_id] = detok
         self.num_prompt_tokens += req.num_prompt_tokens
         self.scheduler.add(req)
@@ -228,6 +245,7 @@ class Engine:
         for req, n in scheduled:
             req.num_computed_tokens += n
             self.block_manager.cache_full_blocks(req)
+        logits = force_reasoning_end(logits, sampled)
         tokens, logprobs = self.sampler(logits, sampled) if sampled else ([], [])
         self.step_costs.observe(*shape, time.perf_counter() - started, borrowed=self.borrowing)
         return [self._append_token(req, t, lp) for req, t, lp in zip(sampled, tokens, logprobs)]
@@ -237,6 +255,8 @@ class Engine:
         req.times.first_token = req.times.first_token or now
         req.times.last_token = now
         req.all_token_ids.append(token)
+        if req.reasoning is not None:
+            req.reasoning.advance(token)
         self.num_generation_tokens += 1
         if logprobs is not None:
             req.output_logprobs.append(logprobs)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.reasoning import ReasoningBudget
 from engine.sampling_params import SamplingParams
 
 
@@ -46,6 +47,7 @@ class Request:
     stop_reason: int | str | None = None
     output_logprobs: list[dict] = field(default_factory=list)
     do_remote_decode: bool = False
+    reasoning: ReasoningBudget | None = None  # set by Engine.add when max_reasoning_tokens is given
     times: RequestTimes = field(default_factory=RequestTimes)
 
     def __post_init__(self):

@@ -72,3 +72,36 @@ def simulated_hosts():
         workdir = Path(tempfile.mkdtemp(prefix="tdm"))  # short: Ray's socket paths live under it
         with SimulatedHosts("abcd", workdir, ray_env) as hosts:
             yield hosts
+
+
+# A Hermes-style template: tools in the system turn, calls as <tool_call> JSON, results as <tool_response>,
+# and a generation prompt that opens the assistant's thinking.
+AGENT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nFunctions you may call:\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% endfor %}Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.role == 'assistant' and message.tool_calls %}{% for call in message.tool_calls %}"
+    "<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}"
+    "</tool_call>{% endfor %}"
+    "{%- elif message.role == 'tool' %}<tool_response id=\"{{ message.tool_call_id }}\">{{ message.content }}"
+    "</tool_response>{% else %}{{ message.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+AGENT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+
+@pytest.fixture(scope="session")
+def tiny_agent_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama with <think>, </think>, <tool_call> and </tool_call> as single (non-special) tokens
+    and AGENT_TEMPLATE as its chat template."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.model_loader import load_tokenizer
+    out = tmp_path_factory.mktemp("models") / "tiny-agent"
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    tokenizer.add_tokens(AGENT_TOKENS)
+    tokenizer.chat_template = AGENT_TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
