@@ -24,11 +24,13 @@ from transformers import AutoConfig
 from engine.model_loader import load_tokenizer, resolve_model_dir
 from router.admission import Admission
 from router.auth import Authenticator
+from router.chat_output import ChatParsing
 from router.index import PrefixIndex
 from router.latency_report import LatencyReporter
 from router.metrics import Metrics
 from router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, request_body_schema
 from router.policy import DisaggConfig, Router
+from router.reasoning_parser import ReasoningOptions
 from router.request_limits import RequestLimits, read_body
 from router.request_router import RequestRouter
 from router.service import ModelInfo, OpenAIService, to_api_error
@@ -56,6 +58,8 @@ class IngressConfig:
     routing: str = "prefix_aware"  # or round_robin: the baseline for benchmarks
     decode_wait_s: float = 60.0  # how long a request waits for a decode worker while the pool heals
     limits: RequestLimits = field(default_factory=RequestLimits)
+    reasoning: ReasoningOptions | None = None  # the model's thinking markers (router/reasoning_parser.py)
+    tool_call_parser: str | None = "hermes"  # the format tool_choice auto reads (router/tool_parsers.py)
 
 
 def load_model_info(config: IngressConfig):
@@ -98,7 +102,8 @@ class Ingress:
                                      RequestRouter(self.view, self.metrics, latencies,
                                                    migration_limit=config.migration_limit,
                                                    decode_wait_s=config.decode_wait_s),
-                                     config.block_size, config.limits)
+                                     config.block_size, config.limits,
+                                     ChatParsing(tokenizer, config.reasoning, config.tool_call_parser))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = build_api(self.service, self.view, self.scrape, self.config.limits)

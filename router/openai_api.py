@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import InvalidRequestError, first_field_error
 from engine.sampling_params import SamplingParams
+from router.openai_tools import ChatCompletionToolsParam, ToolChoice, ToolUse, tool_use
+from router.reasoning_parser import Effort
 
 
 class APIError(Exception):
@@ -144,17 +146,50 @@ class ContentPart(_Body):
     text: str
 
 
+class FunctionCallIn(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallIn
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
 
-    def template_dict(self) -> dict:
-        """The message as a chat template reads it: text parts joined, `developer` as `system`."""
+    def template_dict(self, param: str = "messages") -> dict:
+        """The message as a chat template reads it: text parts joined, `developer` as `system`, tool calls
+        with their arguments as objects (what templates render with `tojson`). `param` names the message."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise APIError.bad_request("a tool message needs the tool_call_id it answers",
+                                           f"{param}.tool_call_id")
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls and self.role != "assistant":
+            raise APIError.bad_request("only assistant messages carry tool_calls", f"{param}.tool_calls")
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(call, f"{param}.tool_calls[{i}]")
+                                     for i, call in enumerate(self.tool_calls)]
+        return message
+
+
+def _template_call(call: ToolCallIn, param: str) -> dict:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise APIError.bad_request("function.arguments must be JSON text", f"{param}.function.arguments") from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -164,6 +199,20 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; every call the model makes is returned
+    max_reasoning_tokens: int | None = Field(None, ge=0)
+    reasoning_effort: Effort | None = None
+
+    def template_messages(self) -> list[dict]:
+        return [m.template_dict(f"messages[{i}]") for i, m in enumerate(self.messages)]
+
+    def tool_use(self) -> ToolUse | None:
+        try:
+            return tool_use(self.tools, self.tool_choice)
+        except InvalidRequestError as exc:
+            raise APIError.from_invalid(exc) from None
 
     @property
     def max_tokens_param(self) -> str:
