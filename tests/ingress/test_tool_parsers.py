@@ -176,3 +176,41 @@ def test_streamed_chunks_add_up_to_the_whole_response(tokenizer):
     assert (streamed["reasoning"], streamed["content"], finish) == ("hmm", "Let me check. \n", "tool_calls")
     assert streamed["calls"] == {i: (c.function.name, json.loads(c.function.arguments))
                                  for i, c in enumerate(whole.message.tool_calls)}
+
+
+@pytest.mark.parametrize("options, fields, param", [
+    (None, {"max_reasoning_tokens": 4}, "max_reasoning_tokens"),
+    (None, {"reasoning_effort": "low"}, "reasoning_effort"),
+    (ReasoningOptions(), {"max_reasoning_tokens": 4, "reasoning_effort": "low"}, "reasoning_effort"),
+    (ReasoningOptions(), {"reasoning_effort": "extreme"}, "reasoning_effort"),
+    (ReasoningOptions(), {"max_reasoning_tokens": -1}, "max_reasoning_tokens"),
+])
+def test_a_reasoning_budget_the_server_cannot_honour_is_a_400_naming_the_field(tokenizer, options, fields, param):
+    with pytest.raises(APIError) as raised:
+        ChatParsing(tokenizer, options, "hermes").reasoning_budget(request(**fields))
+    assert (raised.value.status, raised.value.param) == (400, param)
+
+
+def test_reasoning_effort_maps_to_the_documented_budgets(tokenizer):
+    parsing = ChatParsing(tokenizer, ReasoningOptions(), "hermes")
+    budgets = {e: parsing.reasoning_budget(request(reasoning_effort=e)) for e in ("low", "medium", "high")}
+    assert budgets == {"low": 512, "medium": 2048, "high": 8192}
+    assert parsing.reasoning_budget(request(max_reasoning_tokens=0)) == 0
+    assert parsing.reasoning_budget(request()) is None
+
+
+def test_auto_without_a_tool_call_parser_is_refused_but_required_is_not(tokenizer):
+    parsing = ChatParsing(tokenizer, None, None)
+    with pytest.raises(APIError) as raised:
+        parsing.check_tools(request(tools=[WEATHER]).tool_use())
+    assert raised.value.param == "tool_choice"
+    parsing.check_tools(request(tools=[WEATHER], tool_choice="required").tool_use())
+
+
+def test_the_cluster_config_gives_the_markers_to_the_engine_and_knows_its_parsers():
+    from cluster.config import ClusterConfig
+    config = ClusterConfig(reasoning={"start": "<s1>", "end": "</s1>"})
+    assert config.engine_config(config.decode).reasoning_markers == ("<s1>", "</s1>")
+    assert ClusterConfig().engine_config(ClusterConfig().decode).reasoning_markers is None
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ClusterConfig(tool_call_parser="nonesuch")
