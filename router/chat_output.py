@@ -97,11 +97,12 @@ class ChatParsing:
                                        'use "required", a named function or "none"', "tool_choice")
 
     def output(self, tools: ToolUse | None, prompt_ids: list[int]) -> ChatOutput:
-        """A fresh ChatOutput for one choice of a request with these tools and this prompt."""
-        reasoning = None
-        if self.markers is not None:
-            reasoning = ReasoningParser(self.markers.start, self.markers.end, self.markers.thinking_after(prompt_ids))
+        """A fresh ChatOutput for one choice of a request with these tools and this prompt. A constrained
+        tool choice's output is the call's JSON from its first token: no thinking to split off."""
         mode = tools.mode if tools is not None else None
+        reasoning = None
+        if self.markers is not None and mode not in ("required", "named"):
+            reasoning = ReasoningParser(self.markers.start, self.markers.end, self.markers.thinking_after(prompt_ids))
         parser = {"auto": lambda: TOOL_PARSERS[self.tool_call_parser](), "required": RequiredToolParser,
                   "named": lambda: NamedToolParser(tools.name)}.get(mode)
         return ChatOutput(reasoning, parser() if parser else None, mode)

@@ -273,9 +273,10 @@ class ChatFormatter(Formatter):
         calls = [DeltaToolCall(index=piece.first_index + i, id=call.id, type="function",
                                function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
                  for i, call in enumerate(piece.tool_calls)]
+        chat_delta = ChatDelta(content=piece.content or None, reasoning_content=piece.reasoning or None,
+                               tool_calls=calls or None)
         return self._chunk(ChatChunkChoice(
-            index=choice.index, delta=ChatDelta(content=piece.content or None, reasoning_content=piece.reasoning or None,
-                                                tool_calls=calls or None),
+            index=choice.index, delta=chat_delta,
             logprobs=self._logprobs(delta.logprobs), finish_reason=out.finish_reason if delta.finished else None,
             stop_reason=delta.stop_reason if delta.finished else None))
 

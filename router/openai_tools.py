@@ -59,7 +59,7 @@ def tool_use(tools: list[ChatCompletionToolsParam] | None, tool_choice: ToolChoi
     """Validate the tools and the choice among them (InvalidRequestError naming the field); None: no tools."""
     if not tools:
         if tool_choice not in (None, "none"):
-            raise InvalidRequestError(field="tool_choice", message="tool_choice needs tools")
+            raise InvalidRequestError("tool_choice needs tools", "tool_choice")
         return None
     names = [tool.function.name for tool in tools]
     for i, tool in enumerate(tools):
@@ -75,8 +75,8 @@ def tool_use(tools: list[ChatCompletionToolsParam] | None, tool_choice: ToolChoi
     if isinstance(choice, ChatCompletionNamedToolChoiceParam):
         name = choice.function.name
         if name not in names:
-            raise InvalidRequestError(field="tool_choice", message=f"tool_choice names the function {name!r}, which is not among tools "
-                                            f"({', '.join(names)})")
+            raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not among tools "
+                                      f"({', '.join(names)})", "tool_choice")
         schema = parameters(tools[names.index(name)])
         return ToolUse("named", rendered, name, StructuredOutputs(json=json.dumps(schema)))
     if choice == "required":

@@ -158,7 +158,8 @@ def test_streamed_chunks_add_up_to_the_whole_response(tokenizer):
     prompt = tokenizer.encode("<|im_start|>assistant\n") + list(parsing.markers.start_ids)
     text = "hmm</think>" + HERMES_TEXT
     fmt = ChatFormatter("m", tokenizer, lambda: parsing.output(use, prompt))
-    whole = fmt.response([Choice(0, 0, text=text, finish_reason="stop")], Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2)).choices[0]
+    usage = Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2)
+    whole = fmt.response([Choice(0, 0, text=text, finish_reason="stop")], usage).choices[0]
     assert (whole.message.reasoning_content, whole.message.content) == ("hmm", "Let me check. \n")
     assert whole.finish_reason == "tool_calls"
     streamed = {"reasoning": "", "content": "", "calls": {}}
@@ -214,3 +215,12 @@ def test_the_cluster_config_gives_the_markers_to_the_engine_and_knows_its_parser
     assert ClusterConfig().engine_config(ClusterConfig().decode).reasoning_markers is None
     with pytest.raises(ValueError, match="tool_call_parser"):
         ClusterConfig(tool_call_parser="nonesuch")
+
+
+def test_a_constrained_tool_choice_reads_its_json_even_where_the_prompt_opened_thinking(tokenizer):
+    parsing = ChatParsing(tokenizer, ReasoningOptions(), "hermes")
+    thinking_prompt = list(parsing.markers.start_ids)
+    out = parsing.output(request(tools=[TIME], tool_choice="required").tool_use(), thinking_prompt)
+    out.finish('[{"name": "get_time", "parameters": {}}]', "stop")
+    assert [c.function.name for c in out.whole.tool_calls] == ["get_time"] and not out.whole.reasoning
+    assert out.finish_reason == "tool_calls"
