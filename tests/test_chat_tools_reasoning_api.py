@@ -2,8 +2,10 @@
 and a disaggregated application over the tiny agent model (tests/conftest.py: <think>, </think>,
 <tool_call>, </tool_call> as tokens; a template that renders tools and opens the thinking).
 
-A random model does not write `<tool_call>` by itself: the calls it makes here are steered with a regex
-(structured outputs, issue 14's capability 1), and the parser that reads them is tool_choice auto's.
+A random model does not write `<tool_call>` by itself: the agent model is rigged so that once it writes
+<tool_call> (a logit bias makes it), it goes on with a whole call, token by token, which tool_choice
+auto's parser reads. Its generation prompt opens the thinking, so these requests close it at once
+(max_reasoning_tokens 0). `required` and named functions need structured outputs (issue 14's capability 1).
 """
 from __future__ import annotations
 
@@ -148,28 +150,46 @@ def test_without_a_call_in_the_output_auto_answers_with_content(apps):
     assert not choice.message.tool_calls and choice.finish_reason == "length"
 
 
-HERMES_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}</tool_call>'
-
-
-@CONSTRAINED
-@pytest.mark.parametrize("stream", [False, True])
-def test_auto_parses_a_hermes_call_into_tool_calls(apps, stream):
+def steered_call(base_url: str, opener: int, stream: bool, max_tokens: int = 8) -> tuple[list, str, str | None]:
+    """(calls as (id, name, arguments), content, finish_reason) of a request whose output is the rigged call."""
     body = dict(model=MODEL, messages=ask("weather?"), tools=[WEATHER, TIME], tool_choice="auto", temperature=0,
-                max_tokens=60, extra_body={"structured_outputs": {"regex": HERMES_CALL}})
+                max_tokens=max_tokens, logit_bias={str(opener): 100}, extra_body={"max_reasoning_tokens": 0})
     if not stream:
-        choice = client(apps["colocated"]).chat.completions.create(**body).choices[0]
-        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls]
-        finish = choice.finish_reason
-    else:
-        parts, finish = {}, None
-        for chunk in client(apps["colocated"]).chat.completions.create(stream=True, **body):
-            for choice in chunk.choices:
-                for call in choice.delta.tool_calls or []:
-                    parts[call.index] = (call.id, call.function.name, call.function.arguments)
-                finish = choice.finish_reason or finish
-        calls = [parts[i] for i in sorted(parts)]
+        choice = client(base_url).chat.completions.create(**body).choices[0]
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return calls, choice.message.content or "", choice.finish_reason
+    parts, content, finish = {}, "", None
+    for chunk in client(base_url).chat.completions.create(stream=True, **body):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                parts[call.index] = (call.id, call.function.name, call.function.arguments)
+            finish = choice.finish_reason or finish
+    return [parts[i] for i in sorted(parts)], content, finish
+
+
+@pytest.fixture(scope="module")
+def opener(tiny_agent_dir) -> int:
+    """The token id of <tool_call>."""
+    from engine.model_loader import load_tokenizer
+    return load_tokenizer(tiny_agent_dir).convert_tokens_to_ids("<tool_call>")
+
+
+@pytest.mark.parametrize("path", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_parses_the_models_hermes_call_into_tool_calls(apps, opener, path, stream):
+    calls, content, finish = steered_call(apps[path], opener, stream)
     assert [(name, json.loads(args)) for _, name, args in calls] == [("get_weather", {"city": "Paris"})]
-    assert calls[0][0].startswith("call_") and finish == "tool_calls"
+    jsonschema.validate(json.loads(calls[0][2]), WEATHER["function"]["parameters"])
+    assert calls[0][0].startswith("call_") and finish == "tool_calls" and content == ""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_ends_with_length_and_comes_back_as_content(apps, opener, stream):
+    from tests.conftest import AGENT_CALL
+    calls, content, finish = steered_call(apps["colocated"], opener, stream, max_tokens=3)  # </think> <tool_call> {...}
+    assert (calls, finish) == ([], "length")
+    assert content == "<tool_call>" + AGENT_CALL  # what the model wrote, as text: never a call
 
 
 @CONSTRAINED
@@ -188,7 +208,7 @@ def test_constrained_tool_choice_gives_calls_whose_arguments_validate(apps, path
 
 
 @CONSTRAINED
-def test_a_call_cut_by_max_tokens_is_length_and_no_tool_call(apps):
+def test_a_constrained_call_cut_by_max_tokens_is_length_and_no_tool_call(apps):
     choice = client(apps["colocated"]).chat.completions.create(
         model=MODEL, messages=ask("weather?"), tools=[WEATHER], temperature=0, max_tokens=3,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]

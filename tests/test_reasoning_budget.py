@@ -95,3 +95,12 @@ def test_a_budget_without_configured_markers_is_refused_naming_the_field(tiny_en
     with pytest.raises(InvalidRequestError) as raised:
         tiny_engine.generate(["x"], SamplingParams(max_reasoning_tokens=4))
     assert raised.value.field == "max_reasoning_tokens"
+
+
+def test_the_rigged_agent_model_writes_a_whole_hermes_call_once_it_opens_one(engine):
+    """What the API tests of tool_choice auto rely on (tests/conftest.py)."""
+    from tests.conftest import AGENT_CALL
+    opener = engine.tokenizer.convert_tokens_to_ids("<tool_call>")
+    params = SamplingParams(temperature=0.0, max_tokens=10, logit_bias={opener: 100.0})
+    out = engine.generate([engine.tokenize("weather?")], params)[0]
+    assert out.text == f"<tool_call>{AGENT_CALL}</tool_call>" and out.finish_reason == "stop"
