@@ -9,6 +9,7 @@ applies it with llguidance's kernel; every accepted token advances the request's
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -42,23 +43,28 @@ def grammar_spec(structured: StructuredOutputs) -> str:
 def validate_structured(structured: StructuredOutputs) -> None:
     """Raise InvalidRequestError naming the constraint's kind (`json`, `regex`, `choice`, `grammar`) when
     it cannot be compiled: a schema that is not JSON or not a valid schema, a bad regex or grammar."""
-    kind = structured_kind(structured)
+    error = grammar_error(structured)
+    if error:
+        kind = structured_kind(structured)
+        raise InvalidRequestError(f"invalid {kind}: {error}", field=kind)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def grammar_error(structured: StructuredOutputs) -> str | None:
+    """Why `structured` cannot be compiled, or None; cached, since clients repeat their schemas."""
     if structured.json is not None:
         try:
             schema = json.loads(structured.json)
         except ValueError as exc:
-            raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}", field=kind) from None
+            return f"the JSON schema is not valid JSON: {exc}"
         if not isinstance(schema, (dict, bool)):
-            raise InvalidRequestError("a JSON schema must be an object or a boolean", field=kind)
-    if structured.choice is not None and (not structured.choice or not all(isinstance(c, str) and c
-                                                                            for c in structured.choice)):
-        raise InvalidRequestError("choice must be a non-empty list of non-empty strings", field=kind)
+            return "a JSON schema must be an object or a boolean"
+    if structured.choice is not None and not (structured.choice and all(structured.choice)):
+        return "choice must be a non-empty list of non-empty strings"
     try:
-        error = llguidance.LLMatcher.validate_grammar(grammar_spec(structured))
+        return llguidance.LLMatcher.validate_grammar(grammar_spec(structured)).strip() or None
     except (ValueError, TypeError) as exc:
-        error = str(exc)
-    if error:
-        raise InvalidRequestError(f"invalid {kind}: {error.strip()}", field=kind)
+        return str(exc)
 
 
 def structured_kind(structured: StructuredOutputs) -> str:

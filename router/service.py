@@ -114,7 +114,7 @@ class OpenAIService:
         ticket = self.admission.acquire(num_prompts * params.n)
         try:
             prompts, hashes = await self.tokenizers.run(self._prepare, tokenize, salt, max_tokens, prompt_field,
-                                                        req.max_tokens_param)
+                                                        req.max_tokens_param, req.check_structured)
             candidates = []
             for p, ids in enumerate(prompts):
                 for i in range(params.n):
@@ -136,9 +136,10 @@ class OpenAIService:
                 ticket.release()
 
     def _prepare(self, tokenize, salt: str | None, max_tokens: int | None, prompt_field: str,
-                 max_field: str) -> tuple[list[list[int]], list[list[int]]]:
-        """The expensive part, on a pool thread: each prompt's token ids, checked against the context,
-        and its block hashes."""
+                 max_field: str, check_structured) -> tuple[list[list[int]], list[list[int]]]:
+        """The expensive part, on a pool thread: the output constraint's grammar checked, each prompt's token
+        ids, checked against the context, and its block hashes."""
+        check_structured()
         prompts = tokenize()
         for ids in prompts:
             self._check_context(ids, max_tokens, prompt_field, max_field)
