@@ -13,7 +13,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import InvalidRequestError, first_field_error
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputs
+from engine.structured import validate_structured
 from router.openai_tools import ChatCompletionToolsParam, ToolChoice, ToolUse, tool_use
 from router.reasoning_parser import Effort
 
@@ -52,6 +53,32 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Body):
+    """OpenAI's `response_format.json_schema`; `strict` is accepted, the schema is always enforced."""
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs` object: exactly one constraint."""
+    json_: dict | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}  # vLLM's older names
+
+
 class _GenerationRequest(_Body):
     """Fields both endpoints share: OpenAI's sampling fields and vLLM's extensions."""
     model: str
@@ -76,6 +103,12 @@ class _GenerationRequest(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -93,11 +126,47 @@ class _GenerationRequest(_Body):
                 seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or [],
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens)
+                skip_special_tokens=self.skip_special_tokens, structured=self.structured()[0])
             params.validate(vocab_size)
         except InvalidRequestError as exc:
             raise APIError.from_invalid(exc, renames) from None
         return params
+
+    def structured(self) -> tuple[StructuredOutputs | None, str | None]:
+        """The output constraint and the field that gave it; more than one is a 400 naming the second."""
+        found: list[tuple[str, StructuredOutputs]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", StructuredOutputs(json_object=True)))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError.bad_request("response_format of type json_schema needs json_schema.schema",
+                                           "response_format")
+            found.append(("response_format", _constraint("json", fmt.json_schema.schema_)))
+        if (so := self.structured_outputs) is not None:
+            given = {kind: value for kind, value in (("json", so.json_), ("json_object", so.json_object or None),
+                                                     ("regex", so.regex), ("choice", so.choice),
+                                                     ("grammar", so.grammar)) if value is not None}
+            if len(given) != 1:
+                raise APIError.bad_request("structured_outputs needs exactly one of json, json_object, regex, "
+                                           f"choice, grammar; got {sorted(given) or 'none'}", "structured_outputs")
+            found.append(("structured_outputs", _constraint(*given.popitem())))
+        found += [(name, _constraint(kind, getattr(self, name))) for name, kind in GUIDED_FIELDS.items()
+                  if getattr(self, name) is not None]
+        if len(found) > 1:
+            raise APIError.bad_request(f"give one output constraint, not {' and '.join(n for n, _ in found)}",
+                                       found[1][0])
+        return found[0][1] if found else None, found[0][0] if found else None
+
+    def check_structured(self) -> None:
+        """Refuse a constraint that does not compile (a bad schema, regex or grammar) with a 400 naming its
+        field. It compiles the grammar without the vocabulary, so it runs on the tokenizer pool."""
+        structured, field = self.structured()
+        if structured is not None:
+            try:
+                validate_structured(structured)
+            except InvalidRequestError as exc:
+                raise APIError.bad_request(f"{field}: {exc}", field) from None
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -256,6 +325,14 @@ def request_body_schema(model: type[_Body]) -> dict:
         return [inline(value) for value in node] if isinstance(node, list) else node
 
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
+def _constraint(kind: str, value) -> StructuredOutputs:
+    if kind == "json":
+        return StructuredOutputs(json=value if isinstance(value, str) else json.dumps(value))
+    if kind == "choice":
+        return StructuredOutputs(choice=tuple(value))
+    return StructuredOutputs(**{kind: value})
 
 
 def _default(value, default):

@@ -20,6 +20,7 @@ from engine.errors import InvalidRequestError
 from engine.hashing import block_hashes
 from engine.protocol import GenerateRequest, TokenDelta
 from engine.sampling_params import SamplingParams
+from engine.structured import validate_structured
 from router.admission import Admission, Ticket
 from router.auth import Authenticator, cache_salt
 from router.chat_output import ChatParsing
@@ -101,6 +102,11 @@ class OpenAIService:
         prompt_ids = []
 
         def tokenize() -> list[list[int]]:
+            if tools is not None and tools.structured is not None:  # the tools' schema, compiled as a grammar
+                try:
+                    validate_structured(tools.structured)
+                except InvalidRequestError as exc:
+                    raise APIError.bad_request(f"the tools' parameters do not compile: {exc}", "tools") from None
             try:
                 ids = self.tokenizer.apply_chat_template(messages, tools=tools.tools if tools else None,
                                                          add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -125,7 +131,7 @@ class OpenAIService:
         ticket = self.admission.acquire(num_prompts * params.n)
         try:
             prompts, hashes = await self.tokenizers.run(self._prepare, tokenize, salt, max_tokens, prompt_field,
-                                                        req.max_tokens_param)
+                                                        req.max_tokens_param, req.check_structured)
             candidates = []
             for p, ids in enumerate(prompts):
                 for i in range(params.n):
@@ -147,9 +153,10 @@ class OpenAIService:
                 ticket.release()
 
     def _prepare(self, tokenize, salt: str | None, max_tokens: int | None, prompt_field: str,
-                 max_field: str) -> tuple[list[list[int]], list[list[int]]]:
-        """The expensive part, on a pool thread: each prompt's token ids, checked against the context,
-        and its block hashes."""
+                 max_field: str, check_structured) -> tuple[list[list[int]], list[list[int]]]:
+        """The expensive part, on a pool thread: the output constraint's grammar checked, each prompt's token
+        ids, checked against the context, and its block hashes."""
+        check_structured()
         prompts = tokenize()
         for ids in prompts:
             self._check_context(ids, max_tokens, prompt_field, max_field)
