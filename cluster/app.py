@@ -33,7 +33,7 @@ CONTROL_HEADROOM = 32
 
 # What the workers run and how their KV is laid out: the ingress tokenizes, hashes blocks and checks
 # limits for exactly this, so a running cluster cannot be adopted by a config that differs here.
-WORKER_FIELDS = ("model", "dtype", "device", "mode", "seed", "engine", "transfer")
+WORKER_FIELDS = ("model", "dtype", "device", "mode", "seed", "engine", "transfer", "reasoning")
 
 
 def build_app(args: ClusterConfig) -> Application:
@@ -69,7 +69,8 @@ def ingress_config(config: ClusterConfig) -> IngressConfig:
                                              config.slo.itl_ms / 1000, config.slo.stall_ratio),
                          max_queued_requests=r.max_queued_requests, migration_limit=r.migration_limit,
                          api_keys=dict(config.api_keys), colocated=config.mode == "colocated", limits=config.limits,
-                         routing=r.routing, decode_wait_s=r.decode_wait_s)
+                         routing=r.routing, decode_wait_s=r.decode_wait_s, reasoning=config.reasoning,
+                         tool_call_parser=config.tool_call_parser)
 
 
 def start_or_adopt_controller(config: ClusterConfig):

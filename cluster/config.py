@@ -18,7 +18,9 @@ from cluster.scaling_policy import Thresholds
 from engine.transfer_config import TLSFiles, TransferConfig
 from kv_transfer.addresses import check_host
 from kv_transfer.tls import check_files
+from router.reasoning_parser import ReasoningOptions
 from router.request_limits import RequestLimits
+from router.tool_parsers import TOOL_PARSERS
 
 
 class _Strict(BaseModel):
@@ -216,6 +218,10 @@ class ClusterConfig(_Strict):
     cpu: CpuOptions = Field(default_factory=CpuOptions)
     ingress_replicas: int = Field(1, ge=1, le=64)  # Serve replicas of the HTTP ingress
     limits: RequestLimits = Field(default_factory=RequestLimits)  # what one request may ask of the ingress
+    # The model thinks between these markers: max_reasoning_tokens / reasoning_effort cap it, and the
+    # thinking comes back as reasoning_content. None: the model does not think between markers.
+    reasoning: ReasoningOptions | None = None
+    tool_call_parser: str | None = "hermes"  # how tool_choice auto reads calls; None refuses auto
     api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant")
     admin_key: str | None = None
     host: str = "127.0.0.1"
@@ -245,6 +251,13 @@ class ClusterConfig(_Strict):
     def _template(cls, template: str | None) -> str | None:
         return None if template is None else load_chat_template(template)
 
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, name: str | None) -> str | None:
+        if name is not None and name not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool_call_parser {name!r}; known: {', '.join(TOOL_PARSERS)}")
+        return name
+
     @field_validator("admin_key")
     @classmethod
     def _admin_key_not_placeholder(cls, key: str | None) -> str | None:
@@ -269,6 +282,7 @@ class ClusterConfig(_Strict):
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
                             num_threads=threads, cpu_binding=binding, itl_slo_ms=itl_slo_ms,
                             stall_ratio=self.slo.stall_ratio,
+                            reasoning_markers=(self.reasoning.start, self.reasoning.end) if self.reasoning else None,
                             **self.engine.model_dump())
 
     def transfer_config(self) -> TransferConfig:

@@ -48,6 +48,8 @@ class EngineConfig:
     # time stays within this (stall-free batching); None: chunks up to max_num_batched_tokens.
     itl_slo_ms: float | None = None
     stall_ratio: float = 2.0  # ... and within this many plain decode steps
+    # (start, end) of the model's thinking, e.g. ("<think>", "</think>"): what max_reasoning_tokens caps.
+    reasoning_markers: tuple[str, str] | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -60,6 +62,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be at least 2")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be positive")
+        if self.reasoning_markers is not None and not all(self.reasoning_markers):
+            raise ValueError("reasoning_markers must be two non-empty strings")
 
     @property
     def resolved_dtype(self) -> str:

@@ -15,11 +15,13 @@ from engine.errors import InvalidRequestError
 from engine.model_loader import load_tokenizer, resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.reasoning import ReasoningBudget, ReasoningMarkers, force_reasoning_end
 from engine.request import Request
 from engine.sampler import Sampler, skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_costs import StepCosts
+from engine.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +41,12 @@ class Engine:
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.eos_token_ids = _eos_token_ids(self.runner.model, self.tokenizer)
-        self.sampler = Sampler(self.eos_token_ids)
+        self.structured = StructuredOutputManager(self.tokenizer, self.runner.vocab_size, config.max_num_seqs)
+        self.sampler = Sampler(self.eos_token_ids, self.structured)
+        self.reasoning_markers = (None if config.reasoning_markers is None
+                                  else ReasoningMarkers.from_tokenizer(self.tokenizer, *config.reasoning_markers))
         self.requests: dict[str, Request] = {}
+        self.waiting_for_grammar: list[Request] = []  # constrained requests whose grammar still compiles
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
@@ -71,7 +77,9 @@ class Engine:
         """Validate and build a request without queueing it (workers use this for their own bookkeeping).
 
         `output_token_ids` are tokens the request already generated elsewhere (a migrated request): they
-        are prefilled with the prompt, count toward max_tokens and are not streamed again."""
+        are prefilled with the prompt, count toward max_tokens and are not streamed again. A structured
+        output's grammar starts compiling here, on the manager's thread; `add` holds the request back
+        until it is ready."""
         params.validate(self.runner.vocab_size)
         if params.n != 1:
             raise InvalidRequestError("a request yields one sequence; expand n into n requests "
@@ -91,6 +99,7 @@ class Engine:
             raise InvalidRequestError(f"prompt + max_tokens needs more KV blocks than this worker has "
                                       f"({self.block_manager.num_blocks} x {self.config.block_size} tokens)",
                                       field="max_tokens")
+        self._check_reasoning(params)
         if output_token_ids:
             vocab = self.runner.vocab_size
             if len(output_token_ids) >= max_tokens or not all(0 <= t < vocab for t in output_token_ids):
@@ -98,8 +107,19 @@ class Engine:
                                           f"below {vocab}", field="output_token_ids")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
         generator = None if params.greedy else torch.Generator(self.runner.device).manual_seed(seed)
+        structured = None if params.structured is None else self.structured.request(params.structured)
         return Request(request_id, prompt_ids, params, max_tokens, cache_salt, generator,
-                       all_token_ids=[*prompt_ids, *output_token_ids])
+                       all_token_ids=[*prompt_ids, *output_token_ids], structured_output_request=structured)
+
+    def _check_reasoning(self, params: SamplingParams) -> None:
+        if params.max_reasoning_tokens is None:
+            return
+        if self.reasoning_markers is None:
+            raise InvalidRequestError("max_reasoning_tokens needs a model that thinks between markers; this "
+                                      "engine has no reasoning_markers configured", field="max_reasoning_tokens")
+        if params.structured is not None:
+            raise InvalidRequestError("max_reasoning_tokens cannot be combined with structured outputs",
+                                      field="max_reasoning_tokens")
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None) -> Request:
@@ -113,7 +133,7 @@ class Engine:
     def add(self, req: Request) -> None:
         """Queue an already built request. Output tokens it already has (sampled by a prefill worker, or
         before a migration) count as streamed: their text is not handed out again, and its generator
-        skips the draws they took."""
+        skips the draws they took, and its grammar replays them once compiled."""
         self.requests[req.request_id] = req
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params, self.eos_token_ids)
         for token in req.output_token_ids:
@@ -121,9 +141,31 @@ class Engine:
         detok.take_new_text(finished=False)
         if req.generator is not None:
             skip_draws(req.generator, self.runner.vocab_size, req.num_output_tokens)
+        if req.sampling_params.max_reasoning_tokens is not None:
+            req.reasoning = ReasoningBudget.replay(self.reasoning_markers, req.sampling_params.max_reasoning_tokens,
+                                                   req.prompt_token_ids, req.output_token_ids)
         self.detokenizers[req.request_id] = detok
         self.num_prompt_tokens += req.num_prompt_tokens
-        self.scheduler.add(req)
+        if req.structured_output_request is not None:
+            self.waiting_for_grammar.append(req)
+        else:
+            self.scheduler.add(req)
+
+    def _admit_structured(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar is compiled, after replaying the tokens they already have
+        into it; fail those whose grammar did not compile or does not allow those tokens."""
+        failed = []
+        for req in [r for r in self.waiting_for_grammar if r.structured_output_request.ready]:
+            self.waiting_for_grammar.remove(req)
+            try:
+                if not req.structured_output_request.accept_tokens(req.output_token_ids):
+                    raise InvalidRequestError("output_token_ids do not follow the request's structured output",
+                                              field="output_token_ids")
+            except InvalidRequestError as exc:
+                failed.append(self._fail(req, exc))
+                continue
+            self.scheduler.add(req)
+        return failed
 
     def stats(self) -> dict:
         """Load and cache counters for the worker around this engine."""
@@ -131,7 +173,7 @@ class Engine:
         queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
         queued += sum(r.num_prompt_tokens - r.num_computed_tokens for r in sched.running
                       if r.num_computed_tokens < r.num_prompt_tokens)
-        return {"num_waiting": len(sched.waiting), "num_running": len(sched.running),
+        return {"num_waiting": len(sched.waiting) + len(self.waiting_for_grammar), "num_running": len(sched.running),
                 "queued_prefill_tokens": queued, "num_active_blocks": bm.num_blocks - bm.num_free_blocks,
                 "num_total_blocks": bm.num_blocks, "prefix_cache_queries": bm.prefix_cache_queries,
                 "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": sched.num_preemptions,
@@ -168,6 +210,8 @@ class Engine:
         if req is None:
             return False
         self.detokenizers.pop(request_id, None)
+        if req in self.waiting_for_grammar:
+            self.waiting_for_grammar.remove(req)
         req.finish_reason = "abort"
         self.scheduler.finish(req)
         return True
@@ -205,15 +249,18 @@ class Engine:
         return logits
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.waiting_for_grammar)
 
     # ---- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return what changed for each request."""
+        failed = self._admit_structured() if self.waiting_for_grammar else []
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return []
+            if self.waiting_for_grammar and not failed:  # nothing to run until a grammar is ready
+                self.structured.wait_any([r.structured_output_request for r in self.waiting_for_grammar], 0.01)
+            return failed
         if self.on_scheduled is not None:
             self.on_scheduled(scheduled)
         sample_mask = [req.num_computed_tokens + n == req.num_tokens for req, n in scheduled]
@@ -222,22 +269,27 @@ class Engine:
             logits = self.runner.execute(scheduled, sample_mask)
         except Exception as exc:  # a failed forward fails its requests, not the engine
             logger.exception("model forward failed")
-            return [self._fail(req, exc) for req, _ in scheduled]
+            return failed + [self._fail(req, exc) for req, _ in scheduled]
         sampled = [req for (req, _), s in zip(scheduled, sample_mask) if s]
         shape = step_shape(scheduled)  # before the requests advance
         for req, n in scheduled:
             req.num_computed_tokens += n
             self.block_manager.cache_full_blocks(req)
+        logits = force_reasoning_end(logits, sampled)
         tokens, logprobs = self.sampler(logits, sampled) if sampled else ([], [])
         self.step_costs.observe(*shape, time.perf_counter() - started, borrowed=self.borrowing)
-        return [self._append_token(req, t, lp) for req, t, lp in zip(sampled, tokens, logprobs)]
+        return failed + [self._append_token(req, t, lp) for req, t, lp in zip(sampled, tokens, logprobs)]
 
     def _append_token(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:
         now = time.time()
         req.times.first_token = req.times.first_token or now
         req.times.last_token = now
         req.all_token_ids.append(token)
+        if req.reasoning is not None:
+            req.reasoning.advance(token)
         self.num_generation_tokens += 1
+        if req.structured_output_request is not None and not req.structured_output_request.accept_tokens([token]):
+            return self._fail(req, RuntimeError(f"token {token} was sampled against the request's grammar"))
         if logprobs is not None:
             req.output_logprobs.append(logprobs)
         detok = self.detokenizers[req.request_id]
@@ -260,6 +312,9 @@ class Engine:
 
     def _check_finish(self, req: Request, token: int, stop_string: str | None) -> None:
         p = req.sampling_params
+        if req.structured_output_request is not None and req.structured_output_request.is_terminated:
+            req.finish_reason = "stop"  # the grammar allows nothing more (the output is complete)
+            return
         if req.num_output_tokens >= p.min_tokens:
             if token in self.eos_token_ids and not p.ignore_eos:
                 req.finish_reason = "stop"

@@ -4,10 +4,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from engine.reasoning import ReasoningBudget
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +51,8 @@ class Request:
     stop_reason: int | str | None = None
     output_logprobs: list[dict] = field(default_factory=list)
     do_remote_decode: bool = False
+    reasoning: ReasoningBudget | None = None  # set by Engine.add when max_reasoning_tokens is given
+    structured_output_request: StructuredOutputRequest | None = None  # its grammar state, when constrained
     times: RequestTimes = field(default_factory=RequestTimes)
 
     def __post_init__(self):

@@ -4,14 +4,17 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
+from engine.structured import StructuredOutputManager, apply_grammar_bitmask
 
 
 class Sampler:
     """Samples one token per request. Each request draws from its own generator, so seeded
-    requests give the same tokens whatever else is in the batch."""
+    requests give the same tokens whatever else is in the batch. Rows with a structured output get
+    their grammar's bitmask, all in one tensor, after penalties and bias and before temperature."""
 
-    def __init__(self, eos_token_ids: set[int]):
+    def __init__(self, eos_token_ids: set[int], structured: StructuredOutputManager | None = None):
         self.eos_token_ids = eos_token_ids
+        self.structured = structured
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict | None]]:
         want_logprobs = [r.sampling_params.logprobs is not None for r in reqs]
@@ -19,6 +22,10 @@ class Sampler:
         logits = logits.clone()
         for i, req in enumerate(reqs):
             self._adjust(logits[i], req)
+        constrained = [i for i, r in enumerate(reqs) if r.structured_output_request is not None]
+        if constrained:
+            bitmask = self.structured.grammar_bitmask([reqs[i].structured_output_request for i in constrained])
+            apply_grammar_bitmask(logits, bitmask, constrained)
         tokens = [0] * len(reqs)
         greedy = [i for i, r in enumerate(reqs) if r.sampling_params.greedy]
         if greedy:

@@ -55,6 +55,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured: StructuredOutputs | None = None
+    max_reasoning_tokens: int | None = None  # thinking tokens between the model's markers (engine/reasoning.py)
 
     def __post_init__(self):
         # vLLM and OpenAI clients send null or a bare string as well as a list.
@@ -95,6 +96,9 @@ class SamplingParams:
               f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
               "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        check(self.max_reasoning_tokens is None
+              or (isinstance(self.max_reasoning_tokens, int) and self.max_reasoning_tokens >= 0),
+              "max_reasoning_tokens", f"must be a non-negative integer, got {self.max_reasoning_tokens!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"may hold at most {MAX_STOP_STRINGS} strings")
         self._validate_token_ids(vocab_size)

@@ -25,11 +25,13 @@ from transformers import AutoConfig
 from engine.model_loader import load_tokenizer, resolve_model_dir
 from router.admission import Admission
 from router.auth import Authenticator
+from router.chat_output import ChatParsing
 from router.index import PrefixIndex
 from router.latency_report import LatencyReporter
 from router.metrics import Metrics
 from router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, request_body_schema
 from router.policy import DisaggConfig, Router
+from router.reasoning_parser import ReasoningOptions
 from router.request_limits import RequestLimits, read_body
 from router import tokenize_api
 from router.request_router import RequestRouter
@@ -60,6 +62,8 @@ class IngressConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     model_aliases: tuple[str, ...] = ()  # more names requests may use for the model
     chat_template: str | None = None  # instead of the tokenizer's own
+    reasoning: ReasoningOptions | None = None  # the model's thinking markers (router/reasoning_parser.py)
+    tool_call_parser: str | None = "hermes"  # the format tool_choice auto reads (router/tool_parsers.py)
 
 
 def load_model_info(config: IngressConfig):
@@ -105,7 +109,8 @@ class Ingress:
                                      RequestRouter(self.view, self.metrics, latencies,
                                                    migration_limit=config.migration_limit,
                                                    decode_wait_s=config.decode_wait_s),
-                                     config.block_size, config.limits)
+                                     config.block_size, config.limits,
+                                     ChatParsing(tokenizer, config.reasoning, config.tool_call_parser))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = build_api(self.service, self.view, self.scrape, self.config.limits)

@@ -15,7 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError, first_field_error
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputs
+from engine.structured import validate_structured
+from router.openai_tools import ChatCompletionToolsParam, ToolChoice, ToolUse, tool_use
+from router.reasoning_parser import Effort
 
 
 class APIError(Exception):
@@ -65,6 +68,32 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # usage so far in every chunk, as vLLM sends it
 
 
+class JSONSchemaFormat(_Body):
+    """OpenAI's `response_format.json_schema`; `strict` is accepted, the schema is always enforced."""
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs` object: exactly one constraint."""
+    json_: dict | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}  # vLLM's older names
+
+
 class _GenerationRequest(_Body):
     """Fields both endpoints share: OpenAI's sampling fields and vLLM's extensions."""
     model: str
@@ -89,6 +118,12 @@ class _GenerationRequest(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep only the prompt's last k tokens
     spaces_between_special_tokens: Literal[True] = True
     # accepted, not acted on (IGNORED_FIELDS)
@@ -124,11 +159,47 @@ class _GenerationRequest(_Body):
                 seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or [],
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens)
+                skip_special_tokens=self.skip_special_tokens, structured=self.structured()[0])
             params.validate(vocab_size)
         except InvalidRequestError as exc:
             raise APIError.from_invalid(exc, renames) from None
         return params
+
+    def structured(self) -> tuple[StructuredOutputs | None, str | None]:
+        """The output constraint and the field that gave it; more than one is a 400 naming the second."""
+        found: list[tuple[str, StructuredOutputs]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", StructuredOutputs(json_object=True)))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError.bad_request("response_format of type json_schema needs json_schema.schema",
+                                           "response_format")
+            found.append(("response_format", _constraint("json", fmt.json_schema.schema_)))
+        if (so := self.structured_outputs) is not None:
+            given = {kind: value for kind, value in (("json", so.json_), ("json_object", so.json_object or None),
+                                                     ("regex", so.regex), ("choice", so.choice),
+                                                     ("grammar", so.grammar)) if value is not None}
+            if len(given) != 1:
+                raise APIError.bad_request("structured_outputs needs exactly one of json, json_object, regex, "
+                                           f"choice, grammar; got {sorted(given) or 'none'}", "structured_outputs")
+            found.append(("structured_outputs", _constraint(*given.popitem())))
+        found += [(name, _constraint(kind, getattr(self, name))) for name, kind in GUIDED_FIELDS.items()
+                  if getattr(self, name) is not None]
+        if len(found) > 1:
+            raise APIError.bad_request(f"give one output constraint, not {' and '.join(n for n, _ in found)}",
+                                       found[1][0])
+        return found[0][1] if found else None, found[0][0] if found else None
+
+    def check_structured(self) -> None:
+        """Refuse a constraint that does not compile (a bad schema, regex or grammar) with a 400 naming its
+        field. It compiles the grammar without the vocabulary, so it runs on the tokenizer pool."""
+        structured, field = self.structured()
+        if structured is not None:
+            try:
+                validate_structured(structured)
+            except InvalidRequestError as exc:
+                raise APIError.bad_request(f"{field}: {exc}", field) from None
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -178,17 +249,50 @@ class ContentPart(_Body):
     text: str
 
 
+class FunctionCallIn(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallIn
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
 
-    def template_dict(self) -> dict:
-        """The message as a chat template reads it: text parts joined, `developer` as `system`."""
+    def template_dict(self, param: str = "messages") -> dict:
+        """The message as a chat template reads it: text parts joined, `developer` as `system`, tool calls
+        with their arguments as objects (what templates render with `tojson`). `param` names the message."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise APIError.bad_request("a tool message needs the tool_call_id it answers",
+                                           f"{param}.tool_call_id")
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls and self.role != "assistant":
+            raise APIError.bad_request("only assistant messages carry tool_calls", f"{param}.tool_calls")
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(call, f"{param}.tool_calls[{i}]")
+                                     for i, call in enumerate(self.tool_calls)]
+        return message
+
+
+def _template_call(call: ToolCallIn, param: str) -> dict:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise APIError.bad_request("function.arguments must be JSON text", f"{param}.function.arguments") from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 # apply_chat_template's own parameters (and the template's `messages`): chat_template_kwargs are the
@@ -228,8 +332,21 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateControls):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    parallel_tool_calls: bool | None = None  # accepted, not acted on (IGNORED_FIELDS)
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted, not acted on (IGNORED_FIELDS): every call is returned
     echo: bool = False
+    max_reasoning_tokens: int | None = Field(None, ge=0)
+    reasoning_effort: Effort | None = None
+
+    def template_messages(self) -> list[dict]:
+        return [m.template_dict(f"messages[{i}]") for i, m in enumerate(self.messages)]
+
+    def tool_use(self) -> ToolUse | None:
+        try:
+            return tool_use(self.tools, self.tool_choice)
+        except InvalidRequestError as exc:
+            raise APIError.from_invalid(exc) from None
 
     @property
     def max_tokens_param(self) -> str:
@@ -279,6 +396,14 @@ def request_body_schema(model: type[_Body]) -> dict:
         return [inline(value) for value in node] if isinstance(node, list) else node
 
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
+def _constraint(kind: str, value) -> StructuredOutputs:
+    if kind == "json":
+        return StructuredOutputs(json=value if isinstance(value, str) else json.dumps(value))
+    if kind == "choice":
+        return StructuredOutputs(choice=tuple(value))
+    return StructuredOutputs(**{kind: value})
 
 
 def _default(value, default):

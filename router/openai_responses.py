@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from engine.protocol import TokenDelta
 
@@ -64,9 +64,34 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = []
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
@@ -89,6 +114,8 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -210,25 +237,48 @@ class CompletionFormatter(Formatter):
 
 
 class ChatFormatter(Formatter):
-    """/v1/chat/completions bodies and chunks."""
+    """/v1/chat/completions bodies and chunks. `new_output()` makes a choice's ChatOutput
+    (router/chat_output.py), which splits its text into reasoning, content and tool calls."""
 
     prefix = "chatcmpl"
 
+    def __init__(self, model: str, tokenizer, new_output):
+        super().__init__(model, tokenizer)
+        self.new_output = new_output
+        self.outputs = {}
+
     def response(self, choices: list[Choice], usage_: Usage) -> ChatCompletionResponse:
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage_, choices=[
-            ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), logprobs=self._logprobs(c.logprobs),
-                       finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in choices])
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage_,
+                                      choices=[self._choice(c) for c in choices])
+
+    def _choice(self, c: Choice) -> ChatChoice:
+        out = self.new_output()
+        out.finish(c.text, c.finish_reason)
+        whole = out.whole
+        message = ChatMessageOut(content=whole.content or (None if whole.tool_calls else ""),
+                                 reasoning_content=whole.reasoning or None, tool_calls=whole.tool_calls)
+        return ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c.logprobs),
+                          finish_reason=out.finish_reason, stop_reason=c.stop_reason)
 
     def first_chunk(self, choice: Choice) -> ChatCompletionChunk:
         """OpenAI opens each choice's stream with the role."""
         return self._chunk(ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content="")))
 
     def chunk(self, choice: Choice, delta: TokenDelta, offset: int) -> ChatCompletionChunk | None:
-        if not (delta.text or delta.finished or delta.logprobs):
+        out = self.outputs.get(choice.index)
+        if out is None:
+            out = self.outputs[choice.index] = self.new_output()
+        piece = out.finish(delta.text, delta.finish_reason) if delta.finished else out.feed(delta.text)
+        if not (piece or delta.finished or delta.logprobs):
             return None
+        calls = [DeltaToolCall(index=piece.first_index + i, id=call.id, type="function",
+                               function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
+                 for i, call in enumerate(piece.tool_calls)]
+        chat_delta = ChatDelta(content=piece.content or None, reasoning_content=piece.reasoning or None,
+                               tool_calls=calls or None)
         return self._chunk(ChatChunkChoice(
-            index=choice.index, delta=ChatDelta(content=delta.text or None), logprobs=self._logprobs(delta.logprobs),
-            finish_reason=delta.finish_reason if delta.finished else None,
+            index=choice.index, delta=chat_delta,
+            logprobs=self._logprobs(delta.logprobs), finish_reason=out.finish_reason if delta.finished else None,
             stop_reason=delta.stop_reason if delta.finished else None))
 
     def usage_chunk(self, usage_: Usage) -> ChatCompletionChunk:

@@ -19,8 +19,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.errors import InvalidRequestError
 from engine.hashing import block_hashes
 from engine.protocol import GenerateRequest, TokenDelta
+from engine.sampling_params import SamplingParams
+from engine.structured import validate_structured
 from router.admission import Admission, Ticket
 from router.auth import Authenticator, cache_salt
+from router.chat_output import ChatParsing
 from router.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, error_event, parse_body,
                                sse)
 from router.openai_responses import (ChatFormatter, Choice, CompletionFormatter, Formatter, ModelCard, ModelList,
@@ -66,7 +69,8 @@ class OpenAIService:
     """Serves /v1/completions, /v1/chat/completions and /v1/models on top of a RequestRouter."""
 
     def __init__(self, model: ModelInfo, tokenizer, auth: Authenticator, admission: Admission,
-                 requests: RequestRouter, block_size: int, limits: RequestLimits | None = None):
+                 requests: RequestRouter, block_size: int, limits: RequestLimits | None = None,
+                 parsing: ChatParsing | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.auth = auth
@@ -75,6 +79,7 @@ class OpenAIService:
         self.block_size = block_size
         self.limits = limits or RequestLimits()
         self.tokenizers = TokenizerPool(self.limits.tokenizer_threads)
+        self.parsing = parsing or ChatParsing(tokenizer, None, "hermes")
 
     def models(self, authorization: str | None) -> ModelList:
         self.auth.tenant(authorization)
@@ -103,20 +108,33 @@ class OpenAIService:
         req = parse_body(ChatCompletionRequest, body)
         self.check_model(req.model)
         messages, options = req.template_messages(), req.template_options()
+        tools = req.tool_use()
+        self.parsing.check_tools(tools)
+        controls = {"max_reasoning_tokens": self.parsing.reasoning_budget(req),
+                    "structured": tools.structured if tools else None}
+        prompt_ids = []
 
         def tokenize() -> list[list[int]]:
-            return [render_chat(self.tokenizer, messages, **options)]
+            if tools is not None and tools.structured is not None:  # the tools' schema, compiled as a grammar
+                try:
+                    validate_structured(tools.structured)
+                except InvalidRequestError as exc:
+                    raise APIError.bad_request(f"the tools' parameters do not compile: {exc}", "tools") from None
+            ids = render_chat(self.tokenizer, messages, tools=tools.tools if tools else None, **options)
+            prompt_ids.extend(ids)
+            return [ids]
 
-        fmt = ChatFormatter(self.model.name, self.tokenizer)
-        return await self._generate(req, 1, tokenize, "messages", req.requested_max_tokens, tenant, fmt)
+        fmt = ChatFormatter(self.model.name, self.tokenizer, lambda: self.parsing.output(tools, prompt_ids))
+        return await self._generate(req, 1, tokenize, "messages", req.requested_max_tokens, tenant, fmt, controls)
 
     # ---- shared pipeline --------------------------------------------------------------------------
 
     async def _generate(self, req, num_prompts: int, tokenize, prompt_field: str, max_tokens: int | None,
-                        tenant: str | None, fmt: Formatter) -> Response:
-        """`tokenize()` makes the prompts' token ids; it runs on the tokenizer pool once admitted."""
+                        tenant: str | None, fmt: Formatter, controls: dict | None = None) -> Response:
+        """`tokenize()` makes the prompts' token ids; it runs on the tokenizer pool once admitted. `controls`:
+        SamplingParams fields the endpoint sets beyond the request's own (None values are not set)."""
         self.limits.check_sampling(req)
-        params = req.sampling_params(max_tokens, self.model.vocab_size)
+        params = with_controls(req.sampling_params(max_tokens, self.model.vocab_size), controls or {})
         if ignored := req.ignored_fields():
             logger.debug("%s: ignoring %s (nothing this server outputs depends on them)", fmt.id, ", ".join(ignored))
         if req.truncate_prompt_tokens is not None:
@@ -126,7 +144,7 @@ class OpenAIService:
         ticket = self.admission.acquire(num_prompts * params.n)
         try:
             prompts, hashes = await self.tokenizers.run(self._prepare, tokenize, salt, max_tokens, prompt_field,
-                                                        req.max_tokens_param)
+                                                        req.max_tokens_param, req.check_structured)
             candidates = []
             for p, ids in enumerate(prompts):
                 for i in range(params.n):
@@ -148,9 +166,10 @@ class OpenAIService:
                 ticket.release()
 
     def _prepare(self, tokenize, salt: str | None, max_tokens: int | None, prompt_field: str,
-                 max_field: str) -> tuple[list[list[int]], list[list[int]]]:
-        """The expensive part, on a pool thread: each prompt's token ids, checked against the context,
-        and its block hashes."""
+                 max_field: str, check_structured) -> tuple[list[list[int]], list[list[int]]]:
+        """The expensive part, on a pool thread: the output constraint's grammar checked, each prompt's token
+        ids, checked against the context, and its block hashes."""
+        check_structured()
         prompts = tokenize()
         for ids in prompts:
             self._check_context(ids, max_tokens, prompt_field, max_field)
@@ -245,6 +264,15 @@ class OpenAIService:
         if max_tokens is not None and len(ids) + max_tokens > limit:
             raise APIError.bad_request(f"{max_field}={max_tokens} does not fit: the prompt has {len(ids)} tokens "
                                        f"and the context window is {limit}", max_field)
+
+
+def with_controls(params: SamplingParams, controls: dict) -> SamplingParams:
+    """`params` with the endpoint's own fields; tool_choice's constraint cannot join another one."""
+    controls = {name: value for name, value in controls.items() if value is not None}
+    if "structured" in controls and params.structured is not None:
+        raise APIError.bad_request('tool_choice "required" or a named function constrains the output itself; '
+                                   "it cannot be combined with response_format or structured_outputs", "tool_choice")
+    return replace(params, **controls) if controls else params
 
 
 class EventStream(StreamingResponse):

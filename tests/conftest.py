@@ -72,3 +72,60 @@ def simulated_hosts():
         workdir = Path(tempfile.mkdtemp(prefix="tdm"))  # short: Ray's socket paths live under it
         with SimulatedHosts("abcd", workdir, ray_env) as hosts:
             yield hosts
+
+
+# A Hermes-style template: tools in the system turn, calls as <tool_call> JSON, results as <tool_response>,
+# and a generation prompt that opens the assistant's thinking.
+AGENT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nFunctions you may call:\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% endfor %}Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.role == 'assistant' and message.tool_calls %}{% for call in message.tool_calls %}"
+    "<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}"
+    "</tool_call>{% endfor %}"
+    "{%- elif message.role == 'tool' %}<tool_response id=\"{{ message.tool_call_id }}\">{{ message.content }}"
+    "</tool_response>{% else %}{{ message.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+AGENT_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+AGENT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", AGENT_CALL]
+
+
+@pytest.fixture(scope="session")
+def tiny_agent_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama with AGENT_TOKENS as single (non-special) tokens and AGENT_TEMPLATE as its chat
+    template, rigged as a bigram model (each next token depends on the last one alone) in which
+    <tool_call> is followed by AGENT_CALL, </tool_call> and EOS: a request that makes it write <tool_call>
+    (a logit bias) gets a whole Hermes call, written by the model token by token."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.model_loader import load_tokenizer
+    out = tmp_path_factory.mktemp("models") / "tiny-agent"
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    tokenizer.add_tokens(AGENT_TOKENS)
+    tokenizer.chat_template = AGENT_TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    chain = [tokenizer.convert_tokens_to_ids(t) for t in AGENT_TOKENS[2:3] + AGENT_TOKENS[4:] + AGENT_TOKENS[3:4]]
+    _rig_bigram_chain(model, chain + [tokenizer.eos_token_id])
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def _rig_bigram_chain(model, chain: list[int]) -> None:
+    """Zero each layer's contribution to the residual stream, so the logits are a function of the last
+    token alone, and give dimension i of the hidden state to chain[i]: it then predicts chain[i + 1] with
+    a logit of about 800 where every other token gets 0 (and other tokens never reach those dimensions)."""
+    import torch
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        embed[:, :len(chain) - 1] = 0.0
+        head[:, :len(chain) - 1] = 0.0
+        for i, (token, successor) in enumerate(zip(chain, chain[1:])):
+            embed[token] = 0.0
+            embed[token, i] = 1.0
+            head[successor, i] = 100.0
