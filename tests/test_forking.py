@@ -1,0 +1,109 @@
+"""n > 1 candidates on shared blocks: the prompt is computed once, the candidates fork from it (full blocks
+shared by reference count, the partly filled last block copied on write), each draws from its own seed."""
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.sampling_params import candidate_id, candidate_seed
+from tests.hf_reference import hf_greedy
+
+PROMPT = list(range(5, 45))  # 40 tokens: 2 full blocks of 16 and a partial one
+SAMPLED = SamplingParams(n=4, seed=11, temperature=1.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_llama_dir):
+    return Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64))
+
+
+def run(engine: Engine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def active_blocks(engine: Engine) -> int:
+    return engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
+
+
+def test_n_candidates_allocate_the_prompts_blocks_once(engine):
+    engine.add_request("r", PROMPT, SAMPLED)
+    engine.step()  # the prompt's prefill, and the fork
+    tables = [engine.requests[candidate_id("r", i)].block_table for i in range(4)]
+    assert active_blocks(engine) == 3
+    assert all(t == tables[0] for t in tables)
+    engine.step()  # each candidate writes its first token into the shared partial block: copy on write
+    tables = [engine.requests[candidate_id("r", i)].block_table for i in range(4)]
+    assert all(t[:2] == tables[0][:2] for t in tables)
+    assert len({t[2] for t in tables}) == 4
+    assert active_blocks(engine) == 2 + 4
+
+
+def test_n_separate_requests_allocate_the_prompt_n_times(engine):
+    for i in range(4):
+        engine.add_request(f"r{i}", PROMPT, SamplingParams(seed=11 + i, max_tokens=6, ignore_eos=True))
+    engine.step()
+    assert active_blocks(engine) == 4 * 3
+
+
+def test_candidates_equal_separate_requests_with_the_candidate_seeds(engine):
+    [together] = engine.generate(PROMPT, SAMPLED)
+    separate = engine.generate([PROMPT] * 4, [SamplingParams(seed=candidate_seed(11, i), max_tokens=6, ignore_eos=True)
+                                              for i in range(4)])
+    assert [c.token_ids for c in together.candidates] == [s.token_ids for s in separate]
+    assert len({tuple(c.token_ids) for c in together.candidates}) == 4
+    assert [c.token_ids for c in engine.generate(PROMPT, SAMPLED)[0].candidates] == \
+        [c.token_ids for c in together.candidates]
+
+
+def test_greedy_candidates_read_the_copied_block_as_the_reference_does(engine, tiny_llama_dir):
+    [out] = engine.generate(PROMPT, SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True))
+    expected = hf_greedy(tiny_llama_dir, PROMPT, 8)
+    assert [c.token_ids for c in out.candidates] == [expected] * 3
+
+
+def test_every_block_is_free_after_the_candidates_finish(engine):
+    engine.generate(PROMPT, SAMPLED)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
+
+
+def test_aborting_one_candidate_frees_only_its_own_blocks(engine):
+    expected = run_sampled(engine)
+    engine.add_request("r", PROMPT, SAMPLED)
+    engine.step()
+    engine.step()
+    own = engine.requests[candidate_id("r", 1)].block_table[2:]
+    before = active_blocks(engine)
+    assert engine.abort(candidate_id("r", 1))
+    assert active_blocks(engine) == before - len(own)
+    tokens = run(engine)
+    for i in (0, 2, 3):
+        assert expected[candidate_id("r", i)][2:] == tokens[candidate_id("r", i)]
+
+
+def test_aborting_the_first_candidate_before_the_fork_leaves_the_others_running(engine):
+    expected = run_sampled(engine)
+    engine.add_request("r", PROMPT, SAMPLED)
+    assert engine.abort(candidate_id("r", 0))
+    tokens = run(engine)
+    assert candidate_id("r", 0) not in tokens
+    assert all(tokens[candidate_id("r", i)] == expected[candidate_id("r", i)] for i in (1, 2, 3))
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_preempted_candidates_recompute_to_the_same_tokens(tiny_llama_dir):
+    roomy = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64))
+    long = SamplingParams(n=4, seed=3, max_tokens=40, ignore_eos=True)
+    expected = [c.token_ids for c in roomy.generate(PROMPT, long)[0].candidates]
+    tight = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=12))
+    got = [c.token_ids for c in tight.generate(PROMPT, long)[0].candidates]
+    assert tight.scheduler.num_preemptions > 0
+    assert got == expected
+    assert tight.block_manager.num_free_blocks == tight.block_manager.num_blocks
+
+
+def run_sampled(engine: Engine) -> dict[str, list[int]]:
+    engine.add_request("r", PROMPT, SAMPLED)
+    return run(engine)
