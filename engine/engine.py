@@ -154,6 +154,13 @@ class Engine(Forking):
             if cand.generator is not None:
                 skip_draws(cand.generator, self.runner.vocab_size, cand.num_output_tokens)
             self.detokenizers[cand.request_id] = detok
+        if req.pending_forks and req.num_output_tokens:  # its first token was sampled elsewhere
+            if req.num_computed_tokens:  # and its prompt KV is here: share it
+                self.fork_imported(req)
+            else:  # a fallback to local prefill: the candidates go on their own
+                for cand in req.pending_forks:
+                    self.scheduler.add(cand)
+                req.pending_forks = []
 
     def stats(self) -> dict:
         """Load and cache counters for the worker around this engine."""
@@ -187,8 +194,6 @@ class Engine(Forking):
         req.num_computed_tokens = req.num_prompt_tokens
         self.block_manager.cache_full_blocks(req)
         self.add(req)
-        if req.pending_forks:
-            self.fork_imported(req)
 
     def release_import(self, req: Request) -> None:
         """Give back the blocks reserved for an import that did not happen."""

@@ -39,11 +39,9 @@ class Forking:
 
     def abort_pending_parent(self, parent: Request) -> None:
         """`parent` is aborted before its candidates forked: the first live one takes over its prompt."""
-        live = [c for c in parent.pending_forks if c.finish_reason is None]
-        parent.pending_forks = []
-        if live:
-            heir = self.fork(parent, live[0])
-            heir.pending_forks = live[1:]
+        parent.pending_forks = [c for c in parent.pending_forks if c.finish_reason is None]
+        if parent.pending_forks:
+            heir = self.fork(parent, parent.pending_forks[0].take_pending(parent))
             self.scheduler.replace(parent, heir)
 
     # ---- beam search ----------------------------------------------------------------------------

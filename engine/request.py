@@ -65,6 +65,12 @@ class Request:
         self.cumulative_logprob = parent.cumulative_logprob
         self.times.first_scheduled = parent.times.first_scheduled
 
+    def take_pending(self, parent: Request) -> Request:
+        """Stand in for `parent` (which will not run) as the candidate the others fork from; returns self."""
+        self.pending_forks = [c for c in parent.pending_forks if c is not self]
+        parent.pending_forks = []
+        return self
+
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)

@@ -1,5 +1,7 @@
 """n > 1 candidates on shared blocks: the prompt is computed once, the candidates fork from it (full blocks
 shared by reference count, the partly filled last block copied on write), each draws from its own seed."""
+from dataclasses import replace
+
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
@@ -107,3 +109,26 @@ def test_preempted_candidates_recompute_to_the_same_tokens(tiny_llama_dir):
 def run_sampled(engine: Engine) -> dict[str, list[int]]:
     engine.add_request("r", PROMPT, SAMPLED)
     return run(engine)
+
+
+def test_candidates_fork_from_an_imported_prompt_and_recompute_only_its_last_token(tiny_llama_dir):
+    prefill, decode = (Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64)) for _ in range(2))
+    first = prefill.make_request("r", PROMPT, replace(SAMPLED, n=1, seed=candidate_seed(11, 0)))
+    first.do_remote_decode = True
+    prefill.add(first)
+    while (params := next((o.kv_transfer_params for o in prefill.step()), None)) is None:
+        pass
+    group = decode.make_request("r", PROMPT, SAMPLED)
+    group.all_token_ids.append(first.output_token_ids[0])
+    indices = decode.reserve_for_import(group)
+    src, dst = params["block_ids"], [group.block_table[i] for i in indices]
+    decode.kv_cache.kv[:, :, dst] = prefill.kv_cache.kv[:, :, [src[i] for i in indices]]
+    decode.add_imported(group)
+    scheduled = []
+    decode.on_scheduled = scheduled.append
+    tokens = run(decode)
+    assert [n for _, n in scheduled[0]] == [1, 1, 1, 1]  # the parent's decode, and each fork's last prompt token
+    assert active_blocks(decode) == 0
+    expected = run_sampled(Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64)))
+    assert tokens[candidate_id("r", 0)] == expected[candidate_id("r", 0)][1:]
+    assert all(tokens[candidate_id("r", i)] == expected[candidate_id("r", i)] for i in (1, 2, 3))
