@@ -5,22 +5,20 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import torch
 
-from engine.beam_search import BeamSearch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
-from engine.forking import Forking
+from engine.forking import Forking, output_ids
 from engine.model_loader import load_tokenizer, resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
 from engine.sampler import Sampler, skip_draws
-from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_costs import StepCosts
 
@@ -103,28 +101,11 @@ class Engine(Forking):
                                           f"below {vocab}", field="output_token_ids")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
         if params.use_beam_search:
-            return self._beam_search_request(request_id, prompt_ids, params, max_tokens, cache_salt)
-        if params.n == 1:
-            return Request(request_id, prompt_ids, params, max_tokens, cache_salt, self._generator(params, seed),
-                           all_token_ids=[*prompt_ids, *output_token_ids])
-        candidates = []
-        for i in range(params.n):
-            p = replace(params, n=1, seed=candidate_seed(seed, i))
-            candidates.append(Request(candidate_id(request_id, i), prompt_ids, p, max_tokens, cache_salt,
-                                      self._generator(p, p.seed), index=i))
-        candidates[0].pending_forks = candidates[1:]
-        return candidates[0]
-
-    def _generator(self, params: SamplingParams, seed: int) -> torch.Generator | None:
-        return None if params.greedy else torch.Generator(self.runner.device).manual_seed(seed)
-
-    def _beam_search_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                             cache_salt: str | None) -> Request:
-        search = BeamSearch(request_id, len(prompt_ids), params.beam_width, params.n, params.length_penalty,
-                            frozenset(self.eos_token_ids))
-        root = Request(search.next_beam_id(), prompt_ids, params, max_tokens, cache_salt, beam_search=search)
-        search.beams = [root]
-        return root
+            return self.beam_search_request(request_id, prompt_ids, params, max_tokens, cache_salt)
+        if params.n > 1:
+            return self.candidate_requests(request_id, prompt_ids, params, max_tokens, cache_salt, seed)
+        return Request(request_id, prompt_ids, params, max_tokens, cache_salt, self.generator(params, seed),
+                       all_token_ids=[*prompt_ids, *output_token_ids])
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None) -> Request:
@@ -397,13 +378,6 @@ def step_shape(scheduled: list[tuple[Request, int]]) -> tuple[int, int, int]:
             prefill += n
             context = max(context, req.num_computed_tokens + n)
     return decodes, prefill, context
-
-
-def output_ids(req: Request) -> list[str]:
-    """The request ids `req`'s outputs come under: its own and its pending candidates', or a search's n."""
-    if req.beam_search is not None:
-        return [candidate_id(req.beam_search.request_id, i) for i in range(req.beam_search.n)]
-    return [req.request_id, *(c.request_id for c in req.pending_forks)]
 
 
 def _eos_token_ids(model, tokenizer) -> set[int]:

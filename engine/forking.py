@@ -4,16 +4,42 @@ shared by reference count, and a fork copies a shared block only when it writes 
 The Engine mixes this in; it runs on the engine's thread like the rest of the step."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from engine.beam_search import BeamSearch
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import candidate_id
+from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
 
 
 class Forking:
     """Engine methods that fork requests: n > 1 candidates after their prompt, beams every step."""
+
+    def candidate_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+                           cache_salt: str | None, seed: int) -> Request:
+        """The first of n candidates, the others pending on it; candidate i draws from candidate_seed(seed, i)."""
+        candidates = []
+        for i in range(params.n):
+            p = replace(params, n=1, seed=candidate_seed(seed, i))
+            candidates.append(Request(candidate_id(request_id, i), prompt_ids, p, max_tokens, cache_salt,
+                                      self.generator(p, p.seed), index=i))
+        candidates[0].pending_forks = candidates[1:]
+        return candidates[0]
+
+    def beam_search_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+                            cache_salt: str | None) -> Request:
+        """The first beam of a new search, which answers under `candidate_id(request_id, i)`."""
+        search = BeamSearch(request_id, len(prompt_ids), params.beam_width, params.n, params.length_penalty,
+                            frozenset(self.eos_token_ids))
+        root = Request(search.next_beam_id(), prompt_ids, params, max_tokens, cache_salt, beam_search=search)
+        search.beams = [root]
+        return root
+
+    def generator(self, params: SamplingParams, seed: int) -> torch.Generator | None:
+        """The seeded generator a request samples from; None for greedy."""
+        return None if params.greedy else torch.Generator(self.runner.device).manual_seed(seed)
 
     def fork(self, parent: Request, child: Request) -> Request:
         """Make `child` continue from `parent`'s tokens on `parent`'s blocks (shared, copy on write)."""
@@ -102,3 +128,10 @@ class Forking:
                                          seq.finish_reason, None, [], root.num_prompt_tokens, root.num_cached_tokens,
                                          index=i, cumulative_logprob=seq.cum_logprob))
         return outputs
+
+
+def output_ids(req: Request) -> list[str]:
+    """The request ids `req`'s outputs come under: its own and its pending candidates', or a search's n."""
+    if req.beam_search is not None:
+        return [candidate_id(req.beam_search.request_id, i) for i in range(req.beam_search.n)]
+    return [req.request_id, *(c.request_id for c in req.pending_forks)]
