@@ -132,3 +132,28 @@ def test_candidates_fork_from_an_imported_prompt_and_recompute_only_its_last_tok
     expected = run_sampled(Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64)))
     assert tokens[candidate_id("r", 0)] == expected[candidate_id("r", 0)][1:]
     assert all(tokens[candidate_id("r", i)] == expected[candidate_id("r", i)] for i in (1, 2, 3))
+
+
+def test_copy_on_write_gives_the_writer_a_copy_of_the_shared_block_in_every_layer():
+    import torch
+
+    from engine.block_manager import BlockManager
+    from engine.kv_cache import KVCache, KVLayout
+    from engine.request import Request
+
+    bm = BlockManager(8, 4)
+    cache = KVCache(KVLayout("m", "float32", 4, 2, 1, 2), 8)
+    parent = Request("p", [1, 2, 3, 4, 5, 6], SamplingParams(), 4)
+    assert bm.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    cache.kv[:, :, parent.block_table[1]] = torch.arange(32.0).view(2, 2, 4, 1, 2)
+    child = Request("c", parent.prompt_token_ids, SamplingParams(), 4)
+    child.take_state(parent)
+    bm.fork(parent, child)
+    assert bm.allocate_slots(child, 1)  # writes position 6, inside the shared second block
+    assert child.block_table[0] == parent.block_table[0] and child.block_table[1] != parent.block_table[1]
+    [(src, dst)] = bm.take_copies()
+    cache.copy_blocks([(src, dst)])
+    assert torch.equal(cache.kv[:, :, dst], cache.kv[:, :, src])
+    assert [bm.blocks[b].ref_count for b in (parent.block_table[0], src, dst)] == [2, 1, 1]
+    assert bm.allocate_slots(parent, 1) and not bm.take_copies()  # the parent now holds its block alone
