@@ -14,8 +14,8 @@ import torch
 from engine.config import EngineConfig
 from engine.cpu_cores import PinnedCores, cpu_quota, node_cores, pinning_is_safe
 from engine.engine import Engine
-from engine.forking import output_ids
 from engine.engine_loop import EngineLoop
+from engine.forking import output_ids
 from engine.kv_events import KVEventLog
 from engine.outputs import RequestOutput
 from engine.protocol import GenerateRequest, KVEventsReply, TokenDelta, WorkerStats
