@@ -269,7 +269,8 @@ class Engine(Forking):
                 reqs += children
                 rows += [i] * len(children)
         if reqs:
-            tokens, logprobs = self.sampler(logits if len(rows) == len(sampled) else logits[rows], reqs)
+            same_rows = rows == list(range(len(sampled)))
+            tokens, logprobs = self.sampler(logits if same_rows else logits[rows], reqs)
             outputs += [self._append_token(req, t, lp) for req, t, lp in zip(reqs, tokens, logprobs)]
         return outputs
 

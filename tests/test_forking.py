@@ -157,3 +157,13 @@ def test_copy_on_write_gives_the_writer_a_copy_of_the_shared_block_in_every_laye
     assert torch.equal(cache.kv[:, :, dst], cache.kv[:, :, src])
     assert [bm.blocks[b].ref_count for b in (parent.block_table[0], src, dst)] == [2, 1, 1]
     assert bm.allocate_slots(parent, 1) and not bm.take_copies()  # the parent now holds its block alone
+
+
+def test_candidates_and_a_beam_search_in_one_batch_each_sample_from_their_own_row(engine):
+    pair = replace(SAMPLED, n=2, temperature=0.0)  # 2 candidates beside 1 beam: as many rows as were sampled
+    [alone] = engine.generate(PROMPT, pair)
+    beams = SamplingParams(n=2, use_beam_search=True, max_tokens=6, ignore_eos=True)
+    [expected_beams] = engine.generate(list(range(60, 80)), beams)
+    searched, together = engine.generate([list(range(60, 80)), PROMPT], [beams, pair])
+    assert [c.token_ids for c in together.candidates] == [c.token_ids for c in alone.candidates]
+    assert [c.token_ids for c in searched.candidates] == [c.token_ids for c in expected_beams.candidates]
