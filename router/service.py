@@ -108,7 +108,7 @@ class OpenAIService:
         self.limits.check_sampling(req)
         params = req.sampling_params(max_tokens, self.model.vocab_size)
         salt = cache_salt(tenant, req.cache_salt)
-        ticket = self.admission.acquire(num_prompts * params.n)
+        ticket = self.admission.acquire(num_prompts * params.beam_width)  # sequences that run
         try:
             prompts, hashes = await self.tokenizers.run(self._prepare, tokenize, salt, max_tokens, prompt_field,
                                                         req.max_tokens_param)
