@@ -167,3 +167,12 @@ def test_candidates_and_a_beam_search_in_one_batch_each_sample_from_their_own_ro
     searched, together = engine.generate([list(range(60, 80)), PROMPT], [beams, pair])
     assert [c.token_ids for c in together.candidates] == [c.token_ids for c in alone.candidates]
     assert [c.token_ids for c in searched.candidates] == [c.token_ids for c in expected_beams.candidates]
+
+
+def test_the_next_candidate_stands_in_for_a_first_one_that_finished_elsewhere(engine):
+    expected = run_sampled(engine)
+    group = engine.make_request("r", PROMPT, SAMPLED)
+    engine.add(group.pending_forks[0].take_pending(group))  # as decode does when the prefill token ended it
+    tokens = run(engine)
+    assert sorted(tokens) == [candidate_id("r", i) for i in (1, 2, 3)]
+    assert all(tokens[candidate_id("r", i)] == expected[candidate_id("r", i)] for i in (1, 2, 3))
