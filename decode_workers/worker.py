@@ -55,6 +55,10 @@ class DecodeWorker(EngineServer):
         if self.draining:
             raise WorkerDraining(f"decode worker {self.worker_id} is draining")
         engine_req = self.build_request(request)
+        if prefill is not None and prefill.first is not None and prefill.first.finished:
+            # The first candidate of several finished on the prefill worker's token: no KV to pull, the
+            # others prefill here.
+            engine_req = engine_req.pending_forks[0].take_pending(engine_req)
         # In flight from here on, so a drain waits for the KV pull too, not only for decoding.
         self.in_flight.add(request.request_id)
         try:

@@ -18,7 +18,11 @@ class Block:
 
 
 class BlockManager:
-    """Owns which block holds what. Free blocks sit in LRU order; cached ones stay findable until evicted."""
+    """Owns which block holds what. Free blocks sit in LRU order; cached ones stay findable until evicted.
+
+    Forked requests (n candidates, beams) share blocks by reference count; a request about to write into
+    a shared block gets a copy of it first (copy on write): `take_copies` hands the (src, dst) pairs to
+    the engine, which copies the KV before the forward that writes."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
@@ -27,6 +31,7 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}
         self.events: list[KVEvent] = []
+        self.copies: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -84,13 +89,37 @@ class BlockManager:
         """Give `req` blocks for `num_new_tokens` more tokens; False (and no change) when the pool is short."""
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         need = self.blocks_needed(num_computed + num_new_tokens) - len(req.block_table) - len(computed_blocks)
-        if not self.can_allocate(max(need, 0), computed_blocks):
+        written = num_computed // self.block_size  # the first block this step writes into
+        shared = written < len(req.block_table) and self.blocks[req.block_table[written]].ref_count > 1
+        if not self.can_allocate(max(need, 0) + shared, computed_blocks):
             return False
+        if shared:
+            self._copy_on_write(req, written)
         for block_id in computed_blocks:
             self._touch(block_id)
         req.block_table.extend(computed_blocks)
         req.block_table.extend(self._pop_free() for _ in range(need))
         return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the blocks of `parent` (one more reference each) and its cache bookkeeping."""
+        self.add_references(parent.block_table)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_blocks = parent.num_cached_blocks
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies copy-on-write decided since the last call."""
+        copies, self.copies = self.copies, []
+        return copies
+
+    def _copy_on_write(self, req: Request, index: int) -> None:
+        src = req.block_table[index]
+        dst = self._pop_free()
+        self.blocks[src].ref_count -= 1  # still held by the requests it was shared with
+        req.block_table[index] = dst
+        req.num_cached_blocks = min(req.num_cached_blocks, index)
+        self.copies.append((src, dst))
 
     def allocate_blocks(self, n: int) -> list[int] | None:
         """Take `n` fresh blocks (ref count 1) outside any request, e.g. as KV import targets."""

@@ -12,6 +12,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
+from engine.forking import Forking, output_ids
 from engine.model_loader import load_tokenizer, resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
@@ -26,8 +27,11 @@ from engine.structured import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
-class Engine:
-    """Continuous-batching inference on one model: `add_request`, `step`, `abort`, or `generate` for a batch."""
+class Engine(Forking):
+    """Continuous-batching inference on one model: `add_request`, `step`, `abort`, or `generate` for a batch.
+
+    A request with n > 1 (or beam search) yields outputs under `candidate_id(request_id, i)`, one per
+    candidate; its prompt is computed once and the candidates fork from it (engine/forking.py)."""
 
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
@@ -81,9 +85,8 @@ class Engine:
         output's grammar starts compiling here, on the manager's thread; `add` holds the request back
         until it is ready."""
         params.validate(self.runner.vocab_size)
-        if params.n != 1:
-            raise InvalidRequestError("a request yields one sequence; expand n into n requests "
-                                      "(generate() and the ingress do)", field="n")
+        if (params.n > 1 or params.use_beam_search) and output_token_ids:
+            raise InvalidRequestError("a migrated request is one candidate; send it with n=1", field="n")
         prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
             raise InvalidRequestError("prompt must not be empty", field="prompt")
@@ -106,9 +109,12 @@ class Engine:
                 raise InvalidRequestError(f"output_token_ids must be fewer than max_tokens={max_tokens} token ids "
                                           f"below {vocab}", field="output_token_ids")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seeds))
-        generator = None if params.greedy else torch.Generator(self.runner.device).manual_seed(seed)
+        if params.use_beam_search:
+            return self.beam_search_request(request_id, prompt_ids, params, max_tokens, cache_salt)
+        if params.n > 1:
+            return self.candidate_requests(request_id, prompt_ids, params, max_tokens, cache_salt, seed)
         structured = None if params.structured is None else self.structured.request(params.structured)
-        return Request(request_id, prompt_ids, params, max_tokens, cache_salt, generator,
+        return Request(request_id, prompt_ids, params, max_tokens, cache_salt, self.generator(params, seed),
                        all_token_ids=[*prompt_ids, *output_token_ids], structured_output_request=structured)
 
     def _check_reasoning(self, params: SamplingParams) -> None:
@@ -124,32 +130,46 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None) -> Request:
         """Queue a request; raises InvalidRequestError (naming the field) when it cannot run."""
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already running", field="request_id")
         req = self.make_request(request_id, prompt, params or SamplingParams(), cache_salt)
+        if any(rid in self.requests for rid in output_ids(req)):
+            raise InvalidRequestError(f"request id {request_id!r} is already running", field="request_id")
         self.add(req)
         return req
 
     def add(self, req: Request) -> None:
         """Queue an already built request. Output tokens it already has (sampled by a prefill worker, or
         before a migration) count as streamed: their text is not handed out again, and its generator
-        skips the draws they took, and its grammar replays them once compiled."""
-        self.requests[req.request_id] = req
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params, self.eos_token_ids)
-        for token in req.output_token_ids:
-            detok.append(token)
-        detok.take_new_text(finished=False)
-        if req.generator is not None:
-            skip_draws(req.generator, self.runner.vocab_size, req.num_output_tokens)
+        skips the draws they took, and its grammar replays them once compiled. Candidates waiting to fork
+        from `req` are registered with it."""
+        self.num_prompt_tokens += req.num_prompt_tokens
+        if req.beam_search is not None:  # a search answers under its output ids once it ends
+            self.scheduler.add(req)
+            self.requests.update(dict.fromkeys(output_ids(req), req))
+            return
+        for cand in (req, *req.pending_forks):
+            self.requests[cand.request_id] = cand
+            detok = IncrementalDetokenizer(self.tokenizer, cand.prompt_token_ids, cand.sampling_params,
+                                           self.eos_token_ids)
+            for token in cand.output_token_ids:
+                detok.append(token)
+            detok.take_new_text(finished=False)
+            if cand.generator is not None:
+                skip_draws(cand.generator, self.runner.vocab_size, cand.num_output_tokens)
+            self.detokenizers[cand.request_id] = detok
         if req.sampling_params.max_reasoning_tokens is not None:
             req.reasoning = ReasoningBudget.replay(self.reasoning_markers, req.sampling_params.max_reasoning_tokens,
                                                    req.prompt_token_ids, req.output_token_ids)
-        self.detokenizers[req.request_id] = detok
-        self.num_prompt_tokens += req.num_prompt_tokens
-        if req.structured_output_request is not None:
+        if req.structured_output_request is not None:  # one candidate only (SamplingParams.validate)
             self.waiting_for_grammar.append(req)
-        else:
-            self.scheduler.add(req)
+            return
+        self.scheduler.add(req)
+        if req.pending_forks and req.num_output_tokens:  # its first token was sampled elsewhere
+            if req.num_computed_tokens:  # and its prompt KV is here: share it
+                self.fork_imported(req)
+            else:  # a fallback to local prefill: the candidates go on their own
+                for cand in req.pending_forks:
+                    self.scheduler.add(cand)
+                req.pending_forks = []
 
     def _admit_structured(self) -> list[RequestOutput]:
         """Schedule the requests whose grammar is compiled, after replaying the tokens they already have
@@ -162,7 +182,7 @@ class Engine:
                     raise InvalidRequestError("output_token_ids do not follow the request's structured output",
                                               field="output_token_ids")
             except InvalidRequestError as exc:
-                failed.append(self._fail(req, exc))
+                failed.extend(self._fail(req, exc))
                 continue
             self.scheduler.add(req)
         return failed
@@ -209,10 +229,15 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        if req.beam_search is not None:
+            self.finish_beams(req.beam_search, "abort")
+            return True
         self.detokenizers.pop(request_id, None)
         if req in self.waiting_for_grammar:
             self.waiting_for_grammar.remove(req)
         req.finish_reason = "abort"
+        if req.pending_forks:
+            self.abort_pending_parent(req)
         self.scheduler.finish(req)
         return True
 
@@ -266,19 +291,38 @@ class Engine:
         sample_mask = [req.num_computed_tokens + n == req.num_tokens for req, n in scheduled]
         started = time.perf_counter()
         try:
+            self.kv_cache.copy_blocks(self.block_manager.take_copies())
             logits = self.runner.execute(scheduled, sample_mask)
         except Exception as exc:  # a failed forward fails its requests, not the engine
             logger.exception("model forward failed")
-            return failed + [self._fail(req, exc) for req, _ in scheduled]
+            return failed + [out for req, _ in scheduled for out in self._fail(req, exc)]
         sampled = [req for (req, _), s in zip(scheduled, sample_mask) if s]
         shape = step_shape(scheduled)  # before the requests advance
         for req, n in scheduled:
             req.num_computed_tokens += n
             self.block_manager.cache_full_blocks(req)
         logits = force_reasoning_end(logits, sampled)
-        tokens, logprobs = self.sampler(logits, sampled) if sampled else ([], [])
+        outputs = self._sample(sampled, logits)
         self.step_costs.observe(*shape, time.perf_counter() - started, borrowed=self.borrowing)
-        return failed + [self._append_token(req, t, lp) for req, t, lp in zip(sampled, tokens, logprobs)]
+        return failed + outputs
+
+    def _sample(self, sampled: list[Request], logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample each request's next token; candidates forking from a request sample from its row with
+        their own generators, and beams go to their search."""
+        beam_rows = [i for i, req in enumerate(sampled) if req.beam_search is not None]
+        outputs = self.advance_beams([sampled[i] for i in beam_rows], logits[beam_rows]) if beam_rows else []
+        rows = [i for i, req in enumerate(sampled) if req.beam_search is None]
+        reqs = [sampled[i] for i in rows]
+        for i in list(rows):
+            if sampled[i].pending_forks:
+                children = self.fork_pending(sampled[i])
+                reqs += children
+                rows += [i] * len(children)
+        if reqs:
+            same_rows = rows == list(range(len(sampled)))
+            tokens, logprobs = self.sampler(logits if same_rows else logits[rows], reqs)
+            outputs += [self._append_token(req, t, lp) for req, t, lp in zip(reqs, tokens, logprobs)]
+        return outputs
 
     def _append_token(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:
         now = time.time()
@@ -289,7 +333,7 @@ class Engine:
             req.reasoning.advance(token)
         self.num_generation_tokens += 1
         if req.structured_output_request is not None and not req.structured_output_request.accept_tokens([token]):
-            return self._fail(req, RuntimeError(f"token {token} was sampled against the request's grammar"))
+            return self._fail(req, RuntimeError(f"token {token} was sampled against the request's grammar"))[0]
         if logprobs is not None:
             req.output_logprobs.append(logprobs)
         detok = self.detokenizers[req.request_id]
@@ -308,7 +352,7 @@ class Engine:
         return RequestOutput(req.request_id, [token], detok.take_new_text(finished), req.output_token_ids,
                              detok.text, finished, req.finish_reason, req.stop_reason,
                              [logprobs] if logprobs is not None else [], req.num_prompt_tokens,
-                             req.num_cached_tokens, kv_transfer_params=kv_transfer_params)
+                             req.num_cached_tokens, kv_transfer_params=kv_transfer_params, index=req.index)
 
     def _check_finish(self, req: Request, token: int, stop_string: str | None) -> None:
         p = req.sampling_params
@@ -328,13 +372,23 @@ class Engine:
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             req.finish_reason = "length"
 
-    def _fail(self, req: Request, exc: Exception) -> RequestOutput:
-        self.requests.pop(req.request_id, None)
-        self.detokenizers.pop(req.request_id, None)
-        req.finish_reason = "error"
-        self.scheduler.finish(req)
-        return RequestOutput(req.request_id, [], "", req.output_token_ids, "", True, "error",
-                             error=f"{type(exc).__name__}: {exc}")
+    def _fail(self, req: Request, exc: Exception) -> list[RequestOutput]:
+        """Fail `req` and the candidates waiting to fork from it; a beam fails its whole search."""
+        error = f"{type(exc).__name__}: {exc}"
+        if req.beam_search is not None:
+            ids = output_ids(req)
+            self.finish_beams(req.beam_search, "error")
+            return [RequestOutput(rid, [], "", [], "", True, "error", index=i, error=error) for i, rid in enumerate(ids)]
+        outputs = []
+        for cand in (req, *req.pending_forks):
+            self.requests.pop(cand.request_id, None)
+            self.detokenizers.pop(cand.request_id, None)
+            cand.finish_reason = "error"
+            self.scheduler.finish(cand)
+            outputs.append(RequestOutput(cand.request_id, [], "", cand.output_token_ids, "", True, "error",
+                                         index=cand.index, error=error))
+        req.pending_forks = []
+        return outputs
 
     # ---- offline batch --------------------------------------------------------------------------
 
@@ -350,9 +404,8 @@ class Engine:
                                       field="sampling_params")
         ids, reqs = [], []
         for prompt, p in zip(prompts, params_list):
-            base = f"gen-{next(self._ids)}"
-            ids.append([f"{base}-{i}" for i in range(p.n)])
-            reqs.extend(self.make_request(rid, prompt, _candidate_params(p, i)) for i, rid in enumerate(ids[-1]))
+            reqs.append(self.make_request(f"gen-{next(self._ids)}", prompt, p))
+            ids.append(output_ids(reqs[-1]))
         for req in reqs:  # only once every prompt is valid, so a bad one leaves nothing queued
             self.add(req)
         done: dict[str, CompletionOutput] = {}
@@ -363,11 +416,12 @@ class Engine:
                 if out.finished:
                     done[out.request_id] = CompletionOutput(
                         out.request_id, out.token_ids, out.text, out.finish_reason, out.stop_reason,
-                        logprobs.pop(out.request_id, []), out.num_prompt_tokens, out.num_cached_tokens)
+                        logprobs.pop(out.request_id, []), out.num_prompt_tokens, out.num_cached_tokens,
+                        out.cumulative_logprob)
         results = []
         for group in ids:
             first = done[group[0]]
-            first.candidates = [done[r] for r in group]
+            first.candidates = [done[r] for r in group if r in done]  # a search may end with fewer than n
             results.append(first)
         return results
 
@@ -382,14 +436,6 @@ def step_shape(scheduled: list[tuple[Request, int]]) -> tuple[int, int, int]:
             prefill += n
             context = max(context, req.num_computed_tokens + n)
     return decodes, prefill, context
-
-
-def _candidate_params(params: SamplingParams, index: int) -> SamplingParams:
-    if params.n == 1:
-        return params
-    from dataclasses import replace
-    seed = None if params.seed is None else params.seed + index
-    return replace(params, n=1, seed=seed)
 
 
 def _eos_token_ids(model, tokenizer) -> set[int]:

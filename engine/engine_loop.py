@@ -54,8 +54,9 @@ class EngineLoop:
         """`submit` for asyncio callers. Cancelling the caller does not cancel the command."""
         return await asyncio.wrap_future(self.submit(fn, *args))
 
-    def subscribe(self, request_id: str) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
+    def subscribe(self, request_id: str, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """The queue `request_id`'s outputs go to: a new one, or `queue` (the candidates of one prompt share one)."""
+        queue = queue if queue is not None else asyncio.Queue()
         self.queues[request_id] = (asyncio.get_running_loop(), queue)
         return queue
 

@@ -42,6 +42,12 @@ class KVCache:
         self.k = list(self.kv[:, 0].unbind(0))
         self.v = list(self.kv[:, 1].unbind(0))
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (src, dst) block's K and V in every layer (copy on write of a shared block)."""
+        if copies:
+            src, dst = (torch.tensor(ids, device=self.kv.device) for ids in zip(*copies))
+            self.kv[:, :, dst] = self.kv[:, :, src]
+
     @staticmethod
     def num_blocks_for_budget(layout: KVLayout, memory_bytes: float) -> int:
         per_block = 2 * layout.num_layers * layout.bytes_per_block_per_layer

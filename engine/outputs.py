@@ -20,6 +20,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     kv_transfer_params: dict | None = None
+    index: int = 0  # the candidate (or beam) of its prompt
+    cumulative_logprob: float | None = None  # beam search's score before the length penalty
 
     def extend(self, later: RequestOutput) -> None:
         """Fold in the same request's next output, so that one item carries both (a consumer that fell
@@ -45,4 +47,5 @@ class CompletionOutput:
     logprobs: list[dict] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    cumulative_logprob: float | None = None
     candidates: list["CompletionOutput"] = field(default_factory=list)

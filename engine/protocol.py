@@ -24,6 +24,11 @@ class GenerateRequest:
         self.times[stage] = time.time()
 
     @property
+    def num_outputs(self) -> int:
+        """Sequences the request streams: its n candidates (or n best beams), each under its own `index`."""
+        return self.sampling_params.n
+
+    @property
     def num_context_tokens(self) -> int:
         """Tokens a worker must hold KV for before it samples: the prompt and any migrated output."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -43,6 +48,7 @@ class TokenDelta:
     num_cached_tokens: int = 0
     error: str | None = None
     times: dict[str, float] = field(default_factory=dict)
+    index: int = 0  # which of the request's n candidates it belongs to
 
     def extend(self, later: TokenDelta) -> None:
         """Fold in the same request's next delta (one SSE chunk may carry several tokens): tokens, text

@@ -54,10 +54,29 @@ class Request:
     reasoning: ReasoningBudget | None = None  # set by Engine.add when max_reasoning_tokens is given
     structured_output_request: StructuredOutputRequest | None = None  # its grammar state, when constrained
     times: RequestTimes = field(default_factory=RequestTimes)
+    index: int = 0  # which of its prompt's n candidates (or returned beams) it is
+    # The other candidates of its prompt: forked from it once its prompt is computed (Engine.fork).
+    pending_forks: list["Request"] = field(default_factory=list)
+    beam_search: object | None = None  # the BeamSearch this request is a beam of
+    cumulative_logprob: float = 0.0  # of its output tokens, kept for beams
 
     def __post_init__(self):
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+
+    def take_state(self, parent: Request) -> None:
+        """Continue from `parent`'s tokens and progress (a fork); the blocks are the block manager's."""
+        self.all_token_ids = list(parent.all_token_ids)
+        self.num_computed_tokens = parent.num_computed_tokens
+        self.num_cached_tokens = parent.num_cached_tokens
+        self.cumulative_logprob = parent.cumulative_logprob
+        self.times.first_scheduled = parent.times.first_scheduled
+
+    def take_pending(self, parent: Request) -> Request:
+        """Stand in for `parent` (which will not run) as the candidate the others fork from; returns self."""
+        self.pending_forks = [c for c in parent.pending_forks if c is not self]
+        parent.pending_forks = []
+        return self
 
     @property
     def num_tokens(self) -> int:

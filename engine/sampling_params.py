@@ -13,6 +13,16 @@ SEED_RANGE = (-2**63, 2**63 - 1)  # what torch.Generator.manual_seed takes, with
 TOP_K_MAX = 2**31 - 1
 
 
+def candidate_seed(seed: int, i: int) -> int:
+    """Candidate i's seed: the request's seed + i, wrapped into the signed 64 bits a seed must fit."""
+    return (seed + i + 2**63) % 2**64 - 2**63
+
+
+def candidate_id(request_id: str, i: int) -> str:
+    """The request id of candidate (or returned beam) i of a request with n > 1 or beam search."""
+    return f"{request_id}-{i}"
+
+
 @dataclass(slots=True, frozen=True)
 class StructuredOutputs:
     """A constraint on the output, enforced while decoding (vLLM's `StructuredOutputsParams`): exactly one
@@ -35,7 +45,8 @@ class StructuredOutputs:
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 (or below SAMPLING_EPS) means greedy; top_k<=0
-    means no top-k."""
+    means no top-k. With `use_beam_search`, `best_of` (default n) beams are searched by cumulative logprob
+    and the n best come back (engine/beam_search.py); the sampling fields then do not apply."""
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -56,6 +67,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured: StructuredOutputs | None = None
     max_reasoning_tokens: int | None = None  # thinking tokens between the model's markers (engine/reasoning.py)
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
 
     def __post_init__(self):
         # vLLM and OpenAI clients send null or a bare string as well as a list.
@@ -102,6 +116,32 @@ class SamplingParams:
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"may hold at most {MAX_STOP_STRINGS} strings")
         self._validate_token_ids(vocab_size)
+        self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        if self.best_of is not None and not (isinstance(self.best_of, int) and self.n <= self.best_of <= 128):
+            raise InvalidRequestError(f"best_of must be an integer in [n, 128], got {self.best_of!r}", field="best_of")
+        if not _num(self.length_penalty) or abs(self.length_penalty) > 100:
+            raise InvalidRequestError(f"length_penalty must be a number in [-100, 100], got {self.length_penalty!r}",
+                                      field="length_penalty")
+        if not self.use_beam_search:
+            if self.best_of not in (None, self.n):
+                raise InvalidRequestError("best_of other than n needs use_beam_search", field="best_of")
+            if self.n > 1 and (self.structured is not None or self.max_reasoning_tokens is not None):
+                raise InvalidRequestError("n > 1 is not supported with structured outputs, tool choices or a "
+                                          "reasoning budget yet (candidates fork without their own grammar)",
+                                          field="n")
+            return
+        unsupported = [name for name, on in (("stop", self.stop), ("stop_token_ids", self.stop_token_ids),
+                                             ("logprobs", self.logprobs is not None), ("min_tokens", self.min_tokens),
+                                             ("structured_outputs", self.structured),
+                                             ("max_reasoning_tokens", self.max_reasoning_tokens is not None)) if on]
+        if unsupported:
+            raise InvalidRequestError(f"{unsupported[0]} is not supported with use_beam_search", field=unsupported[0])
+
+    @property
+    def beam_width(self) -> int:
+        return self.best_of or self.n
 
     def _validate_token_ids(self, vocab_size: int | None) -> None:
         in_vocab = (lambda t: isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size))

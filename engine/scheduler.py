@@ -45,9 +45,9 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new > 1:
                 num_new = min(num_new, prefill_budget)
-                if not num_new:  # a prefill chunk over the cap waits; the decodes after it still run
-                    i += 1
-                    continue
+            if not num_new:  # a prefill chunk over the cap, or a beam waiting for its siblings' step
+                i += 1
+                continue
             while not self.block_manager.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -84,6 +84,19 @@ class Scheduler:
             if num_new > 1:
                 prefill_budget -= num_new
         return scheduled
+
+    def add_forked(self, children: list[Request]) -> None:
+        """Queue forks first: they hold their parent's blocks and join the next step."""
+        for child in reversed(children):
+            child.status = RequestStatus.WAITING
+            self.waiting.appendleft(child)
+
+    def replace(self, old: Request, new: Request) -> None:
+        """Put `new` where `old` is queued or running (a candidate taking over an aborted parent's prompt)."""
+        queue = self.running if old in self.running else self.waiting
+        if old in queue:
+            queue[queue.index(old)] = new
+            new.status = old.status
 
     def _prefill_budget(self) -> int:
         """Prompt tokens this step may carry: the cap for its decodes, or the whole budget without any."""

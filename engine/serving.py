@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.cpu_cores import PinnedCores, cpu_quota, node_cores, pinning_is_safe
 from engine.engine import Engine
 from engine.engine_loop import EngineLoop
+from engine.forking import output_ids
 from engine.kv_events import KVEventLog
 from engine.outputs import RequestOutput
 from engine.protocol import GenerateRequest, KVEventsReply, TokenDelta, WorkerStats
@@ -49,25 +50,31 @@ class EngineServer:
                                         req.output_token_ids)
 
     async def stream(self, request: GenerateRequest, engine_req: Request, add=None):
-        """Queue `engine_req` (with `add`, default Engine.add) and yield its outputs until it finishes;
-        cancelling the consumer aborts the request and frees its blocks. Outputs of several steps that
-        accumulated while the consumer was busy come as one (RequestOutput.extend); none waits for more."""
-        rid = engine_req.request_id
-        queue = self.loop.subscribe(rid)
-        self.in_flight.add(rid)
+        """Queue `engine_req` (with `add`, default Engine.add) and yield its outputs until it finishes (each
+        of its n candidates, when it has several); cancelling the consumer aborts the request and frees
+        its blocks. Outputs of several steps that accumulated while the consumer was busy come as one per
+        candidate (RequestOutput.extend); none waits for more."""
+        ids = output_ids(engine_req)
+        queue: asyncio.Queue = asyncio.Queue()
+        for rid in ids:
+            self.loop.subscribe(rid, queue)
+        self.in_flight.add(engine_req.request_id)
+        running = set(ids)
         try:
             await self.loop.run(add or self.engine.add, engine_req)
-            while True:
-                out: RequestOutput = await queue.get()
-                while not queue.empty():  # what else accumulated while the consumer was busy: one item
-                    out.extend(queue.get_nowait())
-                yield out
-                if out.finished or out.kv_transfer_params is not None:
-                    return
+            while running:
+                batch = [await queue.get()]
+                while not queue.empty():  # what else accumulated while the consumer was busy
+                    batch.append(queue.get_nowait())
+                for out in _coalesce(batch):
+                    yield out
+                    if out.finished or out.kv_transfer_params is not None:
+                        running.discard(out.request_id)
         finally:
-            self.loop.unsubscribe(rid)
-            self.in_flight.discard(rid)
-            self.loop.submit(self.engine.abort, rid)
+            self.in_flight.discard(engine_req.request_id)
+            for rid in ids:
+                self.loop.unsubscribe(rid)
+                self.loop.submit(self.engine.abort, rid)
 
     @staticmethod
     def to_delta(out: RequestOutput, request: GenerateRequest) -> TokenDelta:
@@ -75,7 +82,7 @@ class EngineServer:
             request.stamp("finished")
         return TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                           out.stop_reason, out.new_logprobs, out.num_prompt_tokens, out.num_cached_tokens,
-                          out.error, dict(request.times) if out.finished else {})
+                          out.error, dict(request.times) if out.finished else {}, out.index)
 
     # ---- what the router and operators read ---------------------------------------------------
 
@@ -132,6 +139,17 @@ class EngineServer:
     def _after_step(self, outputs: list[RequestOutput]) -> None:
         # Runs on the loop thread right after a step: events leave in the order they happened.
         self.events.publish(self.engine.block_manager.take_events())
+
+
+def _coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request id, each folding in its later ones."""
+    merged: dict[str, RequestOutput] = {}
+    for out in outputs:
+        if out.request_id in merged:
+            merged[out.request_id].extend(out)
+        else:
+            merged[out.request_id] = out
+    return list(merged.values())
 
 
 def pin_cores(config: EngineConfig) -> tuple[PinnedCores | None, EngineConfig]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from dataclasses import replace
 
 import ray
 
@@ -19,6 +20,7 @@ from engine.errors import InvalidRequestError
 from engine.layer_progress import LayerProgress
 from engine.protocol import GenerateRequest, PrefillResult, TokenDelta
 from engine.request import Request
+from engine.sampling_params import candidate_seed
 from engine.serving import EngineServer, WorkerDraining
 from engine.transfer_config import TransferConfig
 from kv_transfer.addresses import KVAddresses, hosts_that_cannot_reach, is_loopback, resolve_kv_addresses
@@ -66,10 +68,19 @@ class PrefillWorker(EngineServer):
         request.stamp("prefill_queued")
         engine_req = self.build_request(request)
         engine_req.do_remote_decode = True
-        # A single-token request never reaches decode: nothing to pull, so no early lease either.
-        if self.layer_progress is None or engine_req.max_tokens == 1:
+        # A single-token request never reaches decode: nothing to pull, so no early lease either. Nor does
+        # a group of candidates lease early: decode needs to know the first one's token before it forks.
+        if self.layer_progress is None or engine_req.max_tokens == 1 or request.num_outputs > 1:
             return PrefillResult(*await self._run_to_first_token(request, engine_req))
         return await self._prefill_layerwise(request, engine_req)
+
+    def build_request(self, req: GenerateRequest) -> Request:
+        """The n candidates of a prompt are prefilled as their first one, under the request's id (its lease);
+        decode forks the others from the pulled prompt."""
+        params = req.sampling_params
+        if params.n > 1:
+            params = replace(params, n=1, seed=candidate_seed(params.seed, 0))
+        return self.engine.make_request(req.request_id, req.prompt_token_ids, params, req.cache_salt)
 
     async def first_token(self, request_id: str) -> TokenDelta:
         """Layer-wise: the first token of a request whose `prefill` returned before it was sampled."""

@@ -18,10 +18,14 @@ async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIt
     frees its blocks on both workers.
 
     A layer-wise prefill worker answers before the first token exists: decode then starts pulling at
-    once, and both this function and decode await the first token's ObjectRef."""
+    once, and both this function and decode await the first token's ObjectRef.
+
+    A request with n candidates (or n best beams) yields each one's deltas under its `index`; the prefill
+    worker's first token is the first candidate's, and decode forks the others."""
     result: PrefillResult | None = None
     stream = None
     finished = False
+    running = request.num_outputs  # candidates still generating
     try:
         if prefill is not None:
             request.stamp("prefill_dispatched")
@@ -30,7 +34,8 @@ async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIt
                 result.first_ref = [prefill.first_token.remote(request.request_id)]
                 stream = decode.generate.options(num_returns="streaming").remote(request, result)
                 result.first = await result.first_ref[0]
-            if result.first.finished:  # a layer-wise decode sees it too, and ends without pulling further
+            running -= result.first.finished
+            if not running:  # a layer-wise decode sees it too, and ends without pulling further
                 finished = True
                 yield result.first
                 return
@@ -41,8 +46,9 @@ async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIt
             yield result.first
         async for ref in stream:
             delta, failure = await ref, None
-            # Deltas that arrived while this consumer was busy go out as one.
-            while not delta.finished and stream.next_ready():
+            # Deltas that arrived while this consumer was busy go out as one (decode already does that per
+            # candidate when there are several).
+            while request.num_outputs == 1 and not delta.finished and stream.next_ready():
                 try:
                     delta.extend(await _next_delta(stream))
                 except StopAsyncIteration:
@@ -50,7 +56,8 @@ async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIt
                 except Exception as exc:  # what arrived before the failure still goes out first
                     failure = exc
                     break
-            finished = delta.finished
+            running -= delta.finished
+            finished = not running
             yield delta
             if failure is not None:
                 raise failure

@@ -142,13 +142,15 @@ class _GenerationRequest(_Body):
     @property
     def continuous_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.continuous_usage_stats
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int,
-                         renames: dict[str, str]) -> SamplingParams:
+                         renames: dict[str, str], best_of: int | None = None) -> SamplingParams:
         try:
             params = SamplingParams(
                 n=self.n, temperature=_default(self.temperature, 1.0), top_p=_default(self.top_p, 1.0),
@@ -159,7 +161,8 @@ class _GenerationRequest(_Body):
                 seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or [],
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens, structured=self.structured()[0])
+                skip_special_tokens=self.skip_special_tokens, structured=self.structured()[0],
+                use_beam_search=self.use_beam_search, best_of=best_of, length_penalty=self.length_penalty)
             params.validate(vocab_size)
         except InvalidRequestError as exc:
             raise APIError.from_invalid(exc, renames) from None
@@ -239,9 +242,7 @@ class CompletionRequest(_GenerationRequest):
             raise APIError.bad_request("echo is not supported", "echo")
         if self.suffix:
             raise APIError.bad_request("suffix is not supported", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError.bad_request("best_of is only supported equal to n", "best_of")
-        return self._sampling_params(max_tokens, self.logprobs, vocab_size, {})
+        return self._sampling_params(max_tokens, self.logprobs, vocab_size, {}, self.best_of)
 
 
 class ContentPart(_Body):

@@ -22,14 +22,17 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
+from dataclasses import replace
 
 import ray
 
 from router.metrics import Metrics
 from engine import hashing
 from engine.protocol import GenerateRequest, TokenDelta
+from engine.sampling_params import candidate_id, candidate_seed
 from engine.serving import WorkerDraining
 from router.dispatch import run_request
+from router.streams import merge_streams
 from router.latency_report import LatencyReporter
 from router.policy import NoDecodeWorker, RouteDecision
 from router.worker_view import WorkerView
@@ -55,26 +58,29 @@ class RequestRouter:
         self.decode_wait_s = decode_wait_s  # for a decode worker, while none is schedulable and the pool can heal
 
     async def stream(self, request: GenerateRequest, block_hashes: Sequence[int]) -> AsyncIterator[TokenDelta]:
-        """Yield the request's token deltas. Closing the iterator aborts it on every worker it runs on.
+        """Yield the request's token deltas (each of its n candidates' under its `index`, all run on one
+        decode worker). Closing the iterator aborts it on every worker it runs on.
 
         Raises NoDecodeWorker when no decode worker can take it (none came within `decode_wait_s`), and
-        InvalidRequestError when a worker refuses it (both before anything was yielded)."""
+        InvalidRequestError when a worker refuses it (both before anything was yielded). When several
+        candidates' decode worker fails mid-stream, each unfinished one migrates alone."""
         excluded: set[str] = set()
-        token_times: list[float] = []
-        streamed: list[int] = []  # token ids the client has, over every worker the request ran on
+        token_times: list[list[float]] = [[] for _ in range(request.num_outputs)]
+        streamed: list[list[int]] = [[] for _ in range(request.num_outputs)]  # what the client has, per candidate
+        done: set[int] = set()  # candidates finished
         attempts = migrations = 0
         failure: tuple[str, Exception] | None = None  # the worker and error that ended the last placement
         while attempts < self.max_attempts:
             try:
                 decision = await self._route(request, block_hashes, excluded)
             except NoDecodeWorker as exc:
-                if not token_times:
+                if not token_times[0]:
                     raise
-                yield self._give_up(request, *failure, token_times, str(exc))  # nowhere to migrate to
+                yield self._give_up(request, *failure, token_times[0], str(exc))  # nowhere to migrate to
                 return
             decode = decision.decode.worker_id
             prefill = decision.prefill.worker_id if decision.prefill else None
-            finished = migrating = False
+            migrating = False
             try:
                 actors = self.view.actor(decode), prefill and self.view.actor(prefill)
                 async with aclosing(run_request(request, *actors)) as deltas:
@@ -82,25 +88,26 @@ class RequestRouter:
                         if delta.token_ids:
                             # A coalesced delta's tokens arrive together: one stamp each, so ITL is
                             # still counted per token and averages to TPOT.
-                            token_times.extend([time.time()] * len(delta.token_ids))
-                            streamed.extend(delta.token_ids)
+                            token_times[delta.index].extend([time.time()] * len(delta.token_ids))
+                            streamed[delta.index].extend(delta.token_ids)
                         # Each worker stamps its own copy of the request; gather the stages here.
                         request.times.update(delta.times)
                         if delta.finished:
-                            finished = True
-                            self._observe(decode, request.times, token_times, delta.finish_reason)
+                            done.add(delta.index)
+                            self._observe(decode, request.times, token_times[delta.index], delta.finish_reason)
                         yield delta
                 return
             except (WorkerDraining, ray.exceptions.RayActorError) as exc:
+                started = any(token_times)
                 # Before the first delta, only the prefill call (when there is one) has run.
-                failed = prefill if prefill is not None and not token_times else decode
+                failed = prefill if prefill is not None and not started else decode
                 if isinstance(exc, ray.exceptions.RayActorError):
                     # Unschedulable until a later call succeeds: a worker Ray restarts may take it again.
                     self.view.lost(failed, type(exc).__name__)
                 else:
                     excluded.add(failed)
                 failure = failed, exc
-                if not token_times:
+                if not started:
                     attempts += 1
                     pool = "prefill" if failed == prefill else "decode"
                     cause = "draining" if isinstance(exc, WorkerDraining) else "failed"
@@ -108,22 +115,49 @@ class RequestRouter:
                     logger.info("re-routing %s away from %s (attempt %d): %s", request.request_id, failed,
                                 attempts, type(exc).__name__)
                     continue
+                if request.num_outputs > 1:
+                    migrating = True
+                    break
                 if migrations == self.migration_limit:
-                    finished = True
-                    yield self._give_up(request, decode, exc, token_times, f"{migrations} migrations already")
+                    done.add(0)
+                    yield self._give_up(request, decode, exc, token_times[0], f"{migrations} migrations already")
                     return
                 migrations += 1
                 migrating = True
                 self.metrics.migrations.labels(failed).inc()
                 logger.warning("migrating %s from %s after %d tokens (migration %d): %s", request.request_id,
-                               failed, len(streamed), migrations, type(exc).__name__)
-                block_hashes = self._resume(request, block_hashes, streamed)
+                               failed, len(streamed[0]), migrations, type(exc).__name__)
+                block_hashes = self._resume(request, block_hashes, streamed[0])
             finally:
                 self.view.end(decision, request.request_id)
-                if not finished and not migrating and token_times:  # the client went away mid-stream
-                    self._observe(decode, request.times, token_times, "abort")
-        self.metrics.rejected.labels("no_decode_worker").inc()
-        raise NoDecodeWorker(f"no worker could take the request in {self.max_attempts} attempts")
+                if not migrating:  # the client went away mid-stream
+                    for i, times in enumerate(token_times):
+                        if times and i not in done:
+                            self._observe(decode, request.times, times, "abort")
+        else:
+            self.metrics.rejected.labels("no_decode_worker").inc()
+            raise NoDecodeWorker(f"no worker could take the request in {self.max_attempts} attempts")
+        async for delta in self._migrate_candidates(request, block_hashes, streamed, done, failure[0]):
+            yield delta
+
+    async def _migrate_candidates(self, request: GenerateRequest, block_hashes: Sequence[int],
+                                  streamed: list[list[int]], done: set[int], failed: str) -> AsyncIterator[TokenDelta]:
+        """Each unfinished candidate of `request` as a request of its own with the tokens it streamed (placed
+        and migrated alone from here on), their deltas under the candidates' indexes."""
+        params = request.sampling_params
+        indexes = [i for i in range(request.num_outputs) if i not in done]
+        streams = []
+        for i in indexes:
+            self.metrics.migrations.labels(failed).inc()
+            alone = GenerateRequest(candidate_id(request.request_id, i), request.prompt_token_ids,
+                                    replace(params, n=1, seed=candidate_seed(params.seed, i)), request.cache_salt,
+                                    dict(request.times))
+            streams.append(self.stream(alone, self._resume(alone, block_hashes, streamed[i])))
+        logger.warning("migrating %d candidates of %s from %s, each alone", len(indexes), request.request_id, failed)
+        async with aclosing(merge_streams(streams)) as merged:
+            async for k, delta in merged:
+                delta.index = indexes[k]
+                yield delta
 
     def _resume(self, request: GenerateRequest, block_hashes: Sequence[int], streamed: list[int]) -> list[int]:
         """Make `request` continue after the tokens already streamed; returns the block hashes of its
@@ -149,8 +183,10 @@ class RequestRouter:
         while True:
             try:
                 # A migrated request prefills on its decode worker: a prefill worker hands over prompt KV only.
+                # So does a beam search: its beams need the prompt's logits where they run.
                 decision = self.view.route(block_hashes, request.num_context_tokens, excluded,
-                                           remote_prefill=not request.output_token_ids,
+                                           remote_prefill=not (request.output_token_ids or
+                                                               request.sampling_params.use_beam_search),
                                            elapsed_s=max(0.0, time.time() - request.times["arrival"]))
             except NoDecodeWorker:
                 decode_wait = decode_wait or _DecodeWait(request, self.decode_wait_s, self.metrics)

@@ -31,6 +31,7 @@ from router.openai_responses import (ChatFormatter, Choice, CompletionFormatter,
 from router.policy import NoDecodeWorker
 from router.request_limits import RequestLimits, TokenizerPool
 from router.request_router import RequestRouter
+from router.streams import cancel, merge_streams
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +54,12 @@ class ModelInfo:
 
 
 @dataclass(slots=True)
-class Candidate:
-    """One of the n candidates of one prompt, ready to run."""
-    choice: Choice
+class Candidates:
+    """The n candidates of one prompt, run as one request on one decode worker (they share the prompt's
+    blocks there); deltas fill `choices[delta.index]`."""
+    choices: list[Choice]
     request: GenerateRequest
     block_hashes: list[int]
-
-
-def candidate_seed(seed: int, i: int) -> int:
-    """Candidate i's seed: the request's seed + i, wrapped into the signed 64 bits a seed must fit."""
-    return (seed + i + 2**63) % 2**64 - 2**63
 
 
 class OpenAIService:
@@ -141,18 +138,19 @@ class OpenAIService:
             untruncated, keep = tokenize, req.truncate_prompt_tokens
             tokenize = lambda: [ids[-keep:] for ids in untruncated()]  # noqa: E731
         salt = cache_salt(tenant, req.cache_salt)
-        ticket = self.admission.acquire(num_prompts * params.n)
+        ticket = self.admission.acquire(num_prompts * params.beam_width)  # sequences that run
         try:
             prompts, hashes = await self.tokenizers.run(self._prepare, tokenize, salt, max_tokens, prompt_field,
                                                         req.max_tokens_param, req.check_structured)
             candidates = []
             for p, ids in enumerate(prompts):
-                for i in range(params.n):
-                    # Unseeded candidates get a seed of their own here: workers seed their generators alike,
-                    # so letting each worker pick would give equal samples on different workers.
-                    seed = secrets.randbits(62) if params.seed is None else candidate_seed(params.seed, i)
-                    request = GenerateRequest(f"{fmt.id}-{p}-{i}", ids, replace(params, n=1, seed=seed), salt)
-                    candidates.append(Candidate(Choice(p * params.n + i, p), request, hashes[p]))
+                # Unseeded requests get a seed here: workers seed their generators alike, so letting each
+                # worker pick would give equal samples on different workers. Candidate i of n draws from
+                # candidate_seed(seed, i), on a prefill, a decode or a migration target alike.
+                seed = secrets.randbits(62) if params.seed is None else params.seed
+                request = GenerateRequest(f"{fmt.id}-{p}", ids, replace(params, seed=seed), salt)
+                choices = [Choice(p * params.n + i, p) for i in range(params.n)]
+                candidates.append(Candidates(choices, request, hashes[p]))
             logger.debug("%s: %d candidates for tenant %r user %r", fmt.id, len(candidates), tenant, req.user)
             prompt_lengths = [len(ids) for ids in prompts]
             if req.stream:  # the stream releases the ticket when it ends
@@ -175,23 +173,23 @@ class OpenAIService:
             self._check_context(ids, max_tokens, prompt_field, max_field)
         return prompts, [block_hashes(ids, self.block_size, salt) for ids in prompts]
 
-    async def _complete(self, candidates: list[Candidate], prompt_lengths: list[int], fmt: Formatter):
-        async def collect(cand: Candidate) -> None:
+    async def _complete(self, candidates: list[Candidates], prompt_lengths: list[int], fmt: Formatter):
+        async def collect(cand: Candidates) -> None:
             async with aclosing(self.requests.stream(cand.request, cand.block_hashes)) as deltas:
                 async for delta in deltas:
-                    cand.choice.add(delta)
+                    cand.choices[delta.index].add(delta)
 
         tasks = [asyncio.ensure_future(collect(cand)) for cand in candidates]
         try:
             await asyncio.gather(*tasks)
         finally:  # one failure (or a client gone) stops the others
-            await _cancel(tasks)
-        choices = [cand.choice for cand in candidates]
+            await cancel(tasks)
+        choices = [c for cand in candidates for c in cand.choices]
         if failed := next((c for c in choices if c.finish_reason == "error"), None):
             raise _failed(failed.error)
         return fmt.response(choices, usage(choices, prompt_lengths))
 
-    async def _stream(self, candidates: list[Candidate], prompt_lengths: list[int], req, fmt: Formatter,
+    async def _stream(self, candidates: list[Candidates], prompt_lengths: list[int], req, fmt: Formatter,
                       ticket: Ticket) -> Response:
         streams = [self.requests.stream(cand.request, cand.block_hashes) for cand in candidates]
         # Wait for every first delta before answering, so a request no worker takes gets a real status code.
@@ -199,7 +197,7 @@ class OpenAIService:
         try:
             firsts = await asyncio.gather(*first)
         except BaseException:
-            await _cancel(first)
+            await cancel(first)
             await _close(streams)
             raise
         events = self._events(candidates, streams, firsts, prompt_lengths, req, fmt)
@@ -211,18 +209,18 @@ class OpenAIService:
 
         return EventStream(events, on_close=close)
 
-    async def _events(self, candidates: list[Candidate], streams, firsts: list[TokenDelta], prompt_lengths: list[int],
+    async def _events(self, candidates: list[Candidates], streams, firsts: list[TokenDelta], prompt_lengths: list[int],
                       req, fmt: Formatter) -> AsyncIterator[str]:
         """The stream's events; `req` says whether usage comes at the end and in every chunk. A candidate
         that fails ends with finish_reason "error", followed by an error event carrying the message."""
-        choices = [cand.choice for cand in candidates]
+        choices = [c for cand in candidates for c in cand.choices]
         try:
             for choice in choices:
                 if (chunk := fmt.first_chunk(choice)) is not None:
                     yield sse(chunk)
             async with aclosing(_merge(streams, firsts)) as merged:
                 async for i, delta in merged:
-                    choice = choices[i]
+                    choice = candidates[i].choices[delta.index]
                     chunk = fmt.chunk(choice, delta, len(choice.text))
                     choice.add(delta)
                     if chunk is not None:
@@ -323,42 +321,9 @@ async def _merge(streams: list, firsts: list[TokenDelta]) -> AsyncIterator[tuple
     """The already received first deltas, then every stream's deltas as they come, tagged by index."""
     for i, delta in enumerate(firsts):
         yield i, delta
-    live = [i for i, delta in enumerate(firsts) if not delta.finished]
-    if len(live) == 1:
-        async for delta in streams[live[0]]:
-            yield live[0], delta
-        return
-    queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(live))
-
-    async def pump(i: int) -> None:
-        try:
-            async for delta in streams[i]:
-                await queue.put((i, delta, None))
-            await queue.put((i, None, None))
-        except Exception as exc:
-            await queue.put((i, None, exc))
-        finally:
-            await streams[i].aclose()
-
-    tasks = [asyncio.ensure_future(pump(i)) for i in live]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, delta, exc = await queue.get()
-            if exc is not None:
-                raise exc
-            if delta is None:
-                remaining -= 1
-            else:
-                yield i, delta
-    finally:
-        await _cancel(tasks)
-
-
-async def _cancel(tasks: list[asyncio.Future]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    async with aclosing(merge_streams(streams)) as merged:
+        async for i, delta in merged:
+            yield i, delta
 
 
 async def _close(streams: list) -> None:

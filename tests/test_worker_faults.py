@@ -257,6 +257,29 @@ def test_the_only_decode_worker_killed_mid_stream_is_waited_for_and_the_stream_c
     assert text_of(chunks) == whole.choices[0].text
 
 
+def test_candidates_of_one_prompt_migrate_alone_when_their_decode_worker_dies(app):
+    """n = 2, seeded: the group's decode worker dies mid-stream; each candidate moves on alone with the
+    tokens it streamed and draws the samples it would have drawn, so the text equals an uninterrupted run."""
+    assert ready("decode-0")
+    decode = actor("decode-0")
+    ray.get(decode.__ray_call__.remote(_freeze_loop_when, decoded_8_tokens))
+    sampled = {"model": MODEL, "prompt": token_prompt(24, seed=37), "max_tokens": 40, "temperature": 1.0,
+               "seed": 3, "n": 2, "extra_body": {"ignore_eos": True}}
+    before = metric(app, "tandem:request_migrations_total", worker="decode-0")
+    stream = client(app).completions.create(stream=True, **sampled)
+    chunks = [next(stream)]
+    kill_when_frozen(decode)
+    chunks.extend(stream)
+    assert metric(app, "tandem:request_migrations_total", worker="decode-0") == before + 2
+    texts = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    whole = client(app).completions.create(**sampled)
+    assert [texts[0], texts[1]] == [c.text for c in whole.choices]
+    assert [c.finish_reason for c in whole.choices] == ["length", "length"]
+
+
 def test_without_a_decode_worker_coming_back_a_stream_ends_with_an_error_at_the_wait_bound(app):
     """A RequestRouter over the app's workers, waiting at most 2 s; the decode worker is killed for good
     (no restart, and this pool does not replace dead workers). Last in the module: it leaves no decode
