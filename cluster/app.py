@@ -61,7 +61,8 @@ def build_app(args: ClusterConfig) -> Application:
 
 def ingress_config(config: ClusterConfig) -> IngressConfig:
     r = config.router
-    return IngressConfig(model=config.model, model_name=config.model_name, max_model_len=config.engine.max_model_len,
+    return IngressConfig(model=config.model, model_name=config.model_name, model_aliases=tuple(config.model_names[1:]),
+                         chat_template=config.chat_template, max_model_len=config.engine.max_model_len,
                          block_size=config.engine.block_size,
                          disagg=DisaggConfig(r.max_local_prefill_length, r.max_remote_prefill_cache_hit_ratio,
                                              r.max_prefill_queue_size, r.placement, config.slo.ttft_ms / 1000,

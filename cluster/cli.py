@@ -49,7 +49,8 @@ def serve_command(args, parser) -> int:
                  "mode": "colocated" if args.colocated else None, "prefill.replicas": args.prefill,
                  "decode.replicas": args.decode, "host": args.host, "port": args.port, "admin_key": args.admin_key,
                  "api_keys": dict(args.api_key) if args.api_key else None,
-                 "autoscaler.enabled": True if args.autoscale else None}
+                 "autoscaler.enabled": True if args.autoscale else None,
+                 "served_model_name": args.served_model_name, "chat_template": args.chat_template}
     try:
         config = load_config(args.config, **overrides)
     except ConfigError as exc:
@@ -179,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=_existing_file, metavar="FILE", help="YAML file with ClusterConfig fields")
     serve.add_argument("--model", type=_non_empty, metavar="DIR",
                        help="HF model directory (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--served-model-name", type=_non_empty, nargs="+", metavar="NAME",
+                       help="the model's name(s) in the API; responses carry the first (default: --model)")
+    serve.add_argument("--chat-template", type=_non_empty, metavar="FILE_OR_TEMPLATE",
+                       help="a Jinja chat template (file or inline) instead of the tokenizer's own")
     serve.add_argument("--prefill", type=_count, metavar="N", help="prefill workers at start (default 1)")
     serve.add_argument("--decode", type=_count, metavar="M", help="decode workers at start (default 1)")
     serve.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers prefill too")

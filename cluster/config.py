@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
+import jinja2
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -196,7 +197,11 @@ class CpuOptions(_Strict):
 class ClusterConfig(_Strict):
     """Everything `tandem serve` needs; every field has a working default for a laptop."""
     model: str | None = None
-    served_model_name: str | None = None
+    # Names requests may give as `model`; responses carry the first (vLLM's --served-model-name).
+    served_model_name: str | list[str] | None = None
+    # A Jinja chat template (a file's path, or the template itself) instead of the tokenizer's own;
+    # a file is read when the config is validated, so the ingress gets the text wherever it runs.
+    chat_template: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
@@ -227,14 +232,33 @@ class ClusterConfig(_Strict):
             refuse_placeholder(key, "api_keys")
         return keys
 
+    @field_validator("served_model_name")
+    @classmethod
+    def _names(cls, names: str | list[str] | None) -> str | list[str] | None:
+        listed = [names] if isinstance(names, str) else names or []
+        if names is not None and (not listed or not all(n.strip() for n in listed) or len(set(listed)) < len(listed)):
+            raise ValueError("served model names must be non-empty and distinct")
+        return names
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, template: str | None) -> str | None:
+        return None if template is None else load_chat_template(template)
+
     @field_validator("admin_key")
     @classmethod
     def _admin_key_not_placeholder(cls, key: str | None) -> str | None:
         return refuse_placeholder(key, "admin_key")
 
     @property
+    def model_names(self) -> list[str]:
+        if self.served_model_name:
+            return [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
+        return [self.model or "smollm2-135m-instruct"]
+
+    @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model or "smollm2-135m-instruct"
+        return self.model_names[0]
 
     def engine_config(self, pool: PoolConfig, role: str | None = None) -> EngineConfig:
         """The engine of a `role` ("prefill" or "decode") worker; with a role it is pinned as `cpu` says,
@@ -306,6 +330,22 @@ def refuse_placeholder(value: str | None, setting: str) -> str | None:
     raise ConfigError(f"{setting} is the published placeholder {value!r} from k8s/base/secrets.yaml, which protects "
                       f"nothing; refusing to start. Set a real secret (for instance the output of "
                       f"`openssl rand -hex 32`) in {where}")
+
+
+def load_chat_template(template: str) -> str:
+    """A chat template from a file's path or given inline, checked to be valid Jinja."""
+    path = Path(template)
+    looks_inline = "{{" in template or "{%" in template
+    if not looks_inline:
+        try:
+            template = path.read_text()
+        except OSError as exc:
+            raise ValueError(f"{template!r} is neither a readable file nor a Jinja template ({exc.strerror})") from None
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template is not valid Jinja: {exc.message} (line {exc.lineno})") from None
+    return template
 
 
 def load_config(path: str | Path | None = None, **overrides) -> ClusterConfig:

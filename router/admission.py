@@ -42,3 +42,9 @@ class Ticket:
     def release(self) -> None:
         self.admission.in_flight -= self.num_sequences
         self.num_sequences = 0
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -7,6 +7,7 @@ handle, the metrics hub, the admin routes): it starts nothing and knows no clust
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -30,6 +31,7 @@ from router.metrics import Metrics
 from router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, request_body_schema
 from router.policy import DisaggConfig, Router
 from router.request_limits import RequestLimits, read_body
+from router import tokenize_api
 from router.request_router import RequestRouter
 from router.service import ModelInfo, OpenAIService, to_api_error
 from router.worker_view import WorkerView
@@ -56,6 +58,8 @@ class IngressConfig:
     routing: str = "prefix_aware"  # or round_robin: the baseline for benchmarks
     decode_wait_s: float = 60.0  # how long a request waits for a decode worker while the pool heals
     limits: RequestLimits = field(default_factory=RequestLimits)
+    model_aliases: tuple[str, ...] = ()  # more names requests may use for the model
+    chat_template: str | None = None  # instead of the tokenizer's own
 
 
 def load_model_info(config: IngressConfig):
@@ -65,8 +69,11 @@ def load_model_info(config: IngressConfig):
     hf = AutoConfig.from_pretrained(model_dir)
     max_position = getattr(hf, "max_position_embeddings", 2048)
     max_model_len = min(config.max_model_len or max_position, max_position)
-    info = ModelInfo(config.model_name, hf.vocab_size, max_model_len, int(time.time()))
-    return load_tokenizer(model_dir), info
+    info = ModelInfo(config.model_name, hf.vocab_size, max_model_len, int(time.time()), config.model_aliases)
+    tokenizer = load_tokenizer(model_dir)
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
+    return tokenizer, info
 
 
 @serve.deployment(name="ingress")
@@ -197,6 +204,26 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
         except APIError as exc:
             return error_response(exc)
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        try:
+            return JSONResponse(service.model_card(model_id, request.headers.get("authorization")).model_dump())
+        except APIError as exc:
+            return error_response(exc)
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        try:
+            service.auth.tenant(request.headers.get("authorization"))
+        except APIError as exc:
+            return error_response(exc)
+        return JSONResponse({"version": tandem_version()})
+
+    for path, run, body_model in (("/tokenize", tokenize_api.tokenize, tokenize_api.TokenizeRequest),
+                                  ("/detokenize", tokenize_api.detokenize, tokenize_api.DetokenizeRequest)):
+        app.add_api_route(path, _utility_route(service, run, limits), methods=["POST"],
+                          openapi_extra=request_body_schema(body_model), name=path.strip("/"))
+
     @app.get("/health")
     async def health() -> Response:
         """200 while at least one decode worker takes requests (what a load balancer needs to know)."""
@@ -210,6 +237,23 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
         return Response(await scrape(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _utility_route(service: OpenAIService, run, limits: RequestLimits):
+    async def endpoint(request: Request) -> Response:
+        try:
+            body = await read_body(request, limits.max_body_bytes)
+            return JSONResponse((await run(service, body, request.headers.get("authorization"))).model_dump())
+        except Exception as exc:
+            return error_response(to_api_error(exc))
+    return endpoint
+
+
+def tandem_version() -> str:
+    try:
+        return importlib.metadata.version("tandem-serve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def add_api_docs(app: FastAPI, auth: Authenticator) -> None:

@@ -7,10 +7,12 @@ every error names the offending field the way OpenAI's API does:
 """
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from transformers import PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError, first_field_error
 from engine.sampling_params import SamplingParams, StructuredOutputs
@@ -47,8 +49,21 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+# Fields OpenAI's API or vLLM's define that change nothing this server outputs: accepted (typed) and
+# logged at debug, as vLLM does, so clients that send them work unchanged.
+IGNORED_FIELDS = ("metadata", "store", "service_tier", "user", "prompt_cache_key", "safety_identifier",
+                  "priority", "request_id", "parallel_tool_calls")
+# Fields that would change the output and that this server does not implement: a 400 saying so, never
+# an answer that silently differs from what was asked.
+UNSUPPORTED_FIELDS = ("audio", "modalities", "prediction", "web_search_options", "functions", "function_call",
+                      "verbosity", "prompt_logprobs", "allowed_token_ids", "bad_words", "documents",
+                      "return_tokens_as_token_ids", "mm_processor_kwargs", "chat_template", "logits_processors",
+                      "vllm_xargs", "kv_transfer_params")
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage so far in every chunk, as vLLM sends it
 
 
 class JSONSchemaFormat(_Body):
@@ -107,6 +122,24 @@ class _GenerationRequest(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep only the prompt's last k tokens
+    spaces_between_special_tokens: Literal[True] = True
+    # accepted, not acted on (IGNORED_FIELDS)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    priority: int = 0
+    request_id: str | None = None
+
+    def ignored_fields(self) -> list[str]:
+        """The IGNORED_FIELDS this request set (for a debug log line)."""
+        return sorted(self.model_fields_set.intersection(IGNORED_FIELDS))
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     @property
     def include_usage(self) -> bool:
@@ -184,6 +217,7 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True
 
     @property
     def max_tokens_param(self) -> str:
@@ -226,13 +260,45 @@ class ChatMessage(_Body):
         return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 
-class ChatCompletionRequest(_GenerationRequest):
+# apply_chat_template's own parameters (and the template's `messages`): chat_template_kwargs are the
+# template's variables, and may not reach these (return_tensors, truncation, ...).
+_TEMPLATE_PARAMETERS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
+    "self", "kwargs"} | {"messages"}
+
+
+class ChatTemplateControls(_Body):
+    """vLLM's controls of the chat template, shared by chat completions and /tokenize."""
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
+
+    def template_options(self) -> dict:
+        """Keyword arguments for the tokenizer's `apply_chat_template` besides the messages."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError.bad_request("continue_final_message needs add_generation_prompt to be false",
+                                       "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise APIError.bad_request("continue_final_message needs the last message to be the assistant's",
+                                       "continue_final_message")
+        if taken := _TEMPLATE_PARAMETERS.intersection(self.chat_template_kwargs or {}):
+            raise APIError.bad_request(f"chat_template_kwargs may not set {sorted(taken)}", "chat_template_kwargs")
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+    def template_messages(self) -> list[dict]:
+        return [m.template_dict() for m in self.messages]
+
+
+class ChatCompletionRequest(_GenerationRequest, ChatTemplateControls):
     """POST /v1/chat/completions."""
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    parallel_tool_calls: bool | None = None  # accepted, not acted on (IGNORED_FIELDS)
+    echo: bool = False
 
     @property
     def max_tokens_param(self) -> str:
@@ -243,6 +309,8 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def sampling_params(self, max_tokens: int | None, vocab_size: int) -> SamplingParams:
+        if self.echo:
+            raise APIError.bad_request("echo is not supported", "echo")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -258,6 +326,10 @@ def parse_body(model: type[_Body], body: bytes) -> _Body:
         first = first_field_error(exc)
         if first.type == "json_invalid":
             raise APIError.bad_request(f"the body is not valid JSON: {first.message}", None) from None
+        if first.type == "extra_forbidden" and len(first.loc) == 1:
+            name = first.loc[0]
+            why = "is not supported by this server" if name in UNSUPPORTED_FIELDS else "is not a field of this request"
+            raise APIError.bad_request(f"`{name}` {why}", name) from None
         message = f"{first.path}: {first.message}" if first.path else first.message
         raise APIError.bad_request(message, first.loc[0] if first.loc else None) from None
 

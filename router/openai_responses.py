@@ -133,6 +133,7 @@ class Choice:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int | None = None
+    error: str | None = None  # why it ended with finish_reason "error"
 
     def add(self, delta: TokenDelta) -> None:
         self.text += delta.text
@@ -142,7 +143,7 @@ class Choice:
         if self.num_cached_tokens is None:  # the worker that prefilled says what it reused
             self.num_cached_tokens = delta.num_cached_tokens
         if delta.finished:
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
 
 
 def usage(choices: list[Choice], prompt_lengths: list[int]) -> Usage:

@@ -35,10 +35,18 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ModelInfo:
     """What the ingress must know of the served model to validate requests as the workers would."""
-    name: str
+    name: str  # the first served name: what responses say
     vocab_size: int
     max_model_len: int
     created: int
+    aliases: tuple[str, ...] = ()  # further names requests may use (`--served-model-name a b`)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+    def card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, created=self.created, max_model_len=self.max_model_len)
 
 
 @dataclass(slots=True)
@@ -70,17 +78,22 @@ class OpenAIService:
 
     def models(self, authorization: str | None) -> ModelList:
         self.auth.tenant(authorization)
-        return ModelList(data=[ModelCard(id=self.model.name, created=self.model.created,
-                                         max_model_len=self.model.max_model_len)])
+        return ModelList(data=[self.model.card(name) for name in self.model.names])
+
+    def model_card(self, model: str, authorization: str | None) -> ModelCard:
+        """GET /v1/models/{model}."""
+        self.auth.tenant(authorization)
+        self.check_model(model)
+        return self.model.card(model)
 
     async def completions(self, body: bytes, authorization: str | None) -> Response:
         tenant = self.auth.tenant(authorization)
         req = parse_body(CompletionRequest, body)
-        self._check_model(req.model)
+        self.check_model(req.model)
         prompts = req.prompts()
 
         def tokenize() -> list[list[int]]:
-            return [self._prompt_ids(p) for p in prompts]
+            return [self.prompt_ids(p, req.add_special_tokens) for p in prompts]
 
         fmt = CompletionFormatter(self.model.name, self.tokenizer)
         return await self._generate(req, len(prompts), tokenize, "prompt", req.max_tokens, tenant, fmt)
@@ -88,17 +101,11 @@ class OpenAIService:
     async def chat(self, body: bytes, authorization: str | None) -> Response:
         tenant = self.auth.tenant(authorization)
         req = parse_body(ChatCompletionRequest, body)
-        self._check_model(req.model)
-        messages = [m.template_dict() for m in req.messages]
+        self.check_model(req.model)
+        messages, options = req.template_messages(), req.template_options()
 
         def tokenize() -> list[list[int]]:
-            try:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                         return_dict=False)
-            except Exception as exc:  # a template that rejects the conversation (roles, order)
-                raise APIError.bad_request(f"the chat template cannot render these messages: {exc}",
-                                           "messages") from None
-            return [list(ids)]
+            return [render_chat(self.tokenizer, messages, **options)]
 
         fmt = ChatFormatter(self.model.name, self.tokenizer)
         return await self._generate(req, 1, tokenize, "messages", req.requested_max_tokens, tenant, fmt)
@@ -110,6 +117,11 @@ class OpenAIService:
         """`tokenize()` makes the prompts' token ids; it runs on the tokenizer pool once admitted."""
         self.limits.check_sampling(req)
         params = req.sampling_params(max_tokens, self.model.vocab_size)
+        if ignored := req.ignored_fields():
+            logger.debug("%s: ignoring %s (nothing this server outputs depends on them)", fmt.id, ", ".join(ignored))
+        if req.truncate_prompt_tokens is not None:
+            untruncated, keep = tokenize, req.truncate_prompt_tokens
+            tokenize = lambda: [ids[-keep:] for ids in untruncated()]  # noqa: E731
         salt = cache_salt(tenant, req.cache_salt)
         ticket = self.admission.acquire(num_prompts * params.n)
         try:
@@ -126,7 +138,7 @@ class OpenAIService:
             logger.debug("%s: %d candidates for tenant %r user %r", fmt.id, len(candidates), tenant, req.user)
             prompt_lengths = [len(ids) for ids in prompts]
             if req.stream:  # the stream releases the ticket when it ends
-                return await self._stream(candidates, prompt_lengths, req.include_usage, fmt, ticket)
+                return await self._stream(candidates, prompt_lengths, req, fmt, ticket)
             return JSONResponse((await self._complete(candidates, prompt_lengths, fmt)).model_dump())
         except BaseException:
             ticket.release()
@@ -157,10 +169,12 @@ class OpenAIService:
         finally:  # one failure (or a client gone) stops the others
             await _cancel(tasks)
         choices = [cand.choice for cand in candidates]
+        if failed := next((c for c in choices if c.finish_reason == "error"), None):
+            raise _failed(failed.error)
         return fmt.response(choices, usage(choices, prompt_lengths))
 
-    async def _stream(self, candidates: list[Candidate], prompt_lengths: list[int], include_usage: bool,
-                      fmt: Formatter, ticket: Ticket) -> Response:
+    async def _stream(self, candidates: list[Candidate], prompt_lengths: list[int], req, fmt: Formatter,
+                      ticket: Ticket) -> Response:
         streams = [self.requests.stream(cand.request, cand.block_hashes) for cand in candidates]
         # Wait for every first delta before answering, so a request no worker takes gets a real status code.
         first = [asyncio.ensure_future(anext(s)) for s in streams]
@@ -170,7 +184,7 @@ class OpenAIService:
             await _cancel(first)
             await _close(streams)
             raise
-        events = self._events(candidates, streams, firsts, prompt_lengths, include_usage, fmt)
+        events = self._events(candidates, streams, firsts, prompt_lengths, req, fmt)
 
         async def close() -> None:
             await events.aclose()
@@ -180,7 +194,9 @@ class OpenAIService:
         return EventStream(events, on_close=close)
 
     async def _events(self, candidates: list[Candidate], streams, firsts: list[TokenDelta], prompt_lengths: list[int],
-                      include_usage: bool, fmt: Formatter) -> AsyncIterator[str]:
+                      req, fmt: Formatter) -> AsyncIterator[str]:
+        """The stream's events; `req` says whether usage comes at the end and in every chunk. A candidate
+        that fails ends with finish_reason "error", followed by an error event carrying the message."""
         choices = [cand.choice for cand in candidates]
         try:
             for choice in choices:
@@ -192,8 +208,12 @@ class OpenAIService:
                     chunk = fmt.chunk(choice, delta, len(choice.text))
                     choice.add(delta)
                     if chunk is not None:
+                        if req.continuous_usage:
+                            chunk.usage = usage(choices, prompt_lengths)
                         yield sse(chunk)
-            if include_usage:
+                    if delta.finish_reason == "error":
+                        yield error_event(_failed(delta.error))
+            if req.include_usage:
                 yield sse(fmt.usage_chunk(usage(choices, prompt_lengths)))
         except Exception as exc:  # headers are out: the error goes into the stream
             yield error_event(to_api_error(exc))
@@ -201,14 +221,15 @@ class OpenAIService:
 
     # ---- validation -------------------------------------------------------------------------------
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model.name:
-            raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model.name}`",
+    def check_model(self, model: str) -> None:
+        if model not in self.model.names:
+            served = ", ".join(f"`{n}`" for n in self.model.names)
+            raise APIError(404, f"the model `{model}` does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = list(prompt)
             if not all(0 <= t < self.model.vocab_size for t in ids):
@@ -242,6 +263,16 @@ class EventStream(StreamingResponse):
             await self.on_close()
 
 
+def render_chat(tokenizer, messages: list[dict], tokenize: bool = True, **options) -> list[int] | str:
+    """The conversation through the chat template: token ids (or the text); a template that rejects the
+    conversation (roles, order) is the client's 400."""
+    try:
+        out = tokenizer.apply_chat_template(messages, tokenize=tokenize, return_dict=False, **options)
+    except Exception as exc:
+        raise APIError.bad_request(f"the chat template cannot render these messages: {exc}", "messages") from None
+    return list(out) if tokenize else out
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """Any failure of the request path as an OpenAI error; unexpected ones are logged with their traceback."""
     if isinstance(exc, APIError):
@@ -254,6 +285,11 @@ def to_api_error(exc: BaseException) -> APIError:
                         headers={"Retry-After": "1"})
     logger.error("request failed", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}", type="internal_error")
+
+
+def _failed(message: str | None) -> APIError:
+    """The error of a candidate that ended with finish_reason "error" (its worker failed and it could not move)."""
+    return APIError(500, message or "the request failed on its worker", type="internal_error")
 
 
 async def _merge(streams: list, firsts: list[TokenDelta]) -> AsyncIterator[tuple[int, TokenDelta]]:

@@ -81,6 +81,31 @@ def test_serve_refuses_more_replicas_than_max_replicas(capsys, tmp_path):
     assert "decode: 3 replicas is above its max_replicas=2" in err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--chat-template", "/no/such/template.jinja"], "invalid config field 'chat_template'"),
+    (["--chat-template", "{% for m in messages %}"], "not valid Jinja"),
+    (["--served-model-name", "a", "a"], "invalid config field 'served_model_name'"),
+])
+def test_bad_model_naming_and_template_flags_exit_1_naming_the_field(capsys, flags, message):
+    code, _, err = run_cli(capsys, "serve", *flags)
+    assert code == 1 and message in err and "Traceback" not in err
+
+
+def test_served_model_names_and_a_template_file_reach_the_ingress_config(tmp_path):
+    from cluster.app import ingress_config
+    from cluster.cli import build_parser
+    from cluster.config import load_config
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    args = build_parser().parse_args(["serve", "--served-model-name", "smol", "smol-v2",
+                                      "--chat-template", str(template)])
+    config = ingress_config(load_config(None, served_model_name=args.served_model_name,
+                                        chat_template=args.chat_template))
+    assert (config.model_name, config.model_aliases) == ("smol", ("smol-v2",))
+    assert config.chat_template == template.read_text()
+
+
 def test_admin_commands_without_a_server_say_how_to_start_one(capsys):
     code, _, err = run_cli(capsys, "status", "--url", f"http://127.0.0.1:{free_port()}")
     assert code == 1

@@ -1,7 +1,7 @@
 """Two tandem applications on one real Serve instance (loopback, ephemeral port), shared by the ingress
 tests: `main` (disaggregated; two tenants' keys and an admin key; one prefill and two decode workers) and
 `aux` (colocated; no keys; three decode workers; an admission bound of two sequences), and `pair`
-(colocated; one decode worker behind two ingress replicas). The last tests of
+(colocated; one decode worker behind two ingress replicas; two model names and its own chat template). The last tests of
 test_routing_e2e drain and kill aux's workers, so the modules run in their default (file name) order."""
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ import requests
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 ADMIN_KEY = "admin-secret"
 MODEL = "tiny-llama"
+ALIAS = "tiny-alias"
+CHAT_TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant]{% endif %}")
 
 
 @dataclass
@@ -86,8 +89,10 @@ def apps(ray_cluster, tiny_llama_dir):
                         engine=engine, router={"max_queued_requests": 2},
                         decode={"replicas": 3, "num_cpus": 0.5, "replace_dead": False})
     # Two ingress replicas over one decode worker: each replica must hold the same exact index.
-    pair = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-pair", mode="colocated",
-                         engine=engine, decode={"num_cpus": 0.5}, ingress_replicas=2)
+    # pair also answers to a second model name and renders chats with its own template.
+    pair = ClusterConfig(model=tiny_llama_dir, served_model_name=[MODEL, ALIAS], chat_template=CHAT_TEMPLATE,
+                         name="ingress-pair", mode="colocated", engine=engine, decode={"num_cpus": 0.5},
+                         ingress_replicas=2)
     configs = {"main": main, "aux": aux, "pair": pair}
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})

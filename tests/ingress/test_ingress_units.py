@@ -1,4 +1,7 @@
 """The ingress's pure pieces, without a cluster: tenant salts, keys, admission, body validation."""
+import asyncio
+import json
+
 import pytest
 
 from router.admission import Admission
@@ -60,3 +63,52 @@ def test_chat_parameters_map_to_sampling_params():
     params = req.sampling_params(req.requested_max_tokens, vocab_size=100)
     assert (params.logprobs, params.max_tokens, params.logit_bias, params.stop, params.seed) == (
         3, 7, {11: -100.0}, ["END"], 4)
+
+
+def test_unknown_and_unsupported_fields_are_told_apart():
+    with pytest.raises(APIError) as unknown:
+        parse_body(CompletionRequest, b'{"model": "m", "prompt": "x", "temprature": 0}')
+    assert unknown.value.param == "temprature" and "not a field" in unknown.value.message
+    with pytest.raises(APIError) as unsupported:
+        parse_body(ChatCompletionRequest,
+                   b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "prediction": {}}')
+    assert unsupported.value.param == "prediction" and "not supported" in unsupported.value.message
+
+
+def test_fields_without_effect_are_accepted_and_named_for_the_log():
+    req = parse_body(ChatCompletionRequest, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '
+                                            b'"metadata": {"a": "b"}, "store": true, "user": "u", '
+                                            b'"parallel_tool_calls": false, "service_tier": "auto"}')
+    assert req.ignored_fields() == ["metadata", "parallel_tool_calls", "service_tier", "store", "user"]
+    with pytest.raises(APIError) as typed:  # accepted means typed, not anything goes
+        parse_body(ChatCompletionRequest, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '
+                                          b'"metadata": [1]}')
+    assert typed.value.param == "metadata"
+
+
+@pytest.mark.parametrize("kwargs", [{"return_tensors": "pt"}, {"tokenize": False}, {"messages": "x"},
+                                    {"truncation": True}])
+def test_chat_template_kwargs_cannot_reach_apply_chat_templates_own_parameters(kwargs):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": kwargs}
+    req = parse_body(ChatCompletionRequest, json.dumps(body).encode())
+    with pytest.raises(APIError) as raised:
+        req.template_options()
+    assert raised.value.param == "chat_template_kwargs"
+
+
+def test_a_candidate_that_ends_in_error_gives_a_500_with_its_message_not_an_empty_200(tokenizer):
+    from engine.protocol import TokenDelta
+    from router.service import ModelInfo, OpenAIService
+
+    class FailingRequests:  # what the RequestRouter yields when a worker died and nowhere could take over
+        async def stream(self, request, block_hashes):
+            yield TokenDelta(request.request_id, [5], "a", num_prompt_tokens=3)
+            yield TokenDelta(request.request_id, [], "", finished=True, finish_reason="error",
+                             error="worker decode-0 failed mid-stream (ActorDiedError) and the request cannot move on")
+
+    service = OpenAIService(ModelInfo("m", tokenizer.vocab_size, 512, 0), tokenizer, Authenticator({}), Admission(4),
+                            FailingRequests(), block_size=16)
+    with pytest.raises(APIError) as raised:
+        asyncio.run(service.completions(b'{"model": "m", "prompt": "Hi"}', None))
+    assert raised.value.status == 500 and "decode-0 failed mid-stream" in raised.value.message
+    assert service.admission.in_flight == 0

@@ -5,6 +5,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
+import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -232,7 +234,8 @@ def test_a_stream_migrates_after_a_remote_prefill_when_its_decode_worker_dies(ma
 
 
 def test_a_stream_whose_last_decode_worker_dies_ends_with_an_error_not_a_hang(main_app):
-    """Nowhere to migrate to: the client gets what was generated and finish_reason "error". Runs after the
+    """Nowhere to migrate to: the client gets what was generated, finish_reason "error" and an error event
+    saying why. Runs after the
     test above, when main has one decode worker left."""
     (last,) = [w for w in main_app.actors() if w.startswith("decode") and schedulable(main_app, w)]
     client, prompt = main_app.client("key-a"), token_prompt(20, seed=18)
@@ -242,7 +245,10 @@ def test_a_stream_whose_last_decode_worker_dies_ends_with_an_error_not_a_hang(ma
     stream = client.completions.create(stream=True, **params)
     chunks = [next(stream)]
     ray.kill(main_app.actors()[last], no_restart=True)
-    chunks.extend(stream)
+    with pytest.raises(openai.APIError) as raised:  # the error event after the last chunk carries why
+        for chunk in stream:
+            chunks.append(chunk)
+    assert f"worker {last} failed mid-stream" in raised.value.message
     assert chunks[-1].choices[0].finish_reason == "error"
     text = "".join(c.choices[0].text for c in chunks)
     assert whole.choices[0].text.startswith(text) and len(text) < len(whole.choices[0].text)
