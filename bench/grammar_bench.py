@@ -4,10 +4,10 @@ unconstrained sampling, at batch 1 and 32, on the default model's tokenizer and 
 Each library runs the same valid JSON token sequence through one matcher per row; a step is matcher
 advance + bitmask fill + bitmask apply on [batch, vocab] logits, and the baseline in the same run is
 the engine's Sampler on the same logits. `--engine` then times `Engine.step` with 32 constrained
-against 32 unconstrained decoding requests on the default model (what enforcement costs per token
-end to end).
+against 32 unconstrained decoding requests on the default model, two engines stepped in turn (what
+enforcement costs per token end to end).
 
-    .venv/bin/python bench/grammar_bench.py [--steps N] [--engine]
+    .venv/bin/python bench/grammar_bench.py [--repeats N] [--engine [--steps N] [--model DIR]]
 """
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def bench_libraries(repeats: int) -> None:
     tokens = tokenizer.encode(json.dumps(INSTANCE, separators=(",", ":")))
     sampler = Sampler({tokenizer.eos_token_id})
     print(f"schema instance: {len(tokens)} tokens, vocab {vocab}, torch threads {torch.get_num_threads()}")
-    print("| library | compile (ms) | batch | unconstrained sampler (ms/step) | enforcement (ms/step) | "
+    print("| library | tokenizer + compile (ms) | batch | unconstrained sampler (ms/step) | enforcement (ms/step) | "
           "enforcement per token (us) | overhead vs sampler |")
     print("|---|---|---|---|---|---|---|")
     for cls in (XGrammar, LLGuidance, OutlinesCore):
@@ -180,44 +180,78 @@ def bench_libraries(repeats: int) -> None:
                   f"{1000 * extra / batch:.1f} | {100 * extra / base:.0f}% |", flush=True)
 
 
-def bench_engine(num_requests: int, steps: int) -> None:
-    """Decode steps of `num_requests` requests, constrained by SCHEMA or not, on the default model."""
+def bench_engine(num_requests: int, steps: int, model: str) -> None:
+    """Decode steps of `num_requests` requests on two engines of `model`, one constrained by
+    SCHEMA and one not, stepped in turn so that the shared machine's noise falls on both alike."""
     from engine import Engine, EngineConfig
-    engine = Engine(EngineConfig(model=str(default_model_dir()), num_kv_blocks=1024))
-    schema = json.dumps(SCHEMA)
+    config = EngineConfig(model=model, num_kv_blocks=512)
     prompt = "Describe a person as JSON with name, age, email, tags and address:"
-    for label, structured in (("unconstrained", None), ("json schema", StructuredOutputs(json=schema)),
-                              ("unconstrained", None), ("json schema", StructuredOutputs(json=schema))):
+    engines = {}
+    for label, structured in (("unconstrained", None), ("json schema", StructuredOutputs(json=json.dumps(SCHEMA)))):
+        engine = engines[label] = Engine(config)
         params = SamplingParams(temperature=0.8, seed=0, max_tokens=steps + 8, ignore_eos=structured is None,
                                 structured=structured)
         for i in range(num_requests):
-            engine.add_request(f"{label}-{i}-{time.monotonic_ns()}", prompt, params)
+            engine.add_request(f"{i}", prompt, params)
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
             engine.step()  # prefill (and the first tokens), not timed
-        started, n = time.perf_counter(), 0
-        for _ in range(steps):
+    times: dict[str, list[float]] = {label: [] for label in engines}
+    spent = _time_enforcement(engines["json schema"])
+    for _ in range(steps):
+        for label, engine in engines.items():
+            spent[0] = 0.0
+            started = time.perf_counter()
             outs = engine.step()
-            n += len(outs)
-            if len(outs) < num_requests:
-                break
-        elapsed = time.perf_counter() - started
-        for rid in list(engine.requests):
-            engine.abort(rid)
-        print(f"engine.step, {num_requests} {label} requests: {1000 * elapsed / max(n, 1) * num_requests:.1f} "
-              f"ms/step, {1000 * elapsed / max(n, 1):.2f} ms/token over {n} tokens", flush=True)
+            if len(outs) == num_requests:  # every request decoded a token (none finished)
+                times[label].append(time.perf_counter() - started)
+                if label == "json schema":
+                    times["enforcement"] = times.get("enforcement", []) + [spent[0]]
+    for label in engines:
+        samples = times[label]
+        step = statistics.median(samples)
+        print(f"Engine.step, {num_requests} {label} decoding requests: median {1000 * step:.1f} ms/step, "
+              f"{1000 * step / num_requests:.2f} ms/token ({len(samples)} steps)", flush=True)
+    base, constrained = (statistics.median(times[label]) for label in engines)
+    inside = statistics.median(times["enforcement"])
+    print(f"constrained against unconstrained step: {100 * (constrained - base) / base:+.1f}% per token; "
+          f"time inside the constrained step spent on enforcement: {1000 * inside:.2f} ms "
+          f"({100 * inside / base:.1f}% of the unconstrained step)")
+
+
+def _time_enforcement(engine) -> list[float]:
+    """Wrap the engine's bitmask fill, bitmask apply and matcher advance to add their time to a counter."""
+    import engine.sampler as sampler_module
+    import engine.structured as structured_module
+    spent = [0.0]
+
+    def timed(fn):
+        def run(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - started
+        return run
+
+    engine.structured.grammar_bitmask = timed(engine.structured.grammar_bitmask)
+    sampler_module.apply_grammar_bitmask = timed(sampler_module.apply_grammar_bitmask)
+    request_class = structured_module.StructuredOutputRequest
+    request_class.accept_tokens = timed(request_class.accept_tokens)
+    return spent
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engine", action="store_true", help="also time Engine.step at batch 32")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--model", default=None, help="the engine's model directory (default: the default model)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     bench_libraries(args.repeats)
     if args.engine:
-        bench_engine(32, args.steps)
+        bench_engine(32, args.steps, args.model or str(default_model_dir()))
 
 
 if __name__ == "__main__":

@@ -156,9 +156,6 @@ class StructuredOutputManager:
                                                      bitmask)
         return bitmask
 
-    def close(self) -> None:
-        self._compiler.shutdown(wait=False, cancel_futures=True)
-
 
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set the logits of disallowed tokens to -inf, in place, on `rows` of the batch (row i of `bitmask`

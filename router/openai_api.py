@@ -124,6 +124,8 @@ class _GenerationRequest(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep only the prompt's last k tokens
     spaces_between_special_tokens: Literal[True] = True
     # accepted, not acted on (IGNORED_FIELDS)
@@ -142,8 +144,6 @@ class _GenerationRequest(_Body):
     @property
     def continuous_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.continuous_usage_stats
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
 
     @property
     def include_usage(self) -> bool:
