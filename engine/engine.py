@@ -87,6 +87,9 @@ class Engine(Forking):
         params.validate(self.runner.vocab_size)
         if (params.n > 1 or params.use_beam_search) and output_token_ids:
             raise InvalidRequestError("a migrated request is one candidate; send it with n=1", field="n")
+        if params.n > 1 and (params.structured is not None or params.max_reasoning_tokens is not None):
+            raise InvalidRequestError("forked candidates carry no grammar or reasoning budget of their own yet: "
+                                      "send n requests of one candidate (the ingress does)", field="n")
         prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
             raise InvalidRequestError("prompt must not be empty", field="prompt")

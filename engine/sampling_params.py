@@ -127,10 +127,6 @@ class SamplingParams:
         if not self.use_beam_search:
             if self.best_of not in (None, self.n):
                 raise InvalidRequestError("best_of other than n needs use_beam_search", field="best_of")
-            if self.n > 1 and (self.structured is not None or self.max_reasoning_tokens is not None):
-                raise InvalidRequestError("n > 1 is not supported with structured outputs, tool choices or a "
-                                          "reasoning budget yet (candidates fork without their own grammar)",
-                                          field="n")
             return
         unsupported = [name for name, on in (("stop", self.stop), ("stop_token_ids", self.stop_token_ids),
                                              ("logprobs", self.logprobs is not None), ("min_tokens", self.min_tokens),

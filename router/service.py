@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.errors import InvalidRequestError
 from engine.hashing import block_hashes
 from engine.protocol import GenerateRequest, TokenDelta
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
 from engine.structured import validate_structured
 from router.admission import Admission, Ticket
 from router.auth import Authenticator, cache_salt
@@ -148,9 +148,7 @@ class OpenAIService:
                 # worker pick would give equal samples on different workers. Candidate i of n draws from
                 # candidate_seed(seed, i), on a prefill, a decode or a migration target alike.
                 seed = secrets.randbits(62) if params.seed is None else params.seed
-                request = GenerateRequest(f"{fmt.id}-{p}", ids, replace(params, seed=seed), salt)
-                choices = [Choice(p * params.n + i, p) for i in range(params.n)]
-                candidates.append(Candidates(choices, request, hashes[p]))
+                candidates += _candidates(f"{fmt.id}-{p}", p, ids, replace(params, seed=seed), salt, hashes[p])
             logger.debug("%s: %d candidates for tenant %r user %r", fmt.id, len(candidates), tenant, req.user)
             prompt_lengths = [len(ids) for ids in prompts]
             if req.stream:  # the stream releases the ticket when it ends
@@ -262,6 +260,20 @@ class OpenAIService:
         if max_tokens is not None and len(ids) + max_tokens > limit:
             raise APIError.bad_request(f"{max_field}={max_tokens} does not fit: the prompt has {len(ids)} tokens "
                                        f"and the context window is {limit}", max_field)
+
+
+def _candidates(request_id: str, prompt: int, ids: list[int], params: SamplingParams, salt: str | None,
+                hashes: list[int]) -> list[Candidates]:
+    """Prompt `prompt`'s n candidates: one request whose candidates fork on one worker, or, for outputs
+    under a grammar or a reasoning budget (which forked candidates do not carry yet), n requests of one
+    candidate each, seeded candidate_seed(seed, i) alike."""
+    first = prompt * params.n
+    if params.n == 1 or (params.structured is None and params.max_reasoning_tokens is None):
+        return [Candidates([Choice(first + i, prompt) for i in range(params.n)],
+                           GenerateRequest(request_id, ids, params, salt), hashes)]
+    return [Candidates([Choice(first + i, prompt)], GenerateRequest(
+        candidate_id(request_id, i), ids, replace(params, n=1, seed=candidate_seed(params.seed, i)), salt), hashes)
+        for i in range(params.n)]
 
 
 def with_controls(params: SamplingParams, controls: dict) -> SamplingParams:

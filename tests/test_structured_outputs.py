@@ -144,15 +144,16 @@ def test_a_prefill_workers_first_token_obeys_the_grammar(tiny_engine):
 
 
 
-def test_several_candidates_with_a_constraint_are_refused_naming_n():
-    """Forked candidates carry no grammar of their own yet: refused rather than sampled unconstrained."""
+
+def test_the_engine_refuses_forked_candidates_under_a_constraint_naming_n(tiny_engine):
+    """Forked candidates carry no grammar of their own yet: the engine refuses them rather than sample
+    them unconstrained (the ingress sends such candidates as separate requests)."""
     from engine.errors import InvalidRequestError
     from engine.sampling_params import SamplingParams, StructuredOutputs
 
     with pytest.raises(InvalidRequestError) as raised:
-        SamplingParams(n=2, structured=StructuredOutputs(regex="[ab]+"))
+        tiny_engine.make_request("r", [5, 6, 7], SamplingParams(n=2, structured=StructuredOutputs(regex="[ab]+")))
     assert raised.value.field == "n"
     with pytest.raises(InvalidRequestError) as beams:
         SamplingParams(n=2, use_beam_search=True, max_reasoning_tokens=4)
     assert beams.value.field == "max_reasoning_tokens"
-    SamplingParams(n=1, structured=StructuredOutputs(regex="[ab]+"))

@@ -49,6 +49,22 @@ def test_a_colocated_completion_with_guided_json_validates(aux_app, sampling):
     jsonschema.validate(json.loads(out.choices[0].text), PERSON)
 
 
+def test_n_candidates_under_a_schema_each_validate_and_match_single_seeded_requests(aux_app):
+    """Forked candidates carry no grammar yet, so the ingress runs them as n requests seeded like candidates."""
+    from engine.sampling_params import candidate_seed
+
+    client = aux_app.client()
+    both = client.completions.create(model=MODEL, prompt="People:", max_tokens=120, n=2, temperature=1.0, seed=21,
+                                     extra_body={"guided_json": PERSON})
+    assert [c.index for c in both.choices] == [0, 1]
+    for i, choice in enumerate(both.choices):
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.text), PERSON)
+        alone = client.completions.create(model=MODEL, prompt="People:", max_tokens=120, temperature=1.0,
+                                          seed=candidate_seed(21, i), extra_body={"guided_json": PERSON})
+        assert alone.choices[0].text == choice.text
+
+
 def test_json_object_mode_gives_an_object(main_app):
     # Keys are unbounded strings, where a random-weight model can loop: a greedy prompt it ends on.
     out = main_app.client().completions.create(model=MODEL, prompt="An object:", max_tokens=120, temperature=0,
