@@ -66,8 +66,11 @@ class Relay:
         env.pop("RAY_ADDRESS", None)
         log = self.logs / f"serve-{self.starts}.log"
         command = [sys.executable, "-m", "cluster.cli", "serve", "--model", self.model, "--port", str(self.port)]
+        # SIGHUP at its default, whatever this run inherited: under nohup it arrives ignored, and tandem serve
+        # rightly leaves an ignored SIGHUP ignored (a shell cannot undo that: `trap - HUP` is refused).
         process = subprocess.Popen(["sh", "-c", "trap '' INT; exec \"$@\"", "sh", *command], env=env,
-                                   stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+                                   stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                                   preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
         self.server = Server(process, run, log)
         deadline = time.monotonic() + START_BOUND_S
         while not _healthy(self.url):
