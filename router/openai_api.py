@@ -323,7 +323,7 @@ class ChatTemplateControls(_Body):
                 "continue_final_message": self.continue_final_message}
 
     def template_messages(self) -> list[dict]:
-        return [m.template_dict() for m in self.messages]
+        return [m.template_dict(f"messages[{i}]") for i, m in enumerate(self.messages)]
 
 
 class ChatCompletionRequest(_GenerationRequest, ChatTemplateControls):
@@ -339,9 +339,6 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateControls):
     echo: bool = False
     max_reasoning_tokens: int | None = Field(None, ge=0)
     reasoning_effort: Effort | None = None
-
-    def template_messages(self) -> list[dict]:
-        return [m.template_dict(f"messages[{i}]") for i, m in enumerate(self.messages)]
 
     def tool_use(self) -> ToolUse | None:
         try:
