@@ -35,11 +35,19 @@ class StructuredOutputs:
     grammar: str | None = None
 
     def __post_init__(self):
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
-        given += ["json_object"] if self.json_object else []
+        given = self._given()
         if len(given) != 1:
             raise InvalidRequestError("structured outputs need exactly one of json, json_object, regex, choice, "
                                       f"grammar; got {given or 'none'}", field="structured_outputs")
+
+    @property
+    def kind(self) -> str:
+        """Which of the fields is the constraint."""
+        return self._given()[0]
+
+    def _given(self) -> list[str]:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        return given + (["json_object"] if self.json_object else [])
 
 
 @dataclass(slots=True)

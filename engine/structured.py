@@ -45,8 +45,7 @@ def validate_structured(structured: StructuredOutputs) -> None:
     it cannot be compiled: a schema that is not JSON or not a valid schema, a bad regex or grammar."""
     error = grammar_error(structured)
     if error:
-        kind = structured_kind(structured)
-        raise InvalidRequestError(f"invalid {kind}: {error}", field=kind)
+        raise InvalidRequestError(f"invalid {structured.kind}: {error}", field=structured.kind)
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
@@ -65,14 +64,6 @@ def grammar_error(structured: StructuredOutputs) -> str | None:
         return llguidance.LLMatcher.validate_grammar(grammar_spec(structured)).strip() or None
     except (ValueError, TypeError) as exc:
         return str(exc)
-
-
-def structured_kind(structured: StructuredOutputs) -> str:
-    """Which of the constraint's fields is set."""
-    for kind in ("json", "regex", "choice", "grammar"):
-        if getattr(structured, kind) is not None:
-            return kind
-    return "json_object"
 
 
 class StructuredOutputRequest:
@@ -134,8 +125,8 @@ class StructuredOutputManager:
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
             template = llguidance.LLMatcher(self._ll_tokenizer, grammar_spec(structured))
             if template.is_error():
-                raise InvalidRequestError(f"invalid {structured_kind(structured)}: {template.get_error()}",
-                                          field=structured_kind(structured))
+                raise InvalidRequestError(f"invalid {structured.kind}: {template.get_error()}",
+                                          field=structured.kind)
             self._cache[structured] = template
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
