@@ -21,8 +21,13 @@ def server(tiny_llama_dir):
     server.loop.stop()
 
 
-def reference(engine: Engine, params: SamplingParams, prompt: list[int] = PROMPT):
-    """Token ids, text, finish_reason and logprobs of the offline engine, one step at a time."""
+def reference(server: EngineServer, params: SamplingParams, prompt: list[int] = PROMPT):
+    """Token ids, text, finish_reason and logprobs of the offline engine, one step at a time. Runs as one
+    command on the server's loop thread: only that thread may step the engine."""
+    return server.loop.submit(_reference, server.engine, params, prompt).result(timeout=120)
+
+
+def _reference(engine: Engine, params: SamplingParams, prompt: list[int]):
     engine.add_request("ref", prompt, params)
     ids, text, logprobs, reason = [], "", [], None
     while engine.has_unfinished_requests():
@@ -57,7 +62,7 @@ def test_a_consumer_that_fell_behind_gets_the_rest_in_one_item_equal_to_token_by
     outputs = read_slowly(server, params, "slow-0")
     assert len(outputs) == 2  # the first token, then the 23 that accumulated
     assert [len(o.new_token_ids) for o in outputs] == [1, 23]
-    ids, text, reason, logprobs = reference(server.engine, params)
+    ids, text, reason, logprobs = reference(server, params)
     assert sum((o.new_token_ids for o in outputs), []) == ids
     assert "".join(o.new_text for o in outputs) == text
     assert sum((o.new_logprobs for o in outputs), []) == logprobs
@@ -66,11 +71,11 @@ def test_a_consumer_that_fell_behind_gets_the_rest_in_one_item_equal_to_token_by
 
 
 def test_a_stop_string_inside_coalesced_tokens_still_ends_the_text_before_it(server):
-    _, text, _, _ = reference(server.engine, SamplingParams(**GREEDY))
+    _, text, _, _ = reference(server, SamplingParams(**GREEDY))
     stop = text[len(text) // 2:len(text) // 2 + 3]
     params = SamplingParams(**GREEDY, stop=[stop])
     outputs = read_slowly(server, params, "slow-stop")
-    ids, expected, reason, _ = reference(server.engine, params)
+    ids, expected, reason, _ = reference(server, params)
     streamed = "".join(o.new_text for o in outputs)
     assert streamed == expected and stop not in streamed
     assert outputs[-1].finish_reason == reason == "stop" and outputs[-1].stop_reason == stop
@@ -84,7 +89,7 @@ def test_coalesced_text_with_multibyte_characters_equals_token_by_token(server):
     params = SamplingParams(**{**GREEDY, "max_tokens": 48})
     for words in ("Grüße, 東京 🚀 東京", "東京 東京 東京 🚀🚀", "ÄÖÜ äöü ß é è ê", "🚀 Grüße 東京 ñ"):
         prompt = server.engine.tokenizer.encode(words)
-        ids, text, _, _ = reference(server.engine, params, prompt)
+        ids, text, _, _ = reference(server, params, prompt)
         if any(ord(c) > 127 and c != "\ufffd" for c in text):
             break
     else:
