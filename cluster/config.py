@@ -38,6 +38,9 @@ class PoolConfig(_Strict):
     num_threads: int | None = Field(None, ge=1)
     max_restarts: int = Field(3, ge=-1)  # Ray restarts a crashed worker in place this often
     replace_dead: bool = True  # then, or once killed, the controller starts a new worker in its place
+    # A worker whose engine loop stays in one step for longer is stuck (a hung forward or collective):
+    # the controller restarts it, and its streams migrate. None: never.
+    stall_timeout_s: float | None = Field(120.0, gt=0)
 
 
 class EngineOptions(_Strict):

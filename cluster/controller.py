@@ -260,9 +260,23 @@ class ClusterController:
                         for wid in changed:
                             self._record(pool.pool, "recovered" if after[wid] else "unhealthy", wid, "health check")
                         self._bump()
+                for info in [w for w in list(pool.workers.values()) if w.stalled]:
+                    self._restart_stalled(pool, info)
                 dead = [w for w in list(pool.workers.values()) if w.dead and not w.draining]  # a drain ends its own
                 if dead:
                     self._remove_dead(pool, dead)
+
+    def _restart_stalled(self, pool: WorkerPool, info: WorkerInfo) -> None:
+        """A worker that answers but whose engine loop is stuck would hold its requests for ever: end its
+        process so Ray restarts it in place and its streams migrate."""
+        with self.lock:
+            self._record(pool.pool, "stalled", info.worker_id, info.stalled)
+        logger.error("restarting %s: %s", info.worker_id, info.stalled)
+        info.stalled = None
+        try:
+            pool.restart(info.worker_id)
+        except Exception as exc:  # noqa: BLE001 - already gone: the death path takes over
+            logger.warning("could not restart %s: %s", info.worker_id, exc)
 
     def _remove_dead(self, pool: WorkerPool, infos: list[WorkerInfo]) -> None:
         """Take workers that died for good out of the pool, and (`replace_dead`) start new ones in their

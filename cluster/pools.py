@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import ray
 
 from cluster.config import ClusterConfig, PoolConfig
+from engine.serving import WorkerStalled
 from engine.transfer_config import TransferConfig
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ class WorkerInfo:
     healthy: bool = False
     draining: bool = False
     died: int = 0  # health checks in a row that found the actor dead (not restarting)
+    stalled: str | None = None  # why the last health check found its engine loop stuck
 
     @property
     def dead(self) -> bool:
@@ -138,26 +140,39 @@ class WorkerPool:
             info.ready = info.healthy = True
 
     def check_health(self, timeout_s: float = 5.0) -> dict[str, bool]:
-        """Ping every ready worker; a worker that fails or times out is marked unhealthy."""
+        """Ping every ready worker; a worker that fails, times out or reports its engine loop stalled (over
+        the pool's `stall_timeout_s`) is marked unhealthy. Stalled ones are also listed in `info.stalled`."""
         # A snapshot: the controller may add or remove workers while the pings are out.
-        refs = {wid: info.actor.ping.remote() for wid, info in list(self.workers.items()) if info.ready}
+        stall = self.pool_config.stall_timeout_s
+        refs = {wid: info.actor.ping.remote(stall) for wid, info in list(self.workers.items()) if info.ready}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         ready = set(ready)
         health = {}
         for wid, ref in refs.items():
-            ok, died = ref in ready, False
+            ok, died, stalled = ref in ready, False, None
             if ok:
                 try:
                     ray.get(ref)
                 except ray.exceptions.ActorDiedError:
                     ok, died = False, True
+                except ray.exceptions.RayTaskError as exc:
+                    ok = False
+                    if isinstance(exc.cause, WorkerStalled):
+                        stalled = str(exc.cause)
                 except ray.exceptions.RayError:
                     ok = False
             health[wid] = ok
             if (info := self.workers.get(wid)) is not None:
                 info.healthy = ok
                 info.died = info.died + 1 if died else 0
+                info.stalled = stalled
         return health
+
+    def restart(self, worker_id: str) -> None:
+        """End a worker's process so Ray starts it again in place (counts against its `max_restarts`); its
+        streams fail over as after a crash."""
+        if (info := self.workers.get(worker_id)) is not None:
+            ray.kill(info.actor, no_restart=False)
 
     def remove(self, worker_id: str) -> None:
         info = self.workers.pop(worker_id, None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -38,6 +39,8 @@ class EngineLoop:
         self.wakeup = threading.Event()
         self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stopped = False
+        self.idle = True  # waiting for work, not stepping or running commands
+        self.progress_at = time.monotonic()  # when the loop last finished a step or took up work
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
@@ -63,6 +66,12 @@ class EngineLoop:
     def unsubscribe(self, request_id: str) -> None:
         self.queues.pop(request_id, None)
 
+    def stalled_s(self) -> float:
+        """Seconds the loop has been busy with one step or command batch: 0 while it waits for work. A
+        healthy loop finishes every step within a fraction of a second; one that stays busy for minutes
+        is stuck (a hung forward or collective, a deadlock) and its requests will never advance."""
+        return 0.0 if self.idle else time.monotonic() - self.progress_at
+
     def stop(self) -> None:
         self.stopped = True
         self.wakeup.set()
@@ -71,10 +80,12 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self.stopped:
+            self.progress_at, self.idle = time.monotonic(), False
             self._run_commands()
             if not self.engine.has_unfinished_requests():
                 if self.cores is not None:
                     self.cores.idle()
+                self.idle = True
                 self.wakeup.wait()
                 self.wakeup.clear()
                 continue

@@ -27,6 +27,10 @@ class WorkerDraining(RuntimeError):
     """The worker is draining and takes no new requests; route elsewhere."""
 
 
+class WorkerStalled(RuntimeError):
+    """The worker answers calls but its engine loop has made no progress for too long: it is stuck."""
+
+
 class EngineServer:
     """One engine behind an async interface, owned by one worker actor."""
 
@@ -119,7 +123,12 @@ class EngineServer:
                 return KVEventsReply(self.worker_id, batches, None, self.events.seq)
             await asyncio.sleep(min(remaining, 0.02))
 
-    def ping(self) -> str:
+    def ping(self, stall_timeout_s: float | None = None) -> str:
+        """The worker id; raises WorkerStalled when the engine loop has been stuck in one step or command
+        for over `stall_timeout_s` (an actor's event loop answers while its engine thread hangs)."""
+        stalled = self.loop.stalled_s()
+        if stall_timeout_s is not None and stalled > stall_timeout_s:
+            raise WorkerStalled(f"{self.worker_id}: the engine loop has made no progress for {stalled:.0f} s")
         return self.worker_id
 
     async def cpu_placement(self) -> dict:

@@ -156,7 +156,8 @@ class ScalingCollector:
 
     def collect(self) -> Iterable[Metric]:
         events = CounterMetricFamily("tandem:scaling_events", "Scaling decisions (scale_up, scale_down) and worker "
-                                     "changes (add, drain, remove, unhealthy, recovered).", labels=["pool", "action"])
+                                     "changes (add, drain, remove, unhealthy, recovered, stalled: restarted because its "
+                                     "engine loop was stuck).", labels=["pool", "action"])
         replicas = GaugeMetricFamily("tandem:pool_replicas", "Workers per pool.", labels=["pool"])
         desired = GaugeMetricFamily("tandem:autoscaler_desired_replicas",
                                     "Workers the last scaling decision (autoscaler or operator) asked for.",

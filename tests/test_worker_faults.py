@@ -7,6 +7,9 @@ real app with one prefill and one decode worker (the default pools) on a tiny ra
   and the stream goes on, counted in tandem:kv_transfer_failures_total{reason="peer_gone"};
 - the only decode worker killed mid-stream: the request waits for Ray to restart it and continues there,
   one stream with the text of an uninterrupted run; a request arriving meanwhile waits too;
+- a decode worker whose engine loop hangs (alive, answering calls, never stepping) is found by the
+  controller's health check, restarted, and its stream migrates, counted in
+  tandem:scaling_events{action="stalled"};
 - with no decode worker coming back, the wait ends at its bound with finish_reason "error".
 
 A worker is caught at the moment by freezing it there from inside (its engine loop after a step that
@@ -45,17 +48,19 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"
 NAME = "worker-faults"
 BLOCK = 16
+STALL_S = 15  # far above a tiny model's step, even on a loaded machine; the kills below come within seconds
 
 
 @pytest.fixture(scope="module")
 def app(ray_cluster, tiny_llama_dir):
     """One prefill and one decode worker; every prompt with uncached tokens is prefilled remotely, in
-    chunks of 32 tokens. Ray restarts a killed worker in place; the controller never replaces one."""
+    chunks of 32 tokens. Ray restarts a killed worker in place; the controller never replaces one, but
+    restarts one whose engine loop is stuck for STALL_S."""
     config = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name=NAME, namespace="tandem-tests",
                            engine={"num_kv_blocks": 128, "max_num_batched_tokens": 32},
                            router={"placement": "thresholds", "max_local_prefill_length": 0, "decode_wait_s": 120},
-                           prefill={"num_cpus": 0.5, "replace_dead": False},
-                           decode={"num_cpus": 0.5, "replace_dead": False})
+                           prefill={"num_cpus": 0.5, "replace_dead": False, "stall_timeout_s": STALL_S},
+                           decode={"num_cpus": 0.5, "replace_dead": False, "stall_timeout_s": STALL_S})
     with serve_tandem(config) as url:
         yield url
 
@@ -222,6 +227,7 @@ def test_the_normal_path_reroutes_and_recomputes_nothing(app):
         failures(app)
     assert metric(app, "tandem:request_reroutes_total") == reroutes
     assert metric(app, "tandem:kv_transfer_failures_total") == recomputed, failures(app)
+    assert metric(app, "tandem:scaling_events_total", action="stalled") == 0
 
 
 # ---- decode faults ------------------------------------------------------------------------------------
@@ -279,6 +285,27 @@ def test_candidates_of_one_prompt_migrate_alone_when_their_decode_worker_dies(ap
     whole = client(app).completions.create(**sampled)
     assert [texts[0], texts[1]] == [c.text for c in whole.choices]
     assert [c.finish_reason for c in whole.choices] == ["length", "length"]
+
+
+def test_a_decode_worker_whose_engine_loop_hangs_is_restarted_and_its_stream_migrates(app):
+    """Nobody kills the worker: it keeps answering calls while its engine loop hangs after 8 tokens. The
+    controller's health check finds the loop stuck for over STALL_S, restarts the worker, and the stream
+    migrates to it and completes with the text of an uninterrupted run."""
+    assert ready("decode-0")
+    decode = actor("decode-0")
+    pid = pid_of(decode)
+    ray.get(decode.__ray_call__.remote(_freeze_loop_when, decoded_8_tokens))
+    stalled = metric(app, "tandem:scaling_events_total", pool="decode", action="stalled")
+    migrations = metric(app, "tandem:request_migrations_total", worker="decode-0")
+    prompt = token_prompt(24, seed=38)
+    chunks = list(client(app).completions.create(stream=True, logprobs=1, **params(prompt, 40)))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert metric(app, "tandem:request_migrations_total", worker="decode-0") == migrations + 1
+    assert wait_for(lambda: metric(app, "tandem:scaling_events_total", pool="decode", action="stalled")
+                    == stalled + 1, timeout_s=60)
+    assert ready("decode-0") and pid_of(actor("decode-0")) != pid
+    whole = client(app).completions.create(**params(prompt, 40))
+    assert text_of(chunks) == whole.choices[0].text
 
 
 def test_without_a_decode_worker_coming_back_a_stream_ends_with_an_error_at_the_wait_bound(app):

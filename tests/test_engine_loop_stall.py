@@ -1,0 +1,66 @@
+"""A worker's engine loop says how long it has been stuck in one piece of work, and 0 while it waits for
+work: the controller's health check restarts a worker whose loop stays stuck (tests/test_worker_faults.py
+runs that through the real app)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from engine.engine_loop import EngineLoop
+from engine.serving import EngineServer, WorkerStalled
+
+
+class IdleEngine:
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+
+def wait_until(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_an_idle_loop_is_not_stalled():
+    loop = EngineLoop(IdleEngine())
+    assert loop.submit(lambda: "ran").result(timeout=30) == "ran"
+    assert wait_until(lambda: loop.idle)
+    time.sleep(0.05)
+    assert loop.stalled_s() == 0.0
+    loop.stop()
+
+
+def test_a_loop_stuck_in_a_command_reports_the_time_it_has_been_stuck_and_recovers():
+    loop = EngineLoop(IdleEngine())
+    stuck, release = threading.Event(), threading.Event()
+    loop.submit(lambda: (stuck.set(), release.wait(60)))
+    assert stuck.wait(30)
+    assert wait_until(lambda: loop.stalled_s() > 0.2)
+    release.set()
+    assert loop.submit(lambda: "alive").result(timeout=30) == "alive"
+    assert wait_until(lambda: loop.stalled_s() == 0.0)
+    loop.stop()
+
+
+def test_ping_raises_worker_stalled_only_past_the_timeout():
+    """EngineServer.ping on a server whose loop is stuck (built without a model: only the loop matters)."""
+    server = EngineServer.__new__(EngineServer)
+    server.worker_id = "decode-7"
+    server.loop = EngineLoop(IdleEngine())
+    stuck, release = threading.Event(), threading.Event()
+    server.loop.submit(lambda: (stuck.set(), release.wait(60)))
+    assert stuck.wait(30)
+    assert wait_until(lambda: server.loop.stalled_s() > 0.2)
+    assert server.ping() == "decode-7"  # no timeout given: never stalled
+    assert server.ping(stall_timeout_s=3600) == "decode-7"
+    with pytest.raises(WorkerStalled, match="decode-7: the engine loop has made no progress"):
+        server.ping(stall_timeout_s=0.1)
+    release.set()
+    assert wait_until(lambda: server.loop.stalled_s() == 0.0)
+    assert server.ping(stall_timeout_s=0.1) == "decode-7"
+    server.loop.stop()
