@@ -50,7 +50,8 @@ def serve_command(args, parser) -> int:
                  "decode.replicas": args.decode, "host": args.host, "port": args.port, "admin_key": args.admin_key,
                  "api_keys": dict(args.api_key) if args.api_key else None,
                  "autoscaler.enabled": True if args.autoscale else None,
-                 "served_model_name": args.served_model_name, "chat_template": args.chat_template}
+                 "served_model_name": args.served_model_name, "chat_template": args.chat_template,
+                 "audit.sink": args.audit_sink, "audit.log_inputs": True if args.audit_log_inputs else None}
     try:
         config = load_config(args.config, **overrides)
     except ConfigError as exc:
@@ -202,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--autoscale", action="store_true",
                        help="resize the pools from their load within min_replicas..max_replicas "
                             "(the config's autoscaler section sets the thresholds)")
+    serve.add_argument("--audit-sink", type=_audit_sink, metavar="SINK",
+                       help="write an audit record per request: stdout or file:/absolute/path (default: off)")
+    serve.add_argument("--audit-log-inputs", action="store_true",
+                       help="audit records carry prompts and outputs as text, not only their SHA-256 digests")
     serve.set_defaults(command=serve_command)
 
     def admin_command(name: str, help: str, run) -> argparse.ArgumentParser:
@@ -256,6 +261,14 @@ def _api_key(text: str) -> tuple[str, str]:
                                          f"or commas")
     from cluster.config import key_tenant
     return key, tenant or key_tenant(key)
+
+
+def _audit_sink(text: str) -> str:
+    from router.audit_sink import check_sink
+    try:
+        return check_sink(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _url(text: str) -> str:

@@ -18,6 +18,7 @@ from cluster.scaling_policy import Thresholds
 from engine.transfer_config import TLSFiles, TransferConfig
 from kv_transfer.addresses import check_host
 from kv_transfer.tls import check_files
+from router.audit_sink import check_sink
 from router.reasoning_parser import ReasoningOptions
 from router.request_limits import RequestLimits
 from router.tool_parsers import TOOL_PARSERS
@@ -182,6 +183,21 @@ class AutoscalerConfig(_Strict):
                 "itl_s": Thresholds(d.itl_up_s, d.itl_down_s, per_worker=False)}
 
 
+class AuditOptions(_Strict):
+    """Audit records (router/audit.py): one JSON line per finished request to `sink`, "stdout" or
+    "file:/absolute/path" (None: off). Prompts and outputs are SHA-256 digests unless `log_inputs`, which
+    adds their text and token ids. `max_queue` bounds the records waiting for the writer thread; beyond it
+    records are dropped and counted (tandem:audit_records_dropped)."""
+    sink: str | None = None
+    log_inputs: bool = False
+    max_queue: int = Field(10000, ge=1, le=1_000_000)
+
+    @field_validator("sink")
+    @classmethod
+    def _sink(cls, sink: str | None) -> str | None:
+        return check_sink(sink)
+
+
 class CpuOptions(_Strict):
     """On CPU, `pin` gives each worker int(num_cpus) physical cores of its own (threads: one per core
     unless the pool's num_threads says otherwise); `borrow` lets a prefill forward also use the cores of
@@ -216,6 +232,7 @@ class ClusterConfig(_Strict):
     slo: SloConfig = Field(default_factory=SloConfig)
     autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
     cpu: CpuOptions = Field(default_factory=CpuOptions)
+    audit: AuditOptions = Field(default_factory=AuditOptions)
     ingress_replicas: int = Field(1, ge=1, le=64)  # Serve replicas of the HTTP ingress
     limits: RequestLimits = Field(default_factory=RequestLimits)  # what one request may ask of the ingress
     # The model thinks between these markers: max_reasoning_tokens / reasoning_effort cap it, and the

@@ -19,6 +19,9 @@ class GenerateRequest:
     # Set when the request is migrated: tokens another worker generated and the client already has.
     # The new worker computes them as context and streams only what follows.
     output_token_ids: list[int] = field(default_factory=list)
+    # Where the ingress placed it, in order: {"prefill": worker id or None, "decode": worker id} per
+    # placement (more than one after a re-route or a migration). Workers ignore it.
+    placements: list[dict] = field(default_factory=list)
 
     def stamp(self, stage: str) -> None:
         self.times[stage] = time.time()

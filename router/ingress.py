@@ -22,8 +22,10 @@ from ray import serve
 from starlette.exceptions import HTTPException
 from transformers import AutoConfig
 
-from engine.model_loader import load_tokenizer, resolve_model_dir
+from engine.model_loader import load_tokenizer, model_revision, resolve_model_dir
 from router.admission import Admission
+from router.audit import Audit, AuditConfig
+from router.audit_sink import AuditWriter
 from router.auth import Authenticator
 from router.chat_output import ChatParsing
 from router.index import PrefixIndex
@@ -64,16 +66,20 @@ class IngressConfig:
     chat_template: str | None = None  # instead of the tokenizer's own
     reasoning: ReasoningOptions | None = None  # the model's thinking markers (router/reasoning_parser.py)
     tool_call_parser: str | None = "hermes"  # the format tool_choice auto reads (router/tool_parsers.py)
+    audit: AuditConfig = field(default_factory=AuditConfig)  # per-request audit records (router/audit.py)
 
 
 def load_model_info(config: IngressConfig):
     """The tokenizer (with its chat template) and the limits the workers will apply, read from the same
-    model directory the workers load."""
+    model directory the workers load; with audit records on, the weights' revision too (hashed once per
+    model directory and cached on disk: engine.model_loader.model_revision)."""
     model_dir = resolve_model_dir(config.model)
     hf = AutoConfig.from_pretrained(model_dir)
     max_position = getattr(hf, "max_position_embeddings", 2048)
     max_model_len = min(config.max_model_len or max_position, max_position)
-    info = ModelInfo(config.model_name, hf.vocab_size, max_model_len, int(time.time()), config.model_aliases)
+    revision = model_revision(model_dir) if config.audit.sink else None
+    info = ModelInfo(config.model_name, hf.vocab_size, max_model_len, int(time.time()), config.model_aliases,
+                     revision)
     tokenizer = load_tokenizer(model_dir)
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
@@ -103,6 +109,8 @@ class Ingress:
         await self.view.start()
         latencies = LatencyReporter(controller)
         self._tasks = [asyncio.create_task(latencies.run()), asyncio.create_task(self._publish_metrics())]
+        writer = None if config.audit.sink is None else AuditWriter(
+            config.audit.sink, config.audit.max_queue, self.metrics.audit_records, self.metrics.audit_dropped)
         self.service = OpenAIService(model, tokenizer, Authenticator(config.api_keys),
                                      Admission(config.max_queued_requests,
                                                self.metrics.rejected.labels("admission_full")),
@@ -110,7 +118,8 @@ class Ingress:
                                                    migration_limit=config.migration_limit,
                                                    decode_wait_s=config.decode_wait_s),
                                      config.block_size, config.limits,
-                                     ChatParsing(tokenizer, config.reasoning, config.tool_call_parser))
+                                     ChatParsing(tokenizer, config.reasoning, config.tool_call_parser),
+                                     Audit(config.audit, model.name, model.revision, writer))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = build_api(self.service, self.view, self.scrape, self.config.limits)
@@ -166,6 +175,7 @@ class Ingress:
         for task in self._tasks:
             task.cancel()
         self.service.tokenizers.close()
+        await asyncio.to_thread(self.service.audit.close)  # what is queued is written first
         try:
             await self.metrics_hub.forget.remote(self.replica_id)
         except ray.exceptions.RayError:

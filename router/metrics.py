@@ -67,6 +67,9 @@ class Metrics:
                                     "worker while the pool could heal (a worker restarting or being replaced) "
                                     "and waited for one, on arrival or to migrate, by how the wait ended.",
                                     ["stage", "outcome"], registry=r)
+        self.audit_records = Counter("tandem:audit_records", "Audit records written.", registry=r)
+        self.audit_dropped = Counter("tandem:audit_records_dropped", "Audit records not written, by reason "
+                                     "(queue_full, write_failed, build_failed).", ["reason"], registry=r)
         self.workers = WorkerStatsCollector()
         self.scaling = ScalingCollector()
         self.shared = CollectorRegistry()

@@ -151,7 +151,7 @@ class RequestRouter:
             self.metrics.migrations.labels(failed).inc()
             alone = GenerateRequest(candidate_id(request.request_id, i), request.prompt_token_ids,
                                     replace(params, n=1, seed=candidate_seed(params.seed, i)), request.cache_salt,
-                                    dict(request.times))
+                                    dict(request.times), placements=request.placements)
             streams.append(self.stream(alone, self._resume(alone, block_hashes, streamed[i])))
         logger.warning("migrating %d candidates of %s from %s, each alone", len(indexes), request.request_id, failed)
         async with aclosing(merge_streams(streams)) as merged:
@@ -204,6 +204,8 @@ class RequestRouter:
             self.metrics.prefill_queue_wait.labels("remote" if decision.prefill else "local").observe(
                 time.monotonic() - waited_since)
         request.stamp("routed")
+        request.placements.append({"prefill": decision.prefill.worker_id if decision.prefill else None,
+                                   "decode": decision.decode.worker_id})
         self.view.begin(decision, request.request_id, request.num_context_tokens)
         return decision
 

@@ -22,6 +22,7 @@ from engine.protocol import GenerateRequest, TokenDelta
 from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
 from engine.structured import validate_structured
 from router.admission import Admission, Ticket
+from router.audit import Audit, AuditConfig, AuditEntry, AuditRecorder, chat_options
 from router.auth import Authenticator, cache_salt
 from router.chat_output import ChatParsing
 from router.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, error_event, parse_body,
@@ -44,13 +45,14 @@ class ModelInfo:
     max_model_len: int
     created: int
     aliases: tuple[str, ...] = ()  # further names requests may use (`--served-model-name a b`)
+    revision: str | None = None  # the weights' digest (engine.model_loader.model_revision)
 
     @property
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
 
     def card(self, name: str) -> ModelCard:
-        return ModelCard(id=name, created=self.created, max_model_len=self.max_model_len)
+        return ModelCard(id=name, created=self.created, max_model_len=self.max_model_len, revision=self.revision)
 
 
 @dataclass(slots=True)
@@ -67,7 +69,7 @@ class OpenAIService:
 
     def __init__(self, model: ModelInfo, tokenizer, auth: Authenticator, admission: Admission,
                  requests: RequestRouter, block_size: int, limits: RequestLimits | None = None,
-                 parsing: ChatParsing | None = None):
+                 parsing: ChatParsing | None = None, audit: Audit | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.auth = auth
@@ -77,6 +79,7 @@ class OpenAIService:
         self.limits = limits or RequestLimits()
         self.tokenizers = TokenizerPool(self.limits.tokenizer_threads)
         self.parsing = parsing or ChatParsing(tokenizer, None, "hermes")
+        self.audit = audit or Audit(AuditConfig(), model.name, model.revision, None)
 
     def models(self, authorization: str | None) -> ModelList:
         self.auth.tenant(authorization)
@@ -98,7 +101,9 @@ class OpenAIService:
             return [self.prompt_ids(p, req.add_special_tokens) for p in prompts]
 
         fmt = CompletionFormatter(self.model.name, self.tokenizer)
-        return await self._generate(req, len(prompts), tokenize, "prompt", req.max_tokens, tenant, fmt)
+        audit = self.audit.entry(fmt.id, tenant, "completions", req, prompts, {
+            "add_special_tokens": req.add_special_tokens, "truncate_prompt_tokens": req.truncate_prompt_tokens})
+        return await self._generate(req, len(prompts), tokenize, "prompt", req.max_tokens, tenant, fmt, audit=audit)
 
     async def chat(self, body: bytes, authorization: str | None) -> Response:
         tenant = self.auth.tenant(authorization)
@@ -122,14 +127,18 @@ class OpenAIService:
             return [ids]
 
         fmt = ChatFormatter(self.model.name, self.tokenizer, lambda: self.parsing.output(tools, prompt_ids))
-        return await self._generate(req, 1, tokenize, "messages", req.requested_max_tokens, tenant, fmt, controls)
+        audit = self.audit.entry(fmt.id, tenant, "chat.completions", req, [messages], chat_options(req, tools))
+        return await self._generate(req, 1, tokenize, "messages", req.requested_max_tokens, tenant, fmt, controls,
+                                    audit)
 
     # ---- shared pipeline --------------------------------------------------------------------------
 
     async def _generate(self, req, num_prompts: int, tokenize, prompt_field: str, max_tokens: int | None,
-                        tenant: str | None, fmt: Formatter, controls: dict | None = None) -> Response:
+                        tenant: str | None, fmt: Formatter, controls: dict | None = None,
+                        audit: AuditEntry | None = None) -> Response:
         """`tokenize()` makes the prompts' token ids; it runs on the tokenizer pool once admitted. `controls`:
-        SamplingParams fields the endpoint sets beyond the request's own (None values are not set)."""
+        SamplingParams fields the endpoint sets beyond the request's own (None values are not set). `audit`
+        gets the request's record once it has run (or failed after being placed)."""
         self.limits.check_sampling(req)
         params = with_controls(req.sampling_params(max_tokens, self.model.vocab_size), controls or {})
         if ignored := req.ignored_fields():
@@ -142,18 +151,25 @@ class OpenAIService:
         try:
             prompts, hashes = await self.tokenizers.run(self._prepare, tokenize, salt, max_tokens, prompt_field,
                                                         req.max_tokens_param, req.check_structured)
-            candidates = []
+            candidates, seeds = [], []
             for p, ids in enumerate(prompts):
                 # Unseeded requests get a seed here: workers seed their generators alike, so letting each
                 # worker pick would give equal samples on different workers. Candidate i of n draws from
                 # candidate_seed(seed, i), on a prefill, a decode or a migration target alike.
-                seed = secrets.randbits(62) if params.seed is None else params.seed
-                candidates += _candidates(f"{fmt.id}-{p}", p, ids, replace(params, seed=seed), salt, hashes[p])
+                seeds.append(secrets.randbits(62) if params.seed is None else params.seed)
+                candidates += _candidates(f"{fmt.id}-{p}", p, ids, replace(params, seed=seeds[-1]), salt, hashes[p])
             logger.debug("%s: %d candidates for tenant %r user %r", fmt.id, len(candidates), tenant, req.user)
             prompt_lengths = [len(ids) for ids in prompts]
-            if req.stream:  # the stream releases the ticket when it ends
-                return await self._stream(candidates, prompt_lengths, req, fmt, ticket)
-            return JSONResponse((await self._complete(candidates, prompt_lengths, fmt)).model_dump())
+            record = AuditRecorder(audit, params, seeds, candidates, prompts)
+            if req.stream:  # the stream releases the ticket (and writes the record) when it ends
+                return await self._stream(candidates, prompt_lengths, req, fmt, ticket, record)
+            try:
+                response = await self._complete(candidates, prompt_lengths, fmt)
+            except BaseException as exc:
+                record(exc)
+                raise
+            record()
+            return JSONResponse(response.model_dump())
         except BaseException:
             ticket.release()
             raise
@@ -188,27 +204,29 @@ class OpenAIService:
         return fmt.response(choices, usage(choices, prompt_lengths))
 
     async def _stream(self, candidates: list[Candidates], prompt_lengths: list[int], req, fmt: Formatter,
-                      ticket: Ticket) -> Response:
+                      ticket: Ticket, record: AuditRecorder) -> Response:
         streams = [self.requests.stream(cand.request, cand.block_hashes) for cand in candidates]
         # Wait for every first delta before answering, so a request no worker takes gets a real status code.
         first = [asyncio.ensure_future(anext(s)) for s in streams]
         try:
             firsts = await asyncio.gather(*first)
-        except BaseException:
+        except BaseException as exc:
             await cancel(first)
             await _close(streams)
+            record(exc)
             raise
-        events = self._events(candidates, streams, firsts, prompt_lengths, req, fmt)
+        events = self._events(candidates, streams, firsts, prompt_lengths, req, fmt, record)
 
         async def close() -> None:
             await events.aclose()
             await _close(streams)
             ticket.release()
+            record()
 
         return EventStream(events, on_close=close)
 
     async def _events(self, candidates: list[Candidates], streams, firsts: list[TokenDelta], prompt_lengths: list[int],
-                      req, fmt: Formatter) -> AsyncIterator[str]:
+                      req, fmt: Formatter, record: AuditRecorder) -> AsyncIterator[str]:
         """The stream's events; `req` says whether usage comes at the end and in every chunk. A candidate
         that fails ends with finish_reason "error", followed by an error event carrying the message."""
         choices = [c for cand in candidates for c in cand.choices]
@@ -230,6 +248,7 @@ class OpenAIService:
             if req.include_usage:
                 yield sse(fmt.usage_chunk(usage(choices, prompt_lengths)))
         except Exception as exc:  # headers are out: the error goes into the stream
+            record.error = exc
             yield error_event(to_api_error(exc))
         yield "data: [DONE]\n\n"
 
