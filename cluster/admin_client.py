@@ -38,7 +38,7 @@ class AdminClient:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 return json.loads(response.read() or b"{}")
         except urllib.error.HTTPError as exc:
-            raise CLIError(self._explain(exc.code, _error_message(exc.read()))) from None
+            raise CLIError(self._explain(exc.code, error_message(exc.read()))) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
             reason = getattr(exc, "reason", exc)
             if isinstance(reason, TimeoutError):  # socket.timeout is TimeoutError
@@ -65,7 +65,7 @@ class AdminClient:
         return f"the server failed ({status}): {message or 'no details'}; see the server's log"
 
 
-def _error_message(body: bytes) -> str | None:
+def error_message(body: bytes) -> str | None:
     """The message of an OpenAI-style error body; None when the body is not one (e.g. a bare 404)."""
     try:
         error = json.loads(body).get("error")

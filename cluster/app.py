@@ -77,8 +77,9 @@ def ingress_config(config: ClusterConfig) -> IngressConfig:
 def audit_config(config: ClusterConfig) -> AuditConfig:
     """The audit section, with the engine settings that shape outputs (what a replay must match)."""
     a, e = config.audit, config.engine
-    engine = {"dtype": config.dtype, "device": config.device, "mode": config.mode, "block_size": e.block_size,
-              "max_model_len": e.max_model_len, "enable_prefix_caching": e.enable_prefix_caching}
+    engine = {"model": config.model, "dtype": config.dtype, "device": config.device, "mode": config.mode,
+              "block_size": e.block_size, "max_model_len": e.max_model_len,
+              "enable_prefix_caching": e.enable_prefix_caching}
     return AuditConfig(a.sink, a.log_inputs, a.max_queue, engine)
 
 
