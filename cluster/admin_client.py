@@ -20,15 +20,15 @@ class AdminClient:
         self.timeout_s = timeout_s
 
     def status(self) -> dict:
-        return self._call("GET", "/admin/status")
+        return self.call("GET", "/admin/status")
 
     def scale(self, targets: dict[str, int]) -> dict:
-        return self._call("POST", "/admin/scale", targets)
+        return self.call("POST", "/admin/scale", targets)
 
     def drain(self, worker_id: str) -> dict:
-        return self._call("POST", "/admin/drain", {"worker_id": worker_id})
+        return self.call("POST", "/admin/drain", {"worker_id": worker_id})
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+    def call(self, method: str, path: str, body: dict | None = None) -> dict:
         headers = {"Content-Type": "application/json"}
         if self.admin_key:
             headers["Authorization"] = f"Bearer {self.admin_key}"
@@ -38,7 +38,7 @@ class AdminClient:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 return json.loads(response.read() or b"{}")
         except urllib.error.HTTPError as exc:
-            raise CLIError(self._explain(exc.code, error_message(exc.read()))) from None
+            raise CLIError(self._explain(exc.code, _error_message(exc.read()))) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
             reason = getattr(exc, "reason", exc)
             if isinstance(reason, TimeoutError):  # socket.timeout is TimeoutError
@@ -65,7 +65,7 @@ class AdminClient:
         return f"the server failed ({status}): {message or 'no details'}; see the server's log"
 
 
-def error_message(body: bytes) -> str | None:
+def _error_message(body: bytes) -> str | None:
     """The message of an OpenAI-style error body; None when the body is not one (e.g. a bare 404)."""
     try:
         error = json.loads(body).get("error")

@@ -3,13 +3,10 @@ or a running server through its OpenAI API. Both answer the model revision, turn
 token ids as the server did, and produce each choice's output under the record's choice index."""
 from __future__ import annotations
 
-import json
 import math
 import os
-import urllib.error
-import urllib.request
 
-from cluster.admin_client import CLIError, error_message
+from cluster.admin_client import AdminClient, CLIError
 from router.audit import sampling_from_record
 
 
@@ -90,13 +87,12 @@ class ServerRunner:
     (default TANDEM_API_KEY)."""
 
     def __init__(self, url: str, api_key: str | None):
-        self.url = url.rstrip("/")
-        self.api_key = api_key or os.environ.get("TANDEM_API_KEY")
-        self.where = self.url
+        self.client = _APIClient(url, api_key or os.environ.get("TANDEM_API_KEY"), timeout_s=600)
+        self.where = self.client.url
         self.model = None
 
     def revision(self, record: dict) -> str | None:
-        cards = self._call("GET", "/v1/models").get("data", [])
+        cards = self.client.call("GET", "/v1/models").get("data", [])
         card = next((c for c in cards if c.get("id") == record["model"]["id"]), cards[0] if cards else {})
         self.model = card.get("id")
         return card.get("revision")
@@ -108,7 +104,7 @@ class ServerRunner:
         else:
             body = {"messages": given, "add_generation_prompt": options["add_generation_prompt"],
                     "continue_final_message": options["continue_final_message"]}
-        return _truncate(record, self._call("POST", "/tokenize", {"model": self.model, **body})["tokens"])
+        return _truncate(record, self.client.call("POST", "/tokenize", {"model": self.model, **body})["tokens"])
 
     def generate(self, record: dict, inputs: list) -> dict:
         from cluster.replay import Output
@@ -116,26 +112,18 @@ class ServerRunner:
         for p, given in enumerate(inputs):
             params = _params(record, p)
             body = completion_body(params, self.model, given.token_ids)
-            for choice in self._call("POST", "/v1/completions", body)["choices"]:
+            for choice in self.client.call("POST", "/v1/completions", body)["choices"]:
                 outputs[p * params.n + choice["index"]] = Output(choice["text"], None, choice.get("finish_reason"))
         return outputs
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
-        try:
-            with urllib.request.urlopen(request, timeout=600) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            hint = "; pass the server's API key with --api-key or TANDEM_API_KEY" if exc.code == 401 else ""
-            raise CLIError(f"{self.url}{path} answered {exc.code}: {error_message(exc.read())}{hint}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-            raise CLIError(f"no tandem server at {self.url} ({getattr(exc, 'reason', exc)}); check --url") from None
-        except json.JSONDecodeError:
-            raise CLIError(f"{self.url}{path} did not answer with JSON; is --url a tandem server?") from None
+
+class _APIClient(AdminClient):
+    """The server's OpenAI API with an API key; errors say what to pass."""
+
+    def _explain(self, status: int, message: str | None) -> str:
+        if status == 401:
+            return f"{self.url} rejected the API key; pass one with --api-key KEY or TANDEM_API_KEY"
+        return f"{self.url} answered {status}: {message or 'no details'}"
 
 
 def completion_body(params, model: str | None, prompt: list[int]) -> dict:
