@@ -123,6 +123,15 @@ class RouterOptions(_Strict):
         return self
 
 
+class TracingOptions(_Strict):
+    """Request traces. `otlp_endpoint`: an OTLP/HTTP collector's base URL (spans go to <url>/v1/traces);
+    unset (and no OTEL_EXPORTER_OTLP_ENDPOINT), no span is made or sent. `recent_requests`: how many
+    finished requests' stage timelines each ingress replica keeps for `tandem trace` (0: none)."""
+    otlp_endpoint: str | None = Field(None, pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048)
+    service_name: str = Field("tandem", min_length=1, max_length=128)
+    recent_requests: int = Field(1000, ge=0, le=1_000_000)
+
+
 class SloConfig(_Strict):
     """Latency targets of the placement policy and of stall-free local prefill: time to first token,
     and inter-token latency (a decode worker's step time while prompts join its batch). `stall_ratio`
@@ -235,6 +244,7 @@ class ClusterConfig(_Strict):
     audit: AuditOptions = Field(default_factory=AuditOptions)
     ingress_replicas: int = Field(1, ge=1, le=64)  # Serve replicas of the HTTP ingress
     limits: RequestLimits = Field(default_factory=RequestLimits)  # what one request may ask of the ingress
+    tracing: TracingOptions = Field(default_factory=TracingOptions)
     # The model thinks between these markers: max_reasoning_tokens / reasoning_effort cap it, and the
     # thinking comes back as reasoning_content. None: the model does not think between markers.
     reasoning: ReasoningOptions | None = None
@@ -322,6 +332,12 @@ class ClusterConfig(_Strict):
             update["admin_key"] = refuse_placeholder(os.environ["TANDEM_ADMIN_KEY"], "TANDEM_ADMIN_KEY")
         if not self.transfer.token:
             refuse_placeholder(os.environ.get("TANDEM_KV_TOKEN"), "TANDEM_KV_TOKEN")
+        if not self.tracing.otlp_endpoint and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            try:
+                update["tracing"] = TracingOptions(**{**self.tracing.model_dump(),
+                                                      "otlp_endpoint": os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"]})
+            except ValidationError:
+                raise ConfigError("OTEL_EXPORTER_OTLP_ENDPOINT must be an http(s) URL") from None
         return self.model_copy(update=update) if update else self
 
 

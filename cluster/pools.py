@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import ray
 
 from cluster.config import ClusterConfig, PoolConfig
+from engine.tracing import tracing_env
 from engine.transfer_config import TransferConfig
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ class WorkerPool:
         return {"num_cpus": pc.num_cpus, "num_gpus": num_gpus, "resources": dict(pc.resources),
                 "max_restarts": pc.max_restarts, "max_task_retries": 0, "max_concurrency": 1000,
                 "namespace": self.config.namespace, "lifetime": "detached",
-                "runtime_env": {"env_vars": WORKER_ENV}}
+                "runtime_env": {"env_vars": {**WORKER_ENV, **tracing_env(self.config.tracing.otlp_endpoint,
+                                                                        self.config.tracing.service_name)}}}
 
     def add_worker(self) -> WorkerInfo:
         worker_id = f"{self.pool}-{next(self._ids)}"

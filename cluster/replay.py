@@ -1,6 +1,6 @@
 """`tandem replay`: run an audited request again and say whether its outputs match the record's digests.
 
-    tandem replay audit.jsonl --request-id cmpl-...   [--prompt-file F | --messages-file F]
+    tandem replay audit.jsonl --request-id ID   [--prompt-file F | --messages-file F]
                   [--url http://host:8000 [--api-key KEY]] | [--model DIR] [--ignore-revision]
     tandem replay - < one-record.json
 
@@ -50,7 +50,8 @@ class Report:
 
 
 def load_record(source: str, request_id: str | None) -> dict:
-    """The record of `request_id` in the JSON-lines file `source` ("-": stdin); without an id, the only one."""
+    """The record of `request_id` (the X-Request-Id, or the response's `id`) in the JSON-lines file `source`
+    ("-": stdin); without an id, the only one."""
     try:
         text = sys.stdin.read() if source == "-" else Path(source).read_text()
     except OSError as exc:
@@ -65,7 +66,7 @@ def load_record(source: str, request_id: str | None) -> dict:
             raise CLIError(f"{source}, line {n}: not JSON; give a file of audit records (JSON lines)") from None
         if isinstance(record, dict) and record.get("record") == RECORD_KIND:
             records.append(record)
-    found = [r for r in records if request_id is None or r.get("request_id") == request_id]
+    found = [r for r in records if request_id is None or request_id in (r.get("request_id"), r.get("response_id"))]
     if not found:
         raise CLIError(f"no audit record {'of ' + request_id + ' ' if request_id else ''}in {source}")
     if len(found) > 1:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from engine.timeline import STAGES
 
 logger = logging.getLogger(__name__)
 
@@ -76,32 +77,29 @@ def sampling_from_record(record: dict) -> SamplingParams:
     return SamplingParams(**fields)
 
 
-def request_timings(received: float, requests: list, choices: list) -> dict:
-    """The request's stage times (epoch seconds): when the ingress received it, the stages the workers
-    stamped on its GenerateRequests (earliest of each), first token and finish. The one place the record's
-    timings come from, so a richer per-request timeline can replace it."""
-    times = {"received": received}
+def request_timings(requests: list) -> dict:
+    """The request's stage times (epoch seconds, engine.timeline.STAGES) from the timelines of its
+    GenerateRequests (one per prompt, or per candidate run alone): the earliest of each stage, the latest
+    last token and finish."""
+    times: dict[str, float] = {}
     for request in requests:
-        for stage, at in request.times.items():
-            times[stage] = min(at, times.get(stage, at))
-    firsts = [c.first_token_time for c in choices if c.first_token_time is not None]
-    if firsts:
-        times["first_token"] = min(firsts)
-    times["finished"] = max([c.finish_time for c in choices if c.finish_time is not None] or [time.time()])
-    return times
+        for stage, at in request.timeline.times.items():
+            latest = stage in ("last_token", "finished")
+            times[stage] = max(at, times.get(stage, at)) if latest else min(at, times.get(stage, at))
+    return {stage: times[stage] for stage in STAGES if stage in times}
 
 
 @dataclass(slots=True)
 class AuditEntry:
     """One request's record in the making: what is known when it is admitted, completed when it ends."""
     audit: Audit
-    request_id: str
+    request_id: str  # the HTTP request's (X-Request-Id)
+    response_id: str  # the response body's `id`
     tenant: str | None
     endpoint: str
     stream: bool
     options: dict
     inputs: list  # as the client gave them: prompts (text or ids), or one chat's messages
-    received: float = field(default_factory=time.time)
     written: bool = False
 
     def finish(self, params: SamplingParams, seeds: list[int], candidates: list, prompts: list[list[int]],
@@ -128,7 +126,8 @@ class AuditEntry:
         lists = {id(r.placements): r.placements for r in requests}  # migrated candidates share their list
         placements = [p for ps in lists.values() for p in ps]
         return {
-            "record": RECORD_KIND, "request_id": self.request_id, "tenant": self.tenant,
+            "record": RECORD_KIND, "request_id": self.request_id, "response_id": self.response_id,
+            "time": time.time(), "tenant": self.tenant,
             "endpoint": self.endpoint, "stream": self.stream,
             "model": {"id": self.audit.model_id, "revision": self.audit.revision},
             "engine": self.audit.config.engine,
@@ -138,7 +137,7 @@ class AuditEntry:
             "choices": [_choice_record(c, error, log) for c in sorted(choices, key=lambda c: c.index)],
             "usage": {"prompt_tokens": sum(len(ids) for ids in prompts),
                       "completion_tokens": sum(c.num_tokens for c in choices)},
-            "timings": request_timings(self.received, requests, choices),
+            "timings": request_timings(requests),
             "workers": {"prefill": _unique(p["prefill"] for p in placements if p["prefill"]),
                         "decode": _unique(p["decode"] for p in placements)},
             "placements": placements,
@@ -177,11 +176,11 @@ class Audit:
         self.revision = revision
         self.writer = writer  # router.audit_sink.AuditWriter, or None when off
 
-    def entry(self, request_id: str, tenant: str | None, endpoint: str, req, inputs: list,
+    def entry(self, request_id: str, response_id: str, tenant: str | None, endpoint: str, req, inputs: list,
               options: dict) -> AuditEntry | None:
         if self.writer is None:
             return None
-        return AuditEntry(self, request_id, tenant, endpoint, bool(req.stream), options, inputs)
+        return AuditEntry(self, request_id, response_id, tenant, endpoint, bool(req.stream), options, inputs)
 
     def close(self) -> None:
         if self.writer is not None:

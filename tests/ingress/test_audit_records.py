@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import requests
 
 from engine.model_loader import model_revision
 from router.audit import input_digest, text_digest, token_digest
@@ -18,19 +19,19 @@ ROOT = Path(__file__).resolve().parents[2]
 # Longer than main's max_local_prefill_length (48 tokens): prefilled on the prefill worker.
 LONG = " ".join(f"audit{i}" for i in range(40))
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-FIELDS = {"record", "request_id", "tenant", "endpoint", "stream", "model", "engine", "sampling", "options",
+FIELDS = {"record", "request_id", "response_id", "time", "tenant", "endpoint", "stream", "model", "engine", "sampling", "options",
           "prompts", "choices", "usage", "timings", "workers", "placements"}
 
 
 def record_of(path: str, request_id: str) -> dict:
-    """The record of `request_id`, once the writer thread has written it."""
+    """The record of `request_id` (or of the response id), once the writer thread has written it."""
     found = {}
 
     def written() -> bool:
         if os.path.exists(path):
             for line in Path(path).read_text().splitlines():
                 record = json.loads(line)
-                if record["request_id"] == request_id:
+                if request_id in (record["request_id"], record["response_id"]):
                     found["record"] = record
         return "record" in found
 
@@ -74,10 +75,19 @@ def test_a_record_has_every_field_and_says_what_ran_where(main_app, greedy, tiny
     assert (choice["finish_reason"], choice["num_output_tokens"]) == ("length", 8)
     assert record["usage"] == {"prompt_tokens": out.usage.prompt_tokens, "completion_tokens": 8}
     times = record["timings"]
-    assert times["received"] <= times["routed"] <= times["first_token"] <= times["finished"]
+    assert times["arrival"] <= times["routed"] <= times["first_token"] <= times["finished"]
     workers = set(main_app.actors())
     assert record["workers"]["prefill"][0] in workers and record["workers"]["decode"][0] in workers
     assert record["workers"]["prefill"][0].startswith("prefill")
+
+
+def test_the_record_carries_the_clients_request_id(main_app):
+    response = requests.post(f"{main_app.base_url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "an audit with an id", "max_tokens": 2},
+        headers={"Authorization": "Bearer key-a", "X-Request-Id": "audit-id-1"})
+    assert response.status_code == 200
+    record = record_of(main_app.audit_path, "audit-id-1")
+    assert (record["request_id"], record["response_id"]) == ("audit-id-1", response.json()["id"])
 
 
 def test_records_hold_digests_not_text_by_default(main_app, greedy):
