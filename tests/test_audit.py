@@ -103,3 +103,59 @@ def test_sampling_params_come_back_whole_from_a_record():
     params = SamplingParams(n=2, temperature=0.7, seed=-5, logit_bias={3: -1.5}, stop=["."],
                             structured=StructuredOutputs(choice=("yes", "no")), max_tokens=None)
     assert sampling_from_record(json.loads(json.dumps(sampling_record(params)))) == params
+
+
+def finished_record(tmp_path, error: BaseException | None, finish_reason: str | None) -> dict:
+    """The record AuditEntry writes for one candidate that got two tokens and then `finish_reason` (None: it
+    never finished) with `error` ending the request."""
+    from engine.protocol import GenerateRequest, TokenDelta
+    from router.audit import Audit, AuditConfig
+    from router.openai_api import CompletionRequest
+    from router.openai_responses import Choice
+    from router.service import Candidates
+
+    path = tmp_path / "audit.jsonl"
+    sink, _ = writer(f"file:{path}")
+    params = SamplingParams(seed=9, max_tokens=8)
+    choice = Choice(0, 0)
+    choice.add(TokenDelta("r-0", [5, 6], "ab"))
+    if finish_reason is not None:
+        choice.add(TokenDelta("r-0", [], "", finished=True, finish_reason=finish_reason, error="worker gone"))
+    candidates = [Candidates([choice], GenerateRequest("r-0", [1, 2, 3], params), [])]
+    entry = Audit(AuditConfig(sink=f"file:{path}"), "m", "sha256:x", sink).entry(
+        "req-1", "cmpl-1", "tenant-a", "completions", CompletionRequest(model="m", prompt="abc"), ["abc"], {})
+    entry.finish(params, [9], candidates, [[1, 2, 3]], error)
+    entry.finish(params, [9], candidates, [[1, 2, 3]], error)  # written once however often it is called
+    sink.close()
+    [line] = path.read_text().splitlines()
+    return json.loads(line)
+
+
+def test_a_request_the_client_left_is_recorded_as_aborted(tmp_path):
+    import asyncio
+    [choice] = finished_record(tmp_path, asyncio.CancelledError(), None)["choices"]
+    assert (choice["finish_reason"], choice["num_output_tokens"]) == ("abort", 2)
+
+
+def test_a_failed_request_is_recorded_as_an_error_with_its_reason(tmp_path):
+    [choice] = finished_record(tmp_path, RuntimeError("no decode worker"), None)["choices"]
+    assert choice["finish_reason"] == "error" and choice["error"] == "RuntimeError: no decode worker"
+
+
+def test_a_candidate_its_worker_failed_is_recorded_as_an_error_with_the_workers_message(tmp_path):
+    [choice] = finished_record(tmp_path, None, "error")["choices"]
+    assert (choice["finish_reason"], choice["error"]) == ("error", "worker gone")
+
+
+def test_the_serve_flags_reach_the_ingress_config(monkeypatch, tmp_path):
+    """`tandem serve --audit-sink ... --audit-log-inputs` as the ingress gets it (the launcher is replaced by
+    one that keeps the config instead of starting Ray)."""
+    import cluster.launcher
+    from cluster.app import ingress_config
+
+    seen = []
+    monkeypatch.setattr(cluster.launcher, "serve_until_stopped", lambda config, address, say: seen.append(config))
+    assert main(["serve", "--audit-sink", f"file:{tmp_path / 'a.jsonl'}", "--audit-log-inputs"]) == 0
+    audit = ingress_config(seen[0]).audit
+    assert (audit.sink, audit.log_inputs) == (f"file:{tmp_path / 'a.jsonl'}", True)
+    assert audit.engine["block_size"] == 16 and audit.engine["dtype"] == "auto"

@@ -144,7 +144,7 @@ def test_another_model_revision_is_refused_unless_ignored(greedy, tmp_path):
     assert ignored.returncode == 1 and "model revision: MISMATCH" in ignored.stdout
 
 
-def test_a_streamed_chat_is_recorded_and_replays_from_its_messages(main_app, tmp_path):
+def test_a_streamed_chat_is_recorded_and_replays_from_its_messages_offline_and_on_the_server(main_app, tmp_path):
     messages = [{"role": "user", "content": "a streamed audit chat"}]
     stream = main_app.client("key-b").chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
                                                               seed=7, stream=True, extra_body={"ignore_eos": True})
@@ -153,9 +153,11 @@ def test_a_streamed_chat_is_recorded_and_replays_from_its_messages(main_app, tmp
     assert (record["endpoint"], record["stream"], record["tenant"]) == ("chat.completions", True, "tenant-b")
     assert record["prompts"][0]["input_sha256"] == input_digest(messages)
     (tmp_path / "messages.json").write_text(json.dumps(messages))
-    result = replay(main_app.audit_path, "--request-id", chunks[0].id, "--messages-file",
-                    str(tmp_path / "messages.json"))
-    assert result.returncode == 0, result.stdout + result.stderr
+    for where in ([], ["--url", main_app.base_url, "--api-key", "key-a"]):  # offline, and on the server
+        result = replay(main_app.audit_path, "--request-id", chunks[0].id, "--messages-file",
+                        str(tmp_path / "messages.json"), *where)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "prompt 0 token ids: match" in result.stdout
 
 
 def test_a_stream_the_client_leaves_is_recorded_as_aborted(main_app):
