@@ -77,15 +77,15 @@ class AuditWriter:
                 continue
             try:
                 self._out.write(line.encode())
-            except OSError as exc:
-                self.dropped("write_failed", str(exc))
+            except Exception as exc:  # noqa: BLE001 - whatever the sink raises, the thread goes on
+                self.dropped("write_failed", f"{type(exc).__name__}: {exc}")
                 continue
             self.written.inc()
 
 
 class _Stdout:
     def write(self, data: bytes) -> None:
-        sys.stdout.buffer.write(data)
+        sys.stdout.write(data.decode())  # whatever sys.stdout is now (Ray redirects it to the worker's log)
         sys.stdout.flush()
 
     def close(self) -> None:

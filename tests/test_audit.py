@@ -159,3 +159,10 @@ def test_the_serve_flags_reach_the_ingress_config(monkeypatch, tmp_path):
     audit = ingress_config(seen[0]).audit
     assert (audit.sink, audit.log_inputs) == (f"file:{tmp_path / 'a.jsonl'}", True)
     assert audit.engine["block_size"] == 16 and audit.engine["dtype"] == "auto"
+
+
+def test_the_stdout_sink_writes_one_line_per_record(capsys):
+    audit, metrics = writer("stdout")
+    audit.put({"request_id": "a"})
+    audit.close()
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == [{"request_id": "a"}]
