@@ -65,7 +65,7 @@ class OfflineRunner:
         e = self.engine_options
         engine = Engine(EngineConfig(model=str(self.model_dir), dtype=e["dtype"], device=self.device,
                                      block_size=e["block_size"], max_model_len=e.get("max_model_len"),
-                                     num_kv_blocks=self._num_blocks(record, inputs, params), num_threads=2))
+                                     num_kv_blocks=self._num_blocks(record, inputs, params)))
         outputs = {}
         for p, out in enumerate(engine.generate([i.token_ids for i in inputs], params)):
             for j, cand in enumerate(out.candidates):
