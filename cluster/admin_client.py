@@ -20,15 +20,15 @@ class AdminClient:
         self.timeout_s = timeout_s
 
     def status(self) -> dict:
-        return self._call("GET", "/admin/status")
+        return self.call("GET", "/admin/status")
 
     def scale(self, targets: dict[str, int]) -> dict:
-        return self._call("POST", "/admin/scale", targets)
+        return self.call("POST", "/admin/scale", targets)
 
     def drain(self, worker_id: str) -> dict:
-        return self._call("POST", "/admin/drain", {"worker_id": worker_id})
+        return self.call("POST", "/admin/drain", {"worker_id": worker_id})
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+    def call(self, method: str, path: str, body: dict | None = None) -> dict:
         headers = {"Content-Type": "application/json"}
         if self.admin_key:
             headers["Authorization"] = f"Bearer {self.admin_key}"

@@ -24,6 +24,7 @@ from cluster.controller import CONTROLLER_NAME, ON_HEAD, get_controller, start_c
 from cluster.pools import stop_named_workers
 from router.ingress import Ingress, IngressConfig
 from router.metrics import MetricsHub
+from router.audit import AuditConfig
 from router.policy import DisaggConfig
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,18 @@ def ingress_config(config: ClusterConfig) -> IngressConfig:
                          max_queued_requests=r.max_queued_requests, migration_limit=r.migration_limit,
                          api_keys=dict(config.api_keys), colocated=config.mode == "colocated", limits=config.limits,
                          routing=r.routing, decode_wait_s=r.decode_wait_s, reasoning=config.reasoning,
-                         tool_call_parser=config.tool_call_parser)
+                         tool_call_parser=config.tool_call_parser, otlp_endpoint=config.tracing.otlp_endpoint,
+                         service_name=config.tracing.service_name, recent_requests=config.tracing.recent_requests,
+                         audit=audit_config(config))
+
+
+def audit_config(config: ClusterConfig) -> AuditConfig:
+    """The audit section, with the engine settings that shape outputs (what a replay must match)."""
+    a, e = config.audit, config.engine
+    engine = {"model": config.model, "dtype": config.dtype, "device": config.device, "mode": config.mode,
+              "block_size": e.block_size, "max_model_len": e.max_model_len,
+              "enable_prefix_caching": e.enable_prefix_caching}
+    return AuditConfig(a.sink, a.log_inputs, a.max_queue, engine)
 
 
 def start_or_adopt_controller(config: ClusterConfig):

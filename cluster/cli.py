@@ -6,6 +6,7 @@
     tandem status [--json]
     tandem scale [--prefill N] [--decode M]
     tandem drain WORKER
+    tandem replay RECORDS [--request-id ID] [--prompt-file F | --messages-file F] [--url URL | --model DIR]
 
 `serve` runs the cluster in the foreground until Ctrl-C, SIGINT, SIGTERM or SIGHUP (a second one, or a stop over
 30 s, ends it at once); a local Ray instance it started never outlives it, even after kill -9. `status`, `scale` and `drain` talk
@@ -50,7 +51,8 @@ def serve_command(args, parser) -> int:
                  "decode.replicas": args.decode, "host": args.host, "port": args.port, "admin_key": args.admin_key,
                  "api_keys": dict(args.api_key) if args.api_key else None,
                  "autoscaler.enabled": True if args.autoscale else None,
-                 "served_model_name": args.served_model_name, "chat_template": args.chat_template}
+                 "served_model_name": args.served_model_name, "chat_template": args.chat_template,
+                 "audit.sink": args.audit_sink, "audit.log_inputs": True if args.audit_log_inputs else None}
     try:
         config = load_config(args.config, **overrides)
     except ConfigError as exc:
@@ -202,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--autoscale", action="store_true",
                        help="resize the pools from their load within min_replicas..max_replicas "
                             "(the config's autoscaler section sets the thresholds)")
+    serve.add_argument("--audit-sink", type=_audit_sink, metavar="SINK",
+                       help="write an audit record per request: stdout or file:/absolute/path (default: off)")
+    serve.add_argument("--audit-log-inputs", action="store_true",
+                       help="audit records carry prompts and outputs as text, not only their SHA-256 digests")
     serve.set_defaults(command=serve_command)
 
     def admin_command(name: str, help: str, run) -> argparse.ArgumentParser:
@@ -222,7 +228,42 @@ def build_parser() -> argparse.ArgumentParser:
     admin_command("drain", "stop routing to a worker, let its requests finish, then remove it",
                   drain_command).add_argument("worker", type=_worker_id, metavar="WORKER",
                                               help="worker id, e.g. decode-1 (see `tandem status`)")
+    add_replay_command(commands)
     return parser
+
+
+def replay_command(args, parser) -> int:
+    """Exit status 2 when the replay cannot run (1 is kept for outputs that differ)."""
+    from cluster.replay import replay
+    try:
+        return replay(args)
+    except CLIError as exc:
+        print(f"tandem replay: {exc}", file=sys.stderr)
+        return 2
+
+
+def add_replay_command(commands) -> None:
+    replay = commands.add_parser(
+        "replay", help="run an audited request again and check its output against the record's digests",
+        description="Re-run the request of an audit record (from the record's logged input, or the file given) "
+                    "with its seed and sampling parameters, offline on the model directory or on a server "
+                    "(--url), and say whether the outputs match. Exit status: 0 match, 1 mismatch, 2 cannot run.")
+    replay.add_argument("record", metavar="RECORDS", help="a JSON-lines file of audit records, or - for stdin")
+    replay.add_argument("--request-id", type=_non_empty, metavar="ID", help="which record (needed with several)")
+    given = replay.add_mutually_exclusive_group()
+    given.add_argument("--prompt-file", type=_existing_file, metavar="FILE",
+                       help="a completion's prompt (the file's exact text), when the record holds digests only")
+    given.add_argument("--messages-file", type=_existing_file, metavar="FILE",
+                       help="a chat's messages (a JSON list), when the record holds digests only")
+    where = replay.add_mutually_exclusive_group()
+    where.add_argument("--url", type=_url, help="replay on this running server (its OpenAI API's base URL)")
+    where.add_argument("--model", type=_non_empty, metavar="DIR",
+                       help="offline: the model directory (default: the one the record's server used)")
+    replay.add_argument("--device", choices=["auto", "cpu", "cuda"], help="offline: where the engine runs")
+    replay.add_argument("--api-key", type=_secret, metavar="KEY", help="with --url: the API key (or TANDEM_API_KEY)")
+    replay.add_argument("--ignore-revision", action="store_true",
+                        help="run even when the model revision differs from the record's (then a warning)")
+    replay.set_defaults(command=replay_command)
 
 
 def _count(text: str) -> int:
@@ -256,6 +297,14 @@ def _api_key(text: str) -> tuple[str, str]:
                                          f"or commas")
     from cluster.config import key_tenant
     return key, tenant or key_tenant(key)
+
+
+def _audit_sink(text: str) -> str:
+    from router.audit_sink import check_sink
+    try:
+        return check_sink(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _url(text: str) -> str:

@@ -18,6 +18,7 @@ from cluster.scaling_policy import Thresholds
 from engine.transfer_config import TLSFiles, TransferConfig
 from kv_transfer.addresses import check_host
 from kv_transfer.tls import check_files
+from router.audit_sink import check_sink
 from router.reasoning_parser import ReasoningOptions
 from router.request_limits import RequestLimits
 from router.tool_parsers import TOOL_PARSERS
@@ -125,6 +126,15 @@ class RouterOptions(_Strict):
         return self
 
 
+class TracingOptions(_Strict):
+    """Request traces. `otlp_endpoint`: an OTLP/HTTP collector's base URL (spans go to <url>/v1/traces);
+    unset (and no OTEL_EXPORTER_OTLP_ENDPOINT), no span is made or sent. `recent_requests`: how many
+    finished requests' stage timelines each ingress replica keeps for `tandem trace` (0: none)."""
+    otlp_endpoint: str | None = Field(None, pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048)
+    service_name: str = Field("tandem", min_length=1, max_length=128)
+    recent_requests: int = Field(1000, ge=0, le=1_000_000)
+
+
 class SloConfig(_Strict):
     """Latency targets of the placement policy and of stall-free local prefill: time to first token,
     and inter-token latency (a decode worker's step time while prompts join its batch). `stall_ratio`
@@ -185,6 +195,21 @@ class AutoscalerConfig(_Strict):
                 "itl_s": Thresholds(d.itl_up_s, d.itl_down_s, per_worker=False)}
 
 
+class AuditOptions(_Strict):
+    """Audit records (router/audit.py): one JSON line per finished request to `sink`, "stdout" or
+    "file:/absolute/path" (None: off). Prompts and outputs are SHA-256 digests unless `log_inputs`, which
+    adds their text and token ids. `max_queue` bounds the records waiting for the writer thread; beyond it
+    records are dropped and counted (tandem:audit_records_dropped)."""
+    sink: str | None = None
+    log_inputs: bool = False
+    max_queue: int = Field(10000, ge=1, le=1_000_000)
+
+    @field_validator("sink")
+    @classmethod
+    def _sink(cls, sink: str | None) -> str | None:
+        return check_sink(sink)
+
+
 class CpuOptions(_Strict):
     """On CPU, `pin` gives each worker int(num_cpus) physical cores of its own (threads: one per core
     unless the pool's num_threads says otherwise); `borrow` lets a prefill forward also use the cores of
@@ -219,8 +244,10 @@ class ClusterConfig(_Strict):
     slo: SloConfig = Field(default_factory=SloConfig)
     autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
     cpu: CpuOptions = Field(default_factory=CpuOptions)
+    audit: AuditOptions = Field(default_factory=AuditOptions)
     ingress_replicas: int = Field(1, ge=1, le=64)  # Serve replicas of the HTTP ingress
     limits: RequestLimits = Field(default_factory=RequestLimits)  # what one request may ask of the ingress
+    tracing: TracingOptions = Field(default_factory=TracingOptions)
     # The model thinks between these markers: max_reasoning_tokens / reasoning_effort cap it, and the
     # thinking comes back as reasoning_content. None: the model does not think between markers.
     reasoning: ReasoningOptions | None = None
@@ -308,6 +335,12 @@ class ClusterConfig(_Strict):
             update["admin_key"] = refuse_placeholder(os.environ["TANDEM_ADMIN_KEY"], "TANDEM_ADMIN_KEY")
         if not self.transfer.token:
             refuse_placeholder(os.environ.get("TANDEM_KV_TOKEN"), "TANDEM_KV_TOKEN")
+        if not self.tracing.otlp_endpoint and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            try:
+                update["tracing"] = TracingOptions(**{**self.tracing.model_dump(),
+                                                      "otlp_endpoint": os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"]})
+            except ValidationError:
+                raise ConfigError("OTEL_EXPORTER_OTLP_ENDPOINT must be an http(s) URL") from None
         return self.model_copy(update=update) if update else self
 
 

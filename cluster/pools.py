@@ -13,6 +13,7 @@ import ray
 
 from cluster.config import ClusterConfig, PoolConfig
 from engine.serving import WorkerStalled
+from engine.tracing import tracing_env
 from engine.transfer_config import TransferConfig
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ class WorkerPool:
         return {"num_cpus": pc.num_cpus, "num_gpus": num_gpus, "resources": dict(pc.resources),
                 "max_restarts": pc.max_restarts, "max_task_retries": 0, "max_concurrency": 1000,
                 "namespace": self.config.namespace, "lifetime": "detached",
-                "runtime_env": {"env_vars": WORKER_ENV}}
+                "runtime_env": {"env_vars": {**WORKER_ENV, **tracing_env(self.config.tracing.otlp_endpoint,
+                                                                        self.config.tracing.service_name)}}}
 
     def add_worker(self) -> WorkerInfo:
         worker_id = f"{self.pool}-{next(self._ids)}"

@@ -8,7 +8,9 @@ import logging
 from engine.config import EngineConfig
 from engine.protocol import GenerateRequest, PrefillResult, WorkerStats
 from engine.request import Request
+from engine.request_log import set_request_id
 from engine.serving import EngineServer, WorkerDraining
+from engine.tracing import emit_spans
 from engine.step_costs import TransferSpeed
 from engine.transfer_config import TransferConfig
 from kv_transfer.failures import TransferFailures, failure_reason
@@ -52,6 +54,7 @@ class DecodeWorker(EngineServer):
         Layer-wise, `prefill.first` is None: the pull starts at once, while the prefill worker still
         writes the KV, and the request joins the batch once the first token (`prefill.first_ref`) arrives;
         if that token already finishes the request, the stream ends without yielding."""
+        set_request_id(request.timeline.request_id)
         if self.draining:
             raise WorkerDraining(f"decode worker {self.worker_id} is draining")
         engine_req = self.build_request(request)
@@ -72,8 +75,15 @@ class DecodeWorker(EngineServer):
             else:
                 self.counters["local_prefills"] += 1
             request.stamp("decode_admitted")
-            async for out in self.stream(request, engine_req, add):
+            local = add != self.engine.add_imported  # no KV pulled: the prompt is computed here
+            if local:
+                request.stamp("prefill_queued")
+            async for out in self.stream(request, engine_req, add, "prefill_started" if local else "decode_started"):
                 yield self.to_delta(out, request)
+            timeline = request.timeline
+            emit_spans(timeline, ("queue", "decode") if local else ("transfer", "decode_admission", "decode"),
+                       {"tandem.worker": self.worker_id, "tandem.blocks_pulled": timeline.blocks_pulled,
+                        "tandem.blocks_skipped": timeline.blocks_skipped, "tandem.bytes_pulled": timeline.bytes_pulled})
         finally:
             self.in_flight.discard(request.request_id)
 
@@ -113,6 +123,9 @@ class DecodeWorker(EngineServer):
             await self._abandon(pull, req, handle)
             raise
         request.stamp("transfer_done")
+        timeline = request.timeline
+        timeline.blocks_pulled, timeline.blocks_skipped = len(indices), handle.num_blocks - len(indices)
+        timeline.bytes_pulled = stats.num_bytes
         # The blocks are ours now: telling the prefill worker is off the second token's path.
         release = asyncio.ensure_future(self._release_lease(handle))
         self._releases.add(release)

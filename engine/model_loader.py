@@ -1,7 +1,9 @@
 """Loading models and tokenizers: the default SmolLM2 GGUF, local HF directories, tiny random models."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -59,6 +61,42 @@ def resolve_model_dir(model: str | None) -> Path:
         raise FileNotFoundError(f"model {model!r} is not a local HF model directory (no config.json); "
                                 f"use {DEFAULT_MODEL!r} or a path")
     return path
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def model_revision(model_dir: str | Path) -> str:
+    """The weights' identity: "sha256:" over each weight file's name and bytes, in name order. Hashing a
+    large model takes seconds, so the result is cached under cache_dir(), keyed by the directory and each
+    file's size and mtime; a changed file is hashed again."""
+    model_dir = Path(model_dir).resolve()
+    files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    if not files:
+        raise FileNotFoundError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {model_dir}")
+    key = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    cached = cache_dir() / "revisions" / (hashlib.sha256(str(model_dir).encode()).hexdigest()[:32] + ".json")
+    try:
+        entry = json.loads(cached.read_text())
+        if entry["files"] == key:
+            return entry["revision"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    revision = f"sha256:{digest.hexdigest()}"
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"dir": str(model_dir), "files": key, "revision": revision}))
+        tmp.rename(cached)
+    except OSError:
+        pass  # a read-only cache costs a re-hash next time, nothing else
+    return revision
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, attn_implementation: str) -> PreTrainedModel:

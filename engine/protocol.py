@@ -1,27 +1,41 @@
 """What crosses actor boundaries: the request created once at the ingress, and what workers return."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 from engine.step_costs import PRIOR_KV_PULL_GBPS, StepCosts
+from engine.timeline import RequestTimeline
 
 
 @dataclass(slots=True)
 class GenerateRequest:
-    """A tokenized request as the ingress built it; stages add timestamps to `times`."""
+    """A tokenized request as the ingress built it; stages add timestamps to its `timeline`.
+
+    `request_id` names this sequence group on the workers (unique per prompt and candidate); the HTTP
+    request's id, which the client may choose, is `timeline.request_id` (by default the same)."""
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     cache_salt: str | None = None
-    times: dict[str, float] = field(default_factory=lambda: {"arrival": time.time()})
+    timeline: RequestTimeline | None = None
     # Set when the request is migrated: tokens another worker generated and the client already has.
     # The new worker computes them as context and streams only what follows.
     output_token_ids: list[int] = field(default_factory=list)
+    # Where the ingress placed it, in order: {"prefill": worker id or None, "decode": worker id} per
+    # placement (more than one after a re-route or a migration). Workers ignore it.
+    placements: list[dict] = field(default_factory=list)
 
-    def stamp(self, stage: str) -> None:
-        self.times[stage] = time.time()
+    def __post_init__(self):
+        if self.timeline is None:
+            self.timeline = RequestTimeline(self.request_id)
+
+    def stamp(self, stage: str, at: float | None = None) -> None:
+        self.timeline.stamp(stage, at)
+
+    @property
+    def times(self) -> dict[str, float]:
+        return self.timeline.times
 
     @property
     def num_outputs(self) -> int:
@@ -47,8 +61,13 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
-    times: dict[str, float] = field(default_factory=dict)
+    # The worker's copy of the request's timeline, on a prefill worker's first token and on the last delta.
+    timeline: RequestTimeline | None = None
     index: int = 0  # which of the request's n candidates it belongs to
+
+    @property
+    def times(self) -> dict[str, float]:
+        return self.timeline.times if self.timeline is not None else {}
 
     def extend(self, later: TokenDelta) -> None:
         """Fold in the same request's next delta (one SSE chunk may carry several tokens): tokens, text
@@ -59,7 +78,7 @@ class TokenDelta:
         self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
         self.num_prompt_tokens = later.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens, self.error = later.num_cached_tokens, later.error
-        self.times = {**self.times, **later.times}
+        self.timeline = later.timeline or self.timeline
 
 
 @dataclass(slots=True)

@@ -20,6 +20,8 @@ from engine.kv_events import KVEventLog
 from engine.outputs import RequestOutput
 from engine.protocol import GenerateRequest, KVEventsReply, TokenDelta, WorkerStats
 from engine.request import Request
+from engine.request_log import install_request_log_records
+from engine.tracing import configure_worker_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class EngineServer:
 
     def __init__(self, worker_id: str, engine_config: EngineConfig):
         self.worker_id = worker_id
+        install_request_log_records()
+        configure_worker_tracing(self.pool)
         self.cores, engine_config = pin_cores(engine_config)
         self.engine = Engine(engine_config)
         self.engine.warm_up()  # the router places by measured step costs from the first request on
@@ -53,12 +57,15 @@ class EngineServer:
         return self.engine.make_request(req.request_id, req.prompt_token_ids, req.sampling_params, req.cache_salt,
                                         req.output_token_ids)
 
-    async def stream(self, request: GenerateRequest, engine_req: Request, add=None):
+    async def stream(self, request: GenerateRequest, engine_req: Request, add=None,
+                     scheduled_stage: str = "prefill_started"):
         """Queue `engine_req` (with `add`, default Engine.add) and yield its outputs until it finishes (each
         of its n candidates, when it has several); cancelling the consumer aborts the request and frees
         its blocks. Outputs of several steps that accumulated while the consumer was busy come as one per
-        candidate (RequestOutput.extend); none waits for more."""
+        candidate (RequestOutput.extend); none waits for more. When the engine first schedules it, the
+        request's timeline gets `scheduled_stage`."""
         ids = output_ids(engine_req)
+        unscheduled = True
         queue: asyncio.Queue = asyncio.Queue()
         for rid in ids:
             self.loop.subscribe(rid, queue)
@@ -70,6 +77,9 @@ class EngineServer:
                 batch = [await queue.get()]
                 while not queue.empty():  # what else accumulated while the consumer was busy
                     batch.append(queue.get_nowait())
+                if unscheduled and engine_req.times.first_scheduled is not None:
+                    unscheduled = False
+                    request.stamp(scheduled_stage, engine_req.times.first_scheduled)
                 for out in _coalesce(batch):
                     yield out
                     if out.finished or out.kv_transfer_params is not None:
@@ -86,7 +96,7 @@ class EngineServer:
             request.stamp("finished")
         return TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                           out.stop_reason, out.new_logprobs, out.num_prompt_tokens, out.num_cached_tokens,
-                          out.error, dict(request.times) if out.finished else {}, out.index)
+                          out.error, request.timeline.copy() if out.finished else None, out.index)
 
     # ---- what the router and operators read ---------------------------------------------------
 

@@ -21,7 +21,9 @@ from engine.layer_progress import LayerProgress
 from engine.protocol import GenerateRequest, PrefillResult, TokenDelta
 from engine.request import Request
 from engine.sampling_params import candidate_seed
+from engine.request_log import set_request_id
 from engine.serving import EngineServer, WorkerDraining
+from engine.tracing import emit_spans
 from engine.transfer_config import TransferConfig
 from kv_transfer.addresses import KVAddresses, hosts_that_cannot_reach, is_loopback, resolve_kv_addresses
 from kv_transfer.handle import KVHandle
@@ -65,6 +67,7 @@ class PrefillWorker(EngineServer):
         if request.output_token_ids:
             raise InvalidRequestError("a prefill worker hands over prompt KV only; a migrated request "
                                       "prefills on its decode worker", field="output_token_ids")
+        set_request_id(request.timeline.request_id)
         request.stamp("prefill_queued")
         engine_req = self.build_request(request)
         engine_req.do_remote_decode = True
@@ -165,6 +168,7 @@ class PrefillWorker(EngineServer):
             raise
         self.loop.submit(self.awaiting_lease.pop, rid, None)
         request.stamp("prefill_done")
+        emit_spans(request.timeline, ("queue", "prefill"), {"tandem.worker": self.worker_id})
         handle = leased.result() if leased is not None and leased.done() else None
         params = last.kv_transfer_params
         if params is None and handle is not None:
@@ -176,7 +180,7 @@ class PrefillWorker(EngineServer):
         elif params is not None:
             handle = self._lease(engine_req, params["block_ids"])
         first = self.to_delta(last, request)
-        first.times = dict(request.times)
+        first.timeline = request.timeline.copy()
         return first, handle
 
     def _lease(self, req: Request, block_ids: list[int], layers_ready: int | None = None) -> KVHandle:

@@ -22,8 +22,12 @@ from ray import serve
 from starlette.exceptions import HTTPException
 from transformers import AutoConfig
 
-from engine.model_loader import load_tokenizer, resolve_model_dir
+from engine.model_loader import load_tokenizer, model_revision, resolve_model_dir
+from engine.request_log import install_request_log_records, set_request_id
+from engine.tracing import configure_tracing
 from router.admission import Admission
+from router.audit import Audit, AuditConfig
+from router.audit_sink import AuditWriter
 from router.auth import Authenticator
 from router.chat_output import ChatParsing
 from router.index import PrefixIndex
@@ -35,6 +39,7 @@ from router.reasoning_parser import ReasoningOptions
 from router.request_limits import RequestLimits, read_body
 from router import tokenize_api
 from router.request_router import RequestRouter
+from router.request_trace import REQUEST_ID_HEADER, Trace, TraceStore
 from router.service import ModelInfo, OpenAIService, to_api_error
 from router.worker_view import WorkerView
 
@@ -64,16 +69,23 @@ class IngressConfig:
     chat_template: str | None = None  # instead of the tokenizer's own
     reasoning: ReasoningOptions | None = None  # the model's thinking markers (router/reasoning_parser.py)
     tool_call_parser: str | None = "hermes"  # the format tool_choice auto reads (router/tool_parsers.py)
+    otlp_endpoint: str | None = None  # OpenTelemetry spans go there (engine/tracing.py); None: no spans
+    service_name: str = "tandem"
+    recent_requests: int = 1000  # finished requests' timelines kept for `tandem trace`
+    audit: AuditConfig = field(default_factory=AuditConfig)  # per-request audit records (router/audit.py)
 
 
 def load_model_info(config: IngressConfig):
     """The tokenizer (with its chat template) and the limits the workers will apply, read from the same
-    model directory the workers load."""
+    model directory the workers load; with audit records on, the weights' revision too (hashed once per
+    model directory and cached on disk: engine.model_loader.model_revision)."""
     model_dir = resolve_model_dir(config.model)
     hf = AutoConfig.from_pretrained(model_dir)
     max_position = getattr(hf, "max_position_embeddings", 2048)
     max_model_len = min(config.max_model_len or max_position, max_position)
-    info = ModelInfo(config.model_name, hf.vocab_size, max_model_len, int(time.time()), config.model_aliases)
+    revision = model_revision(model_dir) if config.audit.sink else None
+    info = ModelInfo(config.model_name, hf.vocab_size, max_model_len, int(time.time()), config.model_aliases,
+                     revision)
     tokenizer = load_tokenizer(model_dir)
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
@@ -96,6 +108,8 @@ class Ingress:
         self.metrics_hub = metrics_hub
         self.extra_routes = extra_routes
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        install_request_log_records()
+        configure_tracing(config.otlp_endpoint, config.service_name, "ingress")
         tokenizer, model = await asyncio.to_thread(load_model_info, config)
         self.metrics = Metrics()
         router = Router(PrefixIndex(), config.block_size, config.disagg, routing=config.routing)
@@ -103,6 +117,8 @@ class Ingress:
         await self.view.start()
         latencies = LatencyReporter(controller)
         self._tasks = [asyncio.create_task(latencies.run()), asyncio.create_task(self._publish_metrics())]
+        writer = None if config.audit.sink is None else AuditWriter(
+            config.audit.sink, config.audit.max_queue, self.metrics.audit_records, self.metrics.audit_dropped)
         self.service = OpenAIService(model, tokenizer, Authenticator(config.api_keys),
                                      Admission(config.max_queued_requests,
                                                self.metrics.rejected.labels("admission_full")),
@@ -110,7 +126,9 @@ class Ingress:
                                                    migration_limit=config.migration_limit,
                                                    decode_wait_s=config.decode_wait_s),
                                      config.block_size, config.limits,
-                                     ChatParsing(tokenizer, config.reasoning, config.tool_call_parser))
+                                     ChatParsing(tokenizer, config.reasoning, config.tool_call_parser),
+                                     TraceStore(config.recent_requests),
+                                     Audit(config.audit, model.name, model.revision, writer))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = build_api(self.service, self.view, self.scrape, self.config.limits)
@@ -162,10 +180,15 @@ class Ingress:
                                 "held": [h for h in block_hashes if index.overlap([h], [w])[w] == 1]}
                             for w in self.view.workers}}
 
+    async def request_trace(self, request_id: str) -> dict | None:
+        """The stage timelines of a recent request this replica served; None when it has none."""
+        return self.service.traces.get(request_id)
+
     async def __del__(self):
         for task in self._tasks:
             task.cancel()
         self.service.tokenizers.close()
+        await asyncio.to_thread(self.service.audit.close)  # what is queued is written first
         try:
             await self.metrics_hub.forget.remote(self.replica_id)
         except ray.exceptions.RayError:
@@ -188,19 +211,11 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
 
     @app.post("/v1/completions", openapi_extra=request_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        try:
-            body = await read_body(request, limits.max_body_bytes)
-            return await service.completions(body, request.headers.get("authorization"))
-        except Exception as exc:
-            return error_response(to_api_error(exc))
+        return await _generation(request, service.completions, limits)
 
     @app.post("/v1/chat/completions", openapi_extra=request_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        try:
-            body = await read_body(request, limits.max_body_bytes)
-            return await service.chat(body, request.headers.get("authorization"))
-        except Exception as exc:
-            return error_response(to_api_error(exc))
+        return await _generation(request, service.chat, limits)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -242,6 +257,25 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
         return Response(await scrape(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _generation(request: Request, endpoint, limits: RequestLimits) -> Response:
+    """A generation endpoint: the request's id (the client's X-Request-Id or a new one) names it in the
+    log lines made for it and comes back in the response headers, on errors too."""
+    trace = None
+    try:
+        trace = Trace.from_headers(request.headers)
+        set_request_id(trace.request_id)
+        body = await read_body(request, limits.max_body_bytes)
+        response = await endpoint(body, request.headers.get("authorization"), trace)
+    except Exception as exc:
+        error = to_api_error(exc)
+        if trace is not None:
+            trace.failed(error.message)
+        response = error_response(error)
+    if trace is not None:
+        response.headers[REQUEST_ID_HEADER] = trace.request_id
+    return response
 
 
 def _utility_route(service: OpenAIService, run, limits: RequestLimits):

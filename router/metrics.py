@@ -21,10 +21,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.timeline import RequestTimeline
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                0.4, 0.5, 0.75, 1.0, 2.5)
+
+# Where each phase of engine/timeline.py runs: the ingress, the worker that computes the prompt, or decode.
+STAGE_POOLS = {"validation": "ingress", "tokenization": "ingress", "routing": "ingress", "queue": "prompt",
+               "prefill": "prompt", "transfer": "decode", "decode_admission": "decode", "decode": "decode"}
 
 
 class Metrics:
@@ -40,10 +46,14 @@ class Metrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", labels,
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", labels,
-                               buckets=LATENCY_BUCKETS, registry=r)
-        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "Prefill start to first token.",
-                                      labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled on the worker "
+                               "that computes the prompt.", labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "First scheduled to first token on "
+                                      "a prefill worker.", labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.stages = Histogram("tandem:request_stage_seconds", "Time requests spend in each stage (validation, "
+                                "tokenization, routing at the ingress; queue and prefill on the worker that "
+                                "computes the prompt; transfer, decode_admission and decode on the decode "
+                                "worker).", ["stage", "pool", "worker"], buckets=LATENCY_BUCKETS, registry=r)
         self.transfer_time = Histogram("tandem:kv_transfer_seconds", "Time to pull one request's KV.", labels,
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.prefill_queue_wait = Histogram("tandem:prefill_queue_wait_seconds",
@@ -67,15 +77,20 @@ class Metrics:
                                     "worker while the pool could heal (a worker restarting or being replaced) "
                                     "and waited for one, on arrival or to migrate, by how the wait ended.",
                                     ["stage", "outcome"], registry=r)
+        self.audit_records = Counter("tandem:audit_records", "Audit records written.", registry=r)
+        self.audit_dropped = Counter("tandem:audit_records_dropped", "Audit records not written, by reason "
+                                     "(queue_full, write_failed, build_failed).", ["reason"], registry=r)
         self.workers = WorkerStatsCollector()
         self.scaling = ScalingCollector()
         self.shared = CollectorRegistry()
         self.shared.register(self.workers)
         self.shared.register(self.scaling)
 
-    def observe_finished(self, pool: str, worker: str, times: dict[str, float], token_times: list[float],
+    def observe_finished(self, pool: str, worker: str, timeline: RequestTimeline, token_times: list[float],
                          finish_reason: str | None) -> None:
-        """Request-level latencies from stage timestamps and the arrival time of each token."""
+        """Request-level latencies from the request's timeline and the arrival time of each token; `worker`
+        is the decode worker that streamed them."""
+        times = timeline.times
         arrival = times.get("arrival")
         if arrival is None or not token_times:
             return
@@ -83,12 +98,21 @@ class Metrics:
         self.e2e.labels(pool, worker).observe(token_times[-1] - arrival)
         for a, b in zip(token_times, token_times[1:]):
             self.itl.labels(pool, worker).observe(b - a)
-        if "prefill_queued" in times and "prefill_done" in times:
-            self.prefill_time.labels("prefill", worker).observe(times["prefill_done"] - times["prefill_queued"])
-        if "transfer_started" in times and "transfer_done" in times:
-            self.transfer_time.labels(pool, worker).observe(times["transfer_done"] - times["transfer_started"])
-        if "decode_admitted" in times:
-            self.queue.labels(pool, worker).observe(max(times["decode_admitted"] - arrival, 0.0))
+        # The prompt's queue is on the worker that computes it: the prefill worker, or decode when local.
+        remote = timeline.prefill_path == "remote" and timeline.prefill_worker is not None
+        prompt_pool, prompt_worker = ("prefill", timeline.prefill_worker) if remote else (pool, worker)
+        if "prefill_started" in times:
+            self.queue.labels(prompt_pool, prompt_worker).observe(max(times["prefill_started"] - arrival, 0.0))
+        phases = timeline.phase_seconds()
+        if "prefill" in phases:
+            self.prefill_time.labels(prompt_pool, prompt_worker).observe(phases["prefill"])
+        if "transfer" in phases:
+            self.transfer_time.labels(pool, worker).observe(phases["transfer"])
+        for stage, seconds in phases.items():
+            where = STAGE_POOLS[stage]
+            stage_pool, stage_worker = ("ingress", "ingress") if where == "ingress" else \
+                (prompt_pool, prompt_worker) if where == "prompt" else (pool, worker)
+            self.stages.labels(stage, stage_pool, stage_worker).observe(seconds)
         self.requests.labels(pool, worker, finish_reason or "unknown").inc()
 
     def observe_scaling(self, report) -> None:

@@ -141,6 +141,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "tandem"
     max_model_len: int
+    revision: str | None = None  # "sha256:..." of the weights (engine.model_loader.model_revision)
 
 
 class ModelList(BaseModel):
@@ -161,9 +162,15 @@ class Choice:
     num_prompt_tokens: int = 0
     num_cached_tokens: int | None = None
     error: str | None = None  # why it ended with finish_reason "error"
+    token_ids: list[int] = field(default_factory=list)
+    first_token_time: float | None = None  # epoch seconds, as the ingress received them
+    finish_time: float | None = None
 
     def add(self, delta: TokenDelta) -> None:
         self.text += delta.text
+        if delta.token_ids:
+            self.token_ids.extend(delta.token_ids)
+            self.first_token_time = self.first_token_time or time.time()
         self.num_tokens += len(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
@@ -171,6 +178,7 @@ class Choice:
             self.num_cached_tokens = delta.num_cached_tokens
         if delta.finished:
             self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
+            self.finish_time = time.time()
 
 
 def usage(choices: list[Choice], prompt_lengths: list[int]) -> Usage:

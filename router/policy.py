@@ -137,6 +137,8 @@ class PrefillDecision:
     remote: bool
     reason: str
     wait: bool = False
+    # On the path taken, when placed by cost: recorded in the request's timeline, not part of the decision.
+    predicted_ttft_s: float | None = field(default=None, compare=False)
 
 
 def decide_prefill(prompt_tokens: int, decode_cached_tokens: int, prefill: WorkerLoad | None,
@@ -207,20 +209,20 @@ def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefil
                                       config.stall_ratio)
     local += elapsed_s
     if not decode.num_running and local <= remote:
-        return PrefillDecision(False, "decode_idle")
+        return PrefillDecision(False, "decode_idle", predicted_ttft_s=local)
     one_step = decode.step_costs.decode_time(decode.num_running) + stall
     step_limit = decode.step_costs.step_limit(decode.num_running, config.itl_slo_s, config.stall_ratio)
     if decode.num_running and one_step <= step_limit and local <= remote:
-        return PrefillDecision(False, "stall_within_itl_slo")
+        return PrefillDecision(False, "stall_within_itl_slo", predicted_ttft_s=local)
     if prefill.num_waiting >= config.max_prefill_queue_size:
         if remote <= config.ttft_slo_s:
-            return PrefillDecision(True, "prefill_queue_full", wait=True)
-        return PrefillDecision(False, "prefill_queue_full")
+            return PrefillDecision(True, "prefill_queue_full", wait=True, predicted_ttft_s=remote)
+        return PrefillDecision(False, "prefill_queue_full", predicted_ttft_s=local)
     if remote <= config.ttft_slo_s:
-        return PrefillDecision(True, "remote_within_ttft_slo")
+        return PrefillDecision(True, "remote_within_ttft_slo", predicted_ttft_s=remote)
     if local <= config.ttft_slo_s:
-        return PrefillDecision(False, "remote_misses_ttft_slo")
-    return PrefillDecision(True, "ttft_slo_missed_either_way")
+        return PrefillDecision(False, "remote_misses_ttft_slo", predicted_ttft_s=local)
+    return PrefillDecision(True, "ttft_slo_missed_either_way", predicted_ttft_s=remote)
 
 
 class NoDecodeWorker(RuntimeError):
@@ -235,6 +237,7 @@ class RouteDecision:
     prefill: Placement | None
     reason: str
     wait: bool = False
+    predicted_ttft_s: float | None = None
 
 
 class Router:
@@ -266,7 +269,8 @@ class Router:
             decision = decide_prefill_by_cost(prompt_tokens, decode.cached_tokens,
                                               prefill.cached_tokens if prefill else 0, _load_of(decode, decode_loads),
                                               prefill_load, self.disagg, elapsed_s, self.block_size)
-        return RouteDecision(decode, prefill if decision.remote else None, decision.reason, decision.wait)
+        return RouteDecision(decode, prefill if decision.remote else None, decision.reason, decision.wait,
+                             decision.predicted_ttft_s)
 
 
 def _load_of(placement: Placement, loads: Sequence[WorkerLoad]) -> WorkerLoad:

@@ -31,6 +31,7 @@ from engine import hashing
 from engine.protocol import GenerateRequest, TokenDelta
 from engine.sampling_params import candidate_id, candidate_seed
 from engine.serving import WorkerDraining
+from engine.timeline import RequestTimeline
 from router.dispatch import run_request
 from router.streams import merge_streams
 from router.latency_report import LatencyReporter
@@ -69,6 +70,7 @@ class RequestRouter:
         streamed: list[list[int]] = [[] for _ in range(request.num_outputs)]  # what the client has, per candidate
         done: set[int] = set()  # candidates finished
         attempts = migrations = 0
+        times = request.times
         failure: tuple[str, Exception] | None = None  # the worker and error that ended the last placement
         while attempts < self.max_attempts:
             try:
@@ -88,13 +90,18 @@ class RequestRouter:
                         if delta.token_ids:
                             # A coalesced delta's tokens arrive together: one stamp each, so ITL is
                             # still counted per token and averages to TPOT.
-                            token_times[delta.index].extend([time.time()] * len(delta.token_ids))
+                            now = time.time()
+                            token_times[delta.index].extend([now] * len(delta.token_ids))
                             streamed[delta.index].extend(delta.token_ids)
+                            times.setdefault("first_token", now)
+                            times["last_token"] = now
                         # Each worker stamps its own copy of the request; gather the stages here.
-                        request.times.update(delta.times)
+                        request.timeline.merge(delta.timeline)
                         if delta.finished:
                             done.add(delta.index)
-                            self._observe(decode, request.times, token_times[delta.index], delta.finish_reason)
+                            if len(done) == request.num_outputs:
+                                request.stamp("finished")
+                            self._observe(decode, request.timeline, token_times[delta.index], delta.finish_reason)
                         yield delta
                 return
             except (WorkerDraining, ray.exceptions.RayActorError) as exc:
@@ -131,9 +138,9 @@ class RequestRouter:
             finally:
                 self.view.end(decision, request.request_id)
                 if not migrating:  # the client went away mid-stream
-                    for i, times in enumerate(token_times):
-                        if times and i not in done:
-                            self._observe(decode, request.times, times, "abort")
+                    for i, stamps in enumerate(token_times):
+                        if stamps and i not in done:
+                            self._observe(decode, request.timeline, stamps, "abort")
         else:
             self.metrics.rejected.labels("no_decode_worker").inc()
             raise NoDecodeWorker(f"no worker could take the request in {self.max_attempts} attempts")
@@ -151,7 +158,7 @@ class RequestRouter:
             self.metrics.migrations.labels(failed).inc()
             alone = GenerateRequest(candidate_id(request.request_id, i), request.prompt_token_ids,
                                     replace(params, n=1, seed=candidate_seed(params.seed, i)), request.cache_salt,
-                                    dict(request.times))
+                                    request.timeline.copy(), placements=request.placements)
             streams.append(self.stream(alone, self._resume(alone, block_hashes, streamed[i])))
         logger.warning("migrating %d candidates of %s from %s, each alone", len(indexes), request.request_id, failed)
         async with aclosing(merge_streams(streams)) as merged:
@@ -170,7 +177,7 @@ class RequestRouter:
                  why: str) -> TokenDelta:
         """The last delta of a stream that cannot go on: finish_reason "error", naming the failed worker and
         why the request could not move on."""
-        self._observe(worker, request.times, token_times, "error")
+        self._observe(worker, request.timeline, token_times, "error")
         error = f"worker {worker} failed mid-stream ({type(exc).__name__}) and the request cannot move on: {why}"
         logger.warning("%s: %s", request.request_id, error)
         return TokenDelta(request.request_id, [], "", finished=True, finish_reason="error", error=error)
@@ -204,13 +211,31 @@ class RequestRouter:
             self.metrics.prefill_queue_wait.labels("remote" if decision.prefill else "local").observe(
                 time.monotonic() - waited_since)
         request.stamp("routed")
+        request.placements.append({"prefill": decision.prefill.worker_id if decision.prefill else None,
+                                   "decode": decision.decode.worker_id})
+        _record(request.timeline, decision, self.view.block_size)
         self.view.begin(decision, request.request_id, request.num_context_tokens)
         return decision
 
-    def _observe(self, worker: str, times: dict, token_times: list[float], finish_reason: str | None) -> None:
-        self.metrics.observe_finished("decode", worker, times, token_times, finish_reason)
-        self.latencies.add(times.get("arrival"), token_times)
+    def _observe(self, worker: str, timeline: RequestTimeline, token_times: list[float],
+                 finish_reason: str | None) -> None:
+        self.metrics.observe_finished("decode", worker, timeline, token_times, finish_reason)
+        self.latencies.add(timeline.times.get("arrival"), token_times)
 
+
+def _record(timeline: RequestTimeline, decision: RouteDecision, block_size: int) -> None:
+    """The routing decision, in the request's timeline."""
+    timeline.decode_worker = decision.decode.worker_id
+    timeline.decode_overlap_blocks = decision.decode.cached_tokens // block_size
+    if decision.prefill is not None:
+        timeline.prefill_worker = decision.prefill.worker_id
+        timeline.prefill_overlap_blocks = decision.prefill.cached_tokens // block_size
+        timeline.prefill_path = "remote"
+    else:
+        timeline.prefill_worker, timeline.prefill_overlap_blocks = None, 0
+        timeline.prefill_path = "local"
+    timeline.routing_reason = decision.reason
+    timeline.predicted_ttft_s = decision.predicted_ttft_s
 
 
 class _DecodeWait:

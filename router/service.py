@@ -8,8 +8,10 @@ work, and that work runs off the event loop, so a huge prompt holds up neither o
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -21,7 +23,10 @@ from engine.hashing import block_hashes
 from engine.protocol import GenerateRequest, TokenDelta
 from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
 from engine.structured import validate_structured
+from engine.timeline import RequestTimeline
+from engine.tracing import end_request_span
 from router.admission import Admission, Ticket
+from router.audit import Audit, AuditConfig, AuditEntry, AuditRecorder, chat_options
 from router.auth import Authenticator, cache_salt
 from router.chat_output import ChatParsing
 from router.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, error_event, parse_body,
@@ -31,6 +36,7 @@ from router.openai_responses import (ChatFormatter, Choice, CompletionFormatter,
 from router.policy import NoDecodeWorker
 from router.request_limits import RequestLimits, TokenizerPool
 from router.request_router import RequestRouter
+from router.request_trace import Trace, TraceStore, timeline_body
 from router.streams import cancel, merge_streams
 
 logger = logging.getLogger(__name__)
@@ -44,13 +50,14 @@ class ModelInfo:
     max_model_len: int
     created: int
     aliases: tuple[str, ...] = ()  # further names requests may use (`--served-model-name a b`)
+    revision: str | None = None  # the weights' digest (engine.model_loader.model_revision)
 
     @property
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
 
     def card(self, name: str) -> ModelCard:
-        return ModelCard(id=name, created=self.created, max_model_len=self.max_model_len)
+        return ModelCard(id=name, created=self.created, max_model_len=self.max_model_len, revision=self.revision)
 
 
 @dataclass(slots=True)
@@ -67,7 +74,8 @@ class OpenAIService:
 
     def __init__(self, model: ModelInfo, tokenizer, auth: Authenticator, admission: Admission,
                  requests: RequestRouter, block_size: int, limits: RequestLimits | None = None,
-                 parsing: ChatParsing | None = None):
+                 parsing: ChatParsing | None = None, traces: TraceStore | None = None,
+                 audit: Audit | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.auth = auth
@@ -77,6 +85,8 @@ class OpenAIService:
         self.limits = limits or RequestLimits()
         self.tokenizers = TokenizerPool(self.limits.tokenizer_threads)
         self.parsing = parsing or ChatParsing(tokenizer, None, "hermes")
+        self.traces = traces or TraceStore()
+        self.audit = audit or Audit(AuditConfig(), model.name, model.revision, None)
 
     def models(self, authorization: str | None) -> ModelList:
         self.auth.tenant(authorization)
@@ -88,7 +98,8 @@ class OpenAIService:
         self.check_model(model)
         return self.model.card(model)
 
-    async def completions(self, body: bytes, authorization: str | None) -> Response:
+    async def completions(self, body: bytes, authorization: str | None, trace: Trace | None = None) -> Response:
+        trace = trace or Trace(RequestTimeline(uuid.uuid4().hex))
         tenant = self.auth.tenant(authorization)
         req = parse_body(CompletionRequest, body)
         self.check_model(req.model)
@@ -98,9 +109,13 @@ class OpenAIService:
             return [self.prompt_ids(p, req.add_special_tokens) for p in prompts]
 
         fmt = CompletionFormatter(self.model.name, self.tokenizer)
-        return await self._generate(req, len(prompts), tokenize, "prompt", req.max_tokens, tenant, fmt)
+        audit = self.audit.entry(trace.request_id, fmt.id, tenant, "completions", req, prompts, {
+            "add_special_tokens": req.add_special_tokens, "truncate_prompt_tokens": req.truncate_prompt_tokens})
+        return await self._generate(req, len(prompts), tokenize, "prompt", req.max_tokens, tenant, fmt, trace,
+                                    audit=audit)
 
-    async def chat(self, body: bytes, authorization: str | None) -> Response:
+    async def chat(self, body: bytes, authorization: str | None, trace: Trace | None = None) -> Response:
+        trace = trace or Trace(RequestTimeline(uuid.uuid4().hex))
         tenant = self.auth.tenant(authorization)
         req = parse_body(ChatCompletionRequest, body)
         self.check_model(req.model)
@@ -122,16 +137,23 @@ class OpenAIService:
             return [ids]
 
         fmt = ChatFormatter(self.model.name, self.tokenizer, lambda: self.parsing.output(tools, prompt_ids))
-        return await self._generate(req, 1, tokenize, "messages", req.requested_max_tokens, tenant, fmt, controls)
+        audit = self.audit.entry(trace.request_id, fmt.id, tenant, "chat.completions", req, [messages],
+                                 chat_options(req, tools))
+        return await self._generate(req, 1, tokenize, "messages", req.requested_max_tokens, tenant, fmt, trace,
+                                    controls, audit)
 
     # ---- shared pipeline --------------------------------------------------------------------------
 
     async def _generate(self, req, num_prompts: int, tokenize, prompt_field: str, max_tokens: int | None,
-                        tenant: str | None, fmt: Formatter, controls: dict | None = None) -> Response:
+                        tenant: str | None, fmt: Formatter, trace: Trace, controls: dict | None = None,
+                        audit: AuditEntry | None = None) -> Response:
         """`tokenize()` makes the prompts' token ids; it runs on the tokenizer pool once admitted. `controls`:
-        SamplingParams fields the endpoint sets beyond the request's own (None values are not set)."""
+        SamplingParams fields the endpoint sets beyond the request's own (None values are not set). Each
+        prompt's (or candidate's) GenerateRequest carries a copy of `trace.timeline`. `audit` gets the
+        request's record once it has run (or failed after being placed)."""
         self.limits.check_sampling(req)
         params = with_controls(req.sampling_params(max_tokens, self.model.vocab_size), controls or {})
+        trace.timeline.stamp("validated")
         if ignored := req.ignored_fields():
             logger.debug("%s: ignoring %s (nothing this server outputs depends on them)", fmt.id, ", ".join(ignored))
         if req.truncate_prompt_tokens is not None:
@@ -142,18 +164,28 @@ class OpenAIService:
         try:
             prompts, hashes = await self.tokenizers.run(self._prepare, tokenize, salt, max_tokens, prompt_field,
                                                         req.max_tokens_param, req.check_structured)
-            candidates = []
+            trace.timeline.stamp("tokenized")
+            candidates, seeds = [], []
             for p, ids in enumerate(prompts):
                 # Unseeded requests get a seed here: workers seed their generators alike, so letting each
                 # worker pick would give equal samples on different workers. Candidate i of n draws from
                 # candidate_seed(seed, i), on a prefill, a decode or a migration target alike.
-                seed = secrets.randbits(62) if params.seed is None else params.seed
-                candidates += _candidates(f"{fmt.id}-{p}", p, ids, replace(params, seed=seed), salt, hashes[p])
+                seeds.append(secrets.randbits(62) if params.seed is None else params.seed)
+                candidates += _candidates(f"{fmt.id}-{p}", p, ids, replace(params, seed=seeds[-1]), salt, hashes[p],
+                                          trace.timeline)
             logger.debug("%s: %d candidates for tenant %r user %r", fmt.id, len(candidates), tenant, req.user)
             prompt_lengths = [len(ids) for ids in prompts]
-            if req.stream:  # the stream releases the ticket when it ends
-                return await self._stream(candidates, prompt_lengths, req, fmt, ticket)
-            return JSONResponse((await self._complete(candidates, prompt_lengths, fmt)).model_dump())
+            record = AuditRecorder(audit, params, seeds, candidates, prompts)
+            if req.stream:  # the stream releases the ticket (and writes the record) when it ends
+                return await self._stream(candidates, prompt_lengths, req, fmt, ticket, trace, record)
+            try:
+                body = (await self._complete(candidates, prompt_lengths, fmt)).model_dump()
+            except BaseException as exc:
+                record(exc)
+                raise
+            self._finished(candidates, trace, body)
+            record()
+            return JSONResponse(body)
         except BaseException:
             ticket.release()
             raise
@@ -187,30 +219,45 @@ class OpenAIService:
             raise _failed(failed.error)
         return fmt.response(choices, usage(choices, prompt_lengths))
 
+    def _finished(self, candidates: list[Candidates], trace: Trace, body: dict | None = None) -> None:
+        """A request ended: its timelines go to the store, and into `body` when the client asked for them."""
+        if trace.stored:
+            return
+        trace.stored = True
+        timelines = [cand.request.timeline for cand in candidates]
+        self.traces.add(trace.request_id, timelines)
+        end_request_span(trace.span, timelines)
+        if trace.requested and body is not None:
+            body["tandem"] = timeline_body(trace.request_id, timelines)
+
     async def _stream(self, candidates: list[Candidates], prompt_lengths: list[int], req, fmt: Formatter,
-                      ticket: Ticket) -> Response:
+                      ticket: Ticket, trace: Trace, record: AuditRecorder) -> Response:
         streams = [self.requests.stream(cand.request, cand.block_hashes) for cand in candidates]
         # Wait for every first delta before answering, so a request no worker takes gets a real status code.
         first = [asyncio.ensure_future(anext(s)) for s in streams]
         try:
             firsts = await asyncio.gather(*first)
-        except BaseException:
+        except BaseException as exc:
             await cancel(first)
             await _close(streams)
+            record(exc)
             raise
-        events = self._events(candidates, streams, firsts, prompt_lengths, req, fmt)
+        events = self._events(candidates, streams, firsts, prompt_lengths, req, fmt, trace, record)
 
         async def close() -> None:
             await events.aclose()
             await _close(streams)
             ticket.release()
+            self._finished(candidates, trace)  # unless the stream's last chunk did
+            record()
 
         return EventStream(events, on_close=close)
 
     async def _events(self, candidates: list[Candidates], streams, firsts: list[TokenDelta], prompt_lengths: list[int],
-                      req, fmt: Formatter) -> AsyncIterator[str]:
+                      req, fmt: Formatter, trace: Trace, record: AuditRecorder) -> AsyncIterator[str]:
         """The stream's events; `req` says whether usage comes at the end and in every chunk. A candidate
-        that fails ends with finish_reason "error", followed by an error event carrying the message."""
+        that fails ends with finish_reason "error", followed by an error event carrying the message. With
+        the trace requested, a last chunk (the usage chunk, when asked for) carries the `tandem` field."""
         choices = [c for cand in candidates for c in cand.choices]
         try:
             for choice in choices:
@@ -227,9 +274,16 @@ class OpenAIService:
                         yield sse(chunk)
                     if delta.finish_reason == "error":
                         yield error_event(_failed(delta.error))
-            if req.include_usage:
+            if req.include_usage and not trace.requested:
                 yield sse(fmt.usage_chunk(usage(choices, prompt_lengths)))
+            elif trace.requested:
+                chunk = fmt.usage_chunk(usage(choices, prompt_lengths)).model_dump()
+                if not req.include_usage:
+                    chunk["usage"] = None
+                self._finished(candidates, trace, chunk)
+                yield sse(json.dumps(chunk))
         except Exception as exc:  # headers are out: the error goes into the stream
+            record.error = exc
             yield error_event(to_api_error(exc))
         yield "data: [DONE]\n\n"
 
@@ -263,17 +317,17 @@ class OpenAIService:
 
 
 def _candidates(request_id: str, prompt: int, ids: list[int], params: SamplingParams, salt: str | None,
-                hashes: list[int]) -> list[Candidates]:
+                hashes: list[int], timeline: RequestTimeline) -> list[Candidates]:
     """Prompt `prompt`'s n candidates: one request whose candidates fork on one worker, or, for outputs
     under a grammar or a reasoning budget (which forked candidates do not carry yet), n requests of one
     candidate each, seeded candidate_seed(seed, i) alike."""
     first = prompt * params.n
     if params.n == 1 or (params.structured is None and params.max_reasoning_tokens is None):
         return [Candidates([Choice(first + i, prompt) for i in range(params.n)],
-                           GenerateRequest(request_id, ids, params, salt), hashes)]
+                           GenerateRequest(request_id, ids, params, salt, timeline.copy()), hashes)]
     return [Candidates([Choice(first + i, prompt)], GenerateRequest(
-        candidate_id(request_id, i), ids, replace(params, n=1, seed=candidate_seed(params.seed, i)), salt), hashes)
-        for i in range(params.n)]
+        candidate_id(request_id, i), ids, replace(params, n=1, seed=candidate_seed(params.seed, i)), salt,
+        timeline.copy()), hashes) for i in range(params.n)]
 
 
 def with_controls(params: SamplingParams, controls: dict) -> SamplingParams:

@@ -1,8 +1,10 @@
 """Two tandem applications on one real Serve instance (loopback, ephemeral port), shared by the ingress
 tests: `main` (disaggregated; two tenants' keys and an admin key; one prefill and two decode workers) and
 `aux` (colocated; no keys; three decode workers; an admission bound of two sequences), and `pair`
-(colocated; one decode worker behind two ingress replicas; two model names and its own chat template). The last tests of
-test_routing_e2e drain and kill aux's workers, so the modules run in their default (file name) order."""
+(colocated; one decode worker behind two ingress replicas; two model names and its own chat template). main
+writes audit records (digests only) to a file; pair writes them with inputs logged, both replicas to one file.
+The last tests of test_routing_e2e drain and kill aux's workers, so the modules run in their default (file
+name) order."""
 from __future__ import annotations
 
 import socket
@@ -41,6 +43,10 @@ class App:
     def get(self, path: str) -> requests.Response:
         return requests.get(f"{self.base_url}{path}", timeout=30)
 
+    @property
+    def audit_path(self) -> str:
+        return self.config.audit.sink.removeprefix("file:")
+
     def ingress(self):
         """The app's ingress replica, for what only its own view knows (index, schedulable workers)."""
         from ray import serve
@@ -72,7 +78,7 @@ def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> boo
 
 
 @pytest.fixture(scope="package")
-def apps(ray_cluster, tiny_llama_dir):
+def apps(ray_cluster, tiny_llama_dir, tmp_path_factory):
     from ray import serve
     from ray.serve.api import RunTarget
 
@@ -80,8 +86,9 @@ def apps(ray_cluster, tiny_llama_dir):
     from cluster.app import build_app, shutdown_cluster
 
     engine = {"num_kv_blocks": 128, "max_num_batched_tokens": 256}
+    audit_dir = tmp_path_factory.mktemp("audit")
     main = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-main", api_keys=KEYS,
-                         admin_key=ADMIN_KEY,
+                         admin_key=ADMIN_KEY, audit={"sink": f"file:{audit_dir / 'main.jsonl'}"},
                          engine=engine, router={"max_local_prefill_length": 48, "decode_wait_s": 2},
                          prefill={"num_cpus": 0.5}, decode={"replicas": 2, "num_cpus": 0.5, "replace_dead": False})
     # Workers these tests kill stay dead (not replaced), so each test knows which workers there are; main's
@@ -93,7 +100,7 @@ def apps(ray_cluster, tiny_llama_dir):
     # pair also answers to a second model name and renders chats with its own template.
     pair = ClusterConfig(model=tiny_llama_dir, served_model_name=[MODEL, ALIAS], chat_template=CHAT_TEMPLATE,
                          name="ingress-pair", mode="colocated", engine=engine, decode={"num_cpus": 0.5},
-                         ingress_replicas=2)
+                         ingress_replicas=2, audit={"sink": f"file:{audit_dir / 'pair.jsonl'}", "log_inputs": True})
     configs = {"main": main, "aux": aux, "pair": pair}
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})

@@ -1,0 +1,103 @@
+"""Request ids and stage timelines at the ingress.
+
+Every request gets an id: the client's `X-Request-Id` when it sends a valid one (1 to 128 printable ASCII
+characters, no spaces), else one made here; it comes back in the `X-Request-Id` response header and is
+carried to every worker in the request's timeline (engine/timeline.py). A client that sends
+`X-Tandem-Trace: 1` gets the timelines in the response: a `tandem` field in the JSON body, or in the last
+chunk of a stream. The last `recent_requests` timelines stay in a `TraceStore` for `tandem trace`.
+"""
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.timeline import RequestTimeline
+from engine.tracing import end_request_span, start_request_span
+from router.openai_api import APIError
+
+REQUEST_ID_HEADER = "X-Request-Id"
+TRACE_HEADER = "X-Tandem-Trace"
+MAX_REQUEST_ID_LENGTH = 128
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(slots=True)
+class Trace:
+    """The ingress's side of one request's tracing: its timeline (from arrival on), whether the client asked
+    for it in the response, and whether it reached the store yet."""
+    timeline: RequestTimeline
+    requested: bool = False
+    stored: bool = False
+    span: object | None = None  # its OpenTelemetry span while tracing is on (engine/tracing.py)
+
+    @property
+    def request_id(self) -> str:
+        return self.timeline.request_id
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str]) -> Trace:
+        """At arrival: the request's id and trace flag from its headers (400 naming a bad header)."""
+        timeline = RequestTimeline(uuid.uuid4().hex)  # stamps the arrival before anything is checked
+        timeline.request_id = request_id_from(headers)
+        trace = cls(timeline, trace_requested(headers))
+        trace.span = start_request_span(timeline)
+        return trace
+
+    def failed(self, error: str) -> None:
+        """The request ended before it ran (refused, invalid, no worker): its span ends with the error."""
+        if not self.stored:
+            self.stored = True
+            end_request_span(self.span, [self.timeline], error)
+
+
+def request_id_from(headers: Mapping[str, str]) -> str:
+    """The client's X-Request-Id, checked; a new one when it sent none."""
+    given = headers.get(REQUEST_ID_HEADER)
+    if given is None:
+        return uuid.uuid4().hex
+    if not 0 < len(given) <= MAX_REQUEST_ID_LENGTH or not all("!" <= c <= "~" for c in given):
+        raise APIError.bad_request(f"the {REQUEST_ID_HEADER} header must be 1 to {MAX_REQUEST_ID_LENGTH} printable "
+                                   f"ASCII characters without spaces", REQUEST_ID_HEADER)
+    return given
+
+
+def trace_requested(headers: Mapping[str, str]) -> bool:
+    """Whether the client asked for the timeline in the response (`X-Tandem-Trace: 1`)."""
+    value = headers.get(TRACE_HEADER)
+    if value is None or value.strip().lower() in _FALSE:
+        return False
+    if value.strip().lower() in _TRUE:
+        return True
+    raise APIError.bad_request(f"the {TRACE_HEADER} header must be 1 or 0 (true or false)", TRACE_HEADER)
+
+
+def timeline_body(request_id: str, timelines: list[RequestTimeline]) -> dict:
+    """What `tandem trace` and the `tandem` response field show: one timeline per prompt (and per
+    candidate run alone) of the request."""
+    return {"request_id": request_id, "timelines": [t.to_dict() for t in timelines]}
+
+
+class TraceStore:
+    """The timelines of the last `capacity` finished requests, by request id (a client that reuses an id
+    finds its latest request)."""
+
+    def __init__(self, capacity: int = 1000):
+        self.capacity = capacity
+        self._requests: OrderedDict[str, list[RequestTimeline]] = OrderedDict()
+
+    def add(self, request_id: str, timelines: list[RequestTimeline]) -> None:
+        if self.capacity <= 0:
+            return
+        self._requests.pop(request_id, None)
+        self._requests[request_id] = timelines
+        while len(self._requests) > self.capacity:
+            self._requests.popitem(last=False)
+
+    def get(self, request_id: str) -> dict | None:
+        timelines = self._requests.get(request_id)
+        return None if timelines is None else timeline_body(request_id, timelines)
+
+    def __len__(self) -> int:
+        return len(self._requests)
