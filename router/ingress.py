@@ -93,10 +93,10 @@ class Ingress:
 
     `controller`: the cluster controller's actor handle (membership, latency reports, scaling report);
     `metrics_hub`: a `router.metrics.MetricsHub` actor shared by the replicas; `extra_routes`: makes the
-    routes mounted beside the API (the admin API)."""
+    routes mounted beside the API (the admin API), given `find_trace` (recent requests' timelines)."""
 
     async def __init__(self, config: IngressConfig, controller, metrics_hub,
-                       extra_routes: Callable[[], APIRouter] | None = None):
+                       extra_routes: Callable[..., APIRouter] | None = None):
         self.config = config
         self.controller = controller
         self.metrics_hub = metrics_hub
@@ -122,9 +122,11 @@ class Ingress:
                                      TraceStore(config.recent_requests))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = build_api(self.service, self.view, self.scrape, self.config.limits)
+        # Serve's proxy makes the request id when the client sends none (so the replica always sees one in
+        # X-Request-Id) and echoes it in the response itself.
+        app = build_api(self.service, self.view, self.scrape, self.config.limits, echo_request_id=False)
         if self.extra_routes is not None:
-            app.include_router(self.extra_routes())
+            app.include_router(self.extra_routes(find_trace=self.request_trace))
         return app
 
     async def scrape(self) -> bytes:
@@ -187,7 +189,7 @@ class Ingress:
 
 
 def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awaitable[bytes]],
-              limits: RequestLimits) -> FastAPI:
+              limits: RequestLimits, echo_request_id: bool = True) -> FastAPI:
     """The HTTP surface: the OpenAI API, /health and /metrics (`scrape` makes its body), and the API's own
     description. Every error, including unknown routes, has OpenAI's error shape; bodies beyond `limits` are
     refused unparsed."""
@@ -201,11 +203,11 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
 
     @app.post("/v1/completions", openapi_extra=request_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await _generation(request, service.completions, limits)
+        return await _generation(request, service.completions, limits, echo_request_id)
 
     @app.post("/v1/chat/completions", openapi_extra=request_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        return await _generation(request, service.chat, limits)
+        return await _generation(request, service.chat, limits, echo_request_id)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -249,9 +251,10 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
     return app
 
 
-async def _generation(request: Request, endpoint, limits: RequestLimits) -> Response:
+async def _generation(request: Request, endpoint, limits: RequestLimits, echo_request_id: bool) -> Response:
     """A generation endpoint: the request's id (the client's X-Request-Id or a new one) names it in the
-    log lines made for it and comes back in the response headers, on errors too."""
+    log lines made for it and comes back in the response headers, on errors too (`echo_request_id`: here,
+    unless a proxy in front does it)."""
     trace = None
     try:
         trace = Trace.from_headers(request.headers)
@@ -263,7 +266,7 @@ async def _generation(request: Request, endpoint, limits: RequestLimits) -> Resp
         if trace is not None:
             trace.failed(error.message)
         response = error_response(error)
-    if trace is not None:
+    if trace is not None and echo_request_id:
         response.headers[REQUEST_ID_HEADER] = trace.request_id
     return response
 

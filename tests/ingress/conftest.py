@@ -1,5 +1,6 @@
 """Two tandem applications on one real Serve instance (loopback, ephemeral port), shared by the ingress
-tests: `main` (disaggregated; two tenants' keys and an admin key; one prefill and two decode workers) and
+tests: `main` (disaggregated; two tenants' keys and an admin key; one prefill and two decode workers;
+OpenTelemetry spans exported to an in-process OTLP collector) and
 `aux` (colocated; no keys; three decode workers; an admission bound of two sequences), and `pair`
 (colocated; one decode worker behind two ingress replicas; two model names and its own chat template). The last tests of
 test_routing_e2e drain and kill aux's workers, so the modules run in their default (file name) order."""
@@ -72,7 +73,16 @@ def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> boo
 
 
 @pytest.fixture(scope="package")
-def apps(ray_cluster, tiny_llama_dir):
+def otlp_collector():
+    """Where main's ingress and workers export their spans."""
+    from tests.otlp_collector import OTLPCollector
+    collector = OTLPCollector().start()
+    yield collector
+    collector.stop()
+
+
+@pytest.fixture(scope="package")
+def apps(ray_cluster, tiny_llama_dir, otlp_collector):
     from ray import serve
     from ray.serve.api import RunTarget
 
@@ -83,7 +93,8 @@ def apps(ray_cluster, tiny_llama_dir):
     main = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-main", api_keys=KEYS,
                          admin_key=ADMIN_KEY,
                          engine=engine, router={"max_local_prefill_length": 48, "decode_wait_s": 2},
-                         prefill={"num_cpus": 0.5}, decode={"replicas": 2, "num_cpus": 0.5, "replace_dead": False})
+                         prefill={"num_cpus": 0.5}, decode={"replicas": 2, "num_cpus": 0.5, "replace_dead": False},
+                         tracing={"otlp_endpoint": otlp_collector.url})
     # Workers these tests kill stay dead (not replaced), so each test knows which workers there are; main's
     # last test kills its last decode worker, and a stream waits only 2 s for one to come back.
     aux = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-aux", mode="colocated",
