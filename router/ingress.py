@@ -37,7 +37,8 @@ from router.reasoning_parser import ReasoningOptions
 from router.request_limits import RequestLimits, read_body
 from router import tokenize_api
 from router.request_router import RequestRouter
-from router.request_trace import REQUEST_ID_HEADER, Trace, TraceStore
+from router.request_trace import REQUEST_ID_HEADER, Trace
+from router.trace_store import TraceStore, timeline_body
 from router.service import ModelInfo, OpenAIService, to_api_error
 from router.worker_view import WorkerView
 
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 # How often a replica publishes its own series to the metrics hub between scrapes.
 METRICS_PUBLISH_S = 5.0
+# How often a replica hands its newly finished requests' timelines to the hub (for `tandem trace`).
+TRACE_SHARE_S = 1.0
 OPENAPI_PATH = "/openapi.json"
 
 
@@ -110,7 +113,8 @@ class Ingress:
         self.view = WorkerView(controller, router, self.metrics, colocated=config.colocated)
         await self.view.start()
         latencies = LatencyReporter(controller)
-        self._tasks = [asyncio.create_task(latencies.run()), asyncio.create_task(self._publish_metrics())]
+        self._tasks = [asyncio.create_task(latencies.run()), asyncio.create_task(self._publish_metrics()),
+                       asyncio.create_task(self._share_traces())]
         self.service = OpenAIService(model, tokenizer, Authenticator(config.api_keys),
                                      Admission(config.max_queued_requests,
                                                self.metrics.rejected.labels("admission_full")),
@@ -174,8 +178,25 @@ class Ingress:
                             for w in self.view.workers}}
 
     async def request_trace(self, request_id: str) -> dict | None:
-        """The stage timelines of a recent request this replica served; None when it has none."""
-        return self.service.traces.get(request_id)
+        """The stage timelines of a recent request, served by this replica or (shared through the hub
+        within TRACE_SHARE_S) another; None when none has it."""
+        timelines = self.service.traces.get(request_id)
+        if timelines is not None:
+            return timeline_body(request_id, timelines)
+        try:
+            return await asyncio.wait_for(self.metrics_hub.find_trace.remote(request_id), timeout=5.0)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+            logger.warning("the metrics hub did not answer (%s): only this replica's requests are found", exc)
+            return None
+
+    async def _share_traces(self) -> None:
+        while True:
+            await asyncio.sleep(TRACE_SHARE_S)
+            if finished := self.service.traces.take_unshared():
+                try:
+                    await self.metrics_hub.add_traces.remote([timeline_body(rid, t) for rid, t in finished])
+                except ray.exceptions.RayError as exc:
+                    logger.warning("cannot share recent requests' timelines with the hub: %s", exc)
 
     async def __del__(self):
         for task in self._tasks:

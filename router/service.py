@@ -35,7 +35,8 @@ from router.openai_responses import (ChatFormatter, Choice, CompletionFormatter,
 from router.policy import NoDecodeWorker
 from router.request_limits import RequestLimits, TokenizerPool
 from router.request_router import RequestRouter
-from router.request_trace import Trace, TraceStore, timeline_body
+from router.request_trace import Trace
+from router.trace_store import TraceStore, timeline_body
 from router.streams import cancel, merge_streams
 
 logger = logging.getLogger(__name__)

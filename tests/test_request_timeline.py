@@ -7,7 +7,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from engine import tracing
 from engine.request_log import install_request_log_records, set_request_id
 from engine.timeline import RequestTimeline
-from router.request_trace import TraceStore
+from router.trace_store import TraceStore
 
 
 def test_log_records_made_for_a_request_carry_its_id(caplog):
@@ -25,9 +25,17 @@ def test_log_records_made_for_a_request_carry_its_id(caplog):
     with caplog.at_level(logging.WARNING, logger="tests.request_log"):
         asyncio.run(both())
         logger.warning("outside any request")
-    assert sorted((r.request_id, r.getMessage()) for r in caplog.records if r.request_id) == [
+    assert sorted((r.tandem_request_id, r.getMessage()) for r in caplog.records if r.tandem_request_id) == [
         ("req-a", "[req-a] working"), ("req-b", "[req-b] working")]
-    assert caplog.records[-1].request_id is None and caplog.records[-1].getMessage() == "outside any request"
+    assert caplog.records[-1].tandem_request_id is None and caplog.records[-1].getMessage() == "outside any request"
+
+
+def test_loggers_that_pass_their_own_request_id_still_log(caplog):
+    install_request_log_records()  # Ray Serve logs with extra={"request_id": ...}
+    set_request_id("req-c")
+    with caplog.at_level(logging.INFO, logger="tests.request_log"):
+        logging.getLogger("tests.request_log").info("served", extra={"request_id": "serve-id"})
+    assert caplog.records[-1].request_id == "serve-id" and caplog.records[-1].tandem_request_id == "req-c"
 
 
 def test_merging_a_workers_copy_adds_its_stages_and_transfer():
@@ -49,7 +57,7 @@ def test_the_store_keeps_only_the_most_recent_requests():
     for rid in ("a", "b", "c"):
         store.add(rid, [RequestTimeline(rid)])
     assert store.get("a") is None
-    assert store.get("c")["request_id"] == "c" and len(store) == 2
+    assert store.get("c")[0].request_id == "c" and len(store) == 2
 
 
 def test_with_tracing_off_no_span_is_made_and_no_context_travels():

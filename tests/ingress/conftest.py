@@ -104,7 +104,7 @@ def apps(ray_cluster, tiny_llama_dir, otlp_collector):
     # pair also answers to a second model name and renders chats with its own template.
     pair = ClusterConfig(model=tiny_llama_dir, served_model_name=[MODEL, ALIAS], chat_template=CHAT_TEMPLATE,
                          name="ingress-pair", mode="colocated", engine=engine, decode={"num_cpus": 0.5},
-                         ingress_replicas=2)
+                         ingress_replicas=2, admin_key=ADMIN_KEY)
     configs = {"main": main, "aux": aux, "pair": pair}
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})

@@ -125,6 +125,19 @@ def test_tandem_trace_prints_a_recent_requests_stage_timeline(main_app):
     assert "routed: remote" in text and "blocks" in text
 
 
+def test_the_trace_of_a_request_is_found_whichever_ingress_replica_served_it(pair_app):
+    ids = [f"pair-trace-{i}" for i in range(6)]
+    for rid in ids:
+        pair_app.client().completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_headers={"X-Request-Id": rid})
+
+    def found(rid: str) -> bool:
+        response = requests.get(f"{pair_app.base_url}/admin/requests/{rid}/trace", timeout=30,
+                                headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        return response.status_code == 200 and response.json()["request_id"] == rid
+
+    assert all(wait_for(lambda: found(rid), timeout_s=30) for rid in ids)
+
+
 def test_the_admin_trace_route_needs_the_admin_key_and_knows_unknown_ids(main_app):
     url = f"{main_app.base_url}/admin/requests/never-sent/trace"
     assert requests.get(url, headers={"Authorization": "Bearer key-a"}, timeout=30).status_code == 401
