@@ -2,19 +2,20 @@
 
     .venv/bin/python bench/tracing.py --rounds 3 --num-prompts 32 --random-input-len 128 --random-output-len 32
 
-Two tandem apps on one local Ray and Serve instance, alike but for tracing: `off` has no OTLP endpoint
-(no span is made), `on` exports every request's spans (ingress, prefill, decode) to an OTLP/HTTP
-collector in this process, and its requests also ask for the timeline in the response
-(X-Tandem-Trace: 1). After one warm-up run on each, each round runs bench/serve.py's workload against
-both, alternating which goes first (fresh prompts each time, so the prefix cache helps neither), and the result is the ratio of output-token throughput
-on/off per round and over all rounds. Stage timelines themselves are always kept (they feed the metrics).
+The same tandem app (one prefill and one decode worker, the default model) is started alike but for
+tracing: `off` has no OTLP endpoint (no span is made), `on` exports every request's spans (ingress,
+prefill, decode) to an OTLP/HTTP collector in this process, and its requests also ask for the timeline
+in the response (X-Tandem-Trace: 1). Each round starts each side in turn on a fresh local Ray (so both
+get the machine, and its cores, alike), which is used for a warm-up run and then bench/serve.py's
+measured workload, alternating which side goes first; every run has fresh prompts, so the prefix cache
+helps neither. The result is the ratio of output-token throughput on/off per round and over all rounds.
+Stage timelines themselves are always kept (they feed the metrics and `tandem trace`).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import sys
 import time
@@ -23,46 +24,30 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
-from ray.serve.api import RunTarget  # noqa: E402
-
+from bench.local_serve import serve_app  # noqa: E402
 from bench.serve import build_parser as serve_parser, load_token_space, run_one  # noqa: E402
 from bench.serve_client import Target  # noqa: E402
-from cluster.app import build_app, shutdown_cluster  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from tests.otlp_collector import OTLPCollector  # noqa: E402
 
 
-def configs(collector_url: str, model: str | None) -> dict[str, ClusterConfig]:
-    common = dict(model=model, prefill={"replicas": 1}, decode={"replicas": 1})
-    return {"off": ClusterConfig(name="bench-trace-off", **common),
-            "on": ClusterConfig(name="bench-trace-on", tracing={"otlp_endpoint": collector_url}, **common)}
+def config(side: str, collector_url: str, model: str | None) -> ClusterConfig:
+    tracing = {"otlp_endpoint": collector_url} if side == "on" else {}
+    return ClusterConfig(model=model, name=f"bench-trace-{side}", tracing=tracing, prefill={"replicas": 1},
+                         decode={"replicas": 1})
 
 
-async def rounds(args, urls: dict[str, str]) -> list[dict]:
+async def measure(args, side: str, base_url: str, seed: int) -> dict:
+    """A warm-up run, then the measured one; the measured run's summary."""
     serve_args = serve_parser().parse_args([
         "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.random_input_len),
         "--random-output-len", str(args.random_output_len), "--max-concurrency", str(args.max_concurrency),
         "--disable-tqdm", "--metrics-settle-s", "0"])
     space = load_token_space(args.model)
-    model = ClusterConfig(model=args.model).model_name
-    targets = {name: Target(urls[name], model, extra_headers={"X-Tandem-Trace": "1"} if name == "on" else {})
-               for name in ("off", "on")}
-    for i, target in enumerate(targets.values()):  # warm-up, not measured
-        await run_one(serve_args, target, space, float("inf"), args.seed - 1 - i, {})
-    out = []
-    for r in range(args.rounds):
-        row = {"round": r}
-        # Alternate which goes first, so a drift of the shared machine's load does not favour one side.
-        for i, name in enumerate(("off", "on") if r % 2 == 0 else ("on", "off")):
-            run = await run_one(serve_args, targets[name], space, float("inf"), args.seed + 2 * r + i, {})
-            row[name] = run["summary"]
-        row["ratio"] = row["on"]["output_throughput"] / row["off"]["output_throughput"]
-        print(f"round {r}: off {row['off']['output_throughput']:.1f} tok/s, on {row['on']['output_throughput']:.1f} "
-              f"tok/s, on/off {row['ratio']:.3f}", flush=True)
-        out.append(row)
-    return out
+    target = Target(base_url, ClusterConfig(model=args.model).model_name,
+                    extra_headers={"X-Tandem-Trace": "1"} if side == "on" else {})
+    await run_one(serve_args, target, space, float("inf"), seed + 10_000, {})
+    return (await run_one(serve_args, target, space, float("inf"), seed, {}))["summary"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,20 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/tracing.json")
     args = p.parse_args(argv)
     collector = OTLPCollector().start()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    apps = configs(collector.url, args.model)
+    results = []
     try:
-        serve.run_many([RunTarget(build_app(c), name=n, route_prefix=f"/{n}") for n, c in apps.items()])
-        results = asyncio.run(rounds(args, {n: f"http://127.0.0.1:{port}/{n}" for n in apps}))
+        for r in range(args.rounds):
+            row = {"round": r}
+            # Alternate which goes first, so a drift of the shared machine's load favours neither side.
+            for i, side in enumerate(("off", "on") if r % 2 == 0 else ("on", "off")):
+                with serve_app(config(side, collector.url, args.model)) as base_url:
+                    row[side] = asyncio.run(measure(args, side, base_url, args.seed + 2 * r + i))
+            row["ratio"] = row["on"]["output_throughput"] / row["off"]["output_throughput"]
+            print(f"round {r}: off {row['off']['output_throughput']:.1f} tok/s, on "
+                  f"{row['on']['output_throughput']:.1f} tok/s, on/off {row['ratio']:.3f}", flush=True)
+            results.append(row)
     finally:
-        serve.shutdown()
-        for c in apps.values():
-            shutdown_cluster(c.name)
-        ray.shutdown()
         collector.stop()
     ratios = [r["ratio"] for r in results]
     summary = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "rounds": results,

@@ -39,7 +39,7 @@ class Trace:
     @classmethod
     def from_headers(cls, headers: Mapping[str, str]) -> Trace:
         """At arrival: the request's id and trace flag from its headers (400 naming a bad header)."""
-        timeline = RequestTimeline(uuid.uuid4().hex)  # stamps the arrival before anything is checked
+        timeline = RequestTimeline("")  # stamps the arrival before anything is checked
         timeline.request_id = request_id_from(headers)
         trace = cls(timeline, trace_requested(headers))
         trace.span = start_request_span(timeline)

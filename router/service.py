@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import secrets
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -96,7 +95,7 @@ class OpenAIService:
         return self.model.card(model)
 
     async def completions(self, body: bytes, authorization: str | None, trace: Trace | None = None) -> Response:
-        trace = trace or Trace(RequestTimeline(uuid.uuid4().hex))
+        trace = trace or Trace.from_headers({})
         tenant = self.auth.tenant(authorization)
         req = parse_body(CompletionRequest, body)
         self.check_model(req.model)
@@ -109,7 +108,7 @@ class OpenAIService:
         return await self._generate(req, len(prompts), tokenize, "prompt", req.max_tokens, tenant, fmt, trace)
 
     async def chat(self, body: bytes, authorization: str | None, trace: Trace | None = None) -> Response:
-        trace = trace or Trace(RequestTimeline(uuid.uuid4().hex))
+        trace = trace or Trace.from_headers({})
         tenant = self.auth.tenant(authorization)
         req = parse_body(ChatCompletionRequest, body)
         self.check_model(req.model)
