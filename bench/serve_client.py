@@ -27,9 +27,11 @@ class Target:
     api_key: str | None = None
     timeout_s: float = 600.0
     extra_body: dict = field(default_factory=dict)
+    extra_headers: dict = field(default_factory=dict)
 
     def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return {**auth, **self.extra_headers}
 
 
 def request_body(target: Target, turn, messages: list[dict] | None) -> dict:

@@ -4,6 +4,7 @@
     POST /admin/scale  {"pool": "decode", "replicas": 2}   or   {"prefill": 1, "decode": 2}
     POST /admin/drain  {"worker_id": "decode-1"}
     GET  /admin/events?since=<unix time>        scaling decisions and worker changes
+    GET  /admin/requests/{request_id}/trace     a recent request's stage timelines (`tandem trace`)
 
 Calls are synchronous: scale returns once new workers are ready and registered with the router and
 drained workers have finished their requests and left; drain returns once the worker is gone.
@@ -13,7 +14,7 @@ JSON bodies: 400 bad body (naming the field), 401 wrong or missing key, 403 admi
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Literal
 
@@ -26,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.auth import bearer_token, token_matches
 from engine.errors import first_field_error
+from router.request_trace import MAX_REQUEST_ID_LENGTH
 
 
 class AdminError(Exception):
@@ -104,9 +106,11 @@ def _admin_route_class(admin_key: str | None) -> type[APIRoute]:
     return AdminRoute
 
 
-def build_admin_router(get_controller: Callable[[], object], admin_key: str | None) -> APIRouter:
+def build_admin_router(get_controller: Callable[[], object], admin_key: str | None,
+                       find_trace: Callable[[str], Awaitable[dict | None]] | None = None) -> APIRouter:
     """The /admin routes. `get_controller` returns the controller actor handle (looked up per call, so a
-    restarted controller is found again); without an `admin_key` every route answers 403."""
+    restarted controller is found again); without an `admin_key` every route answers 403. `find_trace`
+    looks up a recent request's stage timelines (the ingress's TraceStore)."""
 
     router = APIRouter(prefix="/admin", route_class=_admin_route_class(admin_key), tags=["admin"])
 
@@ -141,5 +145,16 @@ def build_admin_router(get_controller: Callable[[], object], admin_key: str | No
     @router.get("/events")
     async def events(since: float = 0.0) -> dict:
         return {"events": [asdict(e) for e in await call("scaling_events", since)]}
+
+    @router.get("/requests/{request_id:path}/trace")
+    async def request_trace(request_id: str) -> dict:
+        if not 0 < len(request_id) <= MAX_REQUEST_ID_LENGTH or not request_id.isascii() or not request_id.isprintable():
+            raise AdminError(400, f"a request id is 1 to {MAX_REQUEST_ID_LENGTH} printable ASCII characters",
+                             "request_id")
+        found = await find_trace(request_id) if find_trace is not None else None
+        if found is None:
+            raise AdminError(404, f"no recent request {request_id!r} on this server: it keeps the last "
+                                  f"tracing.recent_requests finished requests")
+        return found
 
     return router

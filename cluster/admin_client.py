@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 
 
@@ -27,6 +28,9 @@ class AdminClient:
 
     def drain(self, worker_id: str) -> dict:
         return self.call("POST", "/admin/drain", {"worker_id": worker_id})
+
+    def trace(self, request_id: str) -> dict:
+        return self.call("GET", f"/admin/requests/{urllib.parse.quote(request_id, safe='')}/trace")
 
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
         headers = {"Content-Type": "application/json"}

@@ -49,7 +49,8 @@ def build_app(args: ClusterConfig) -> Application:
     controller = start_or_adopt_controller(config)
     _apply_autoscaler(config)
     hub = ray.remote(MetricsHub).options(name=f"{config.name}-metrics", namespace=config.namespace,
-                                         get_if_exists=True, lifetime="detached", num_cpus=0, **ON_HEAD).remote()
+                                         get_if_exists=True, lifetime="detached", num_cpus=0, **ON_HEAD).remote(
+        recent_requests=config.tracing.recent_requests)
     admin = functools.partial(build_admin_router, functools.partial(get_controller, config.name, config.namespace),
                               config.admin_key)
     # Serve's own limits sit above the ingress's admission bound, so overload is answered with the

@@ -7,9 +7,10 @@
     tandem scale [--prefill N] [--decode M]
     tandem drain WORKER
     tandem replay RECORDS [--request-id ID] [--prompt-file F | --messages-file F] [--url URL | --model DIR]
+    tandem trace REQUEST_ID [--json]
 
 `serve` runs the cluster in the foreground until Ctrl-C, SIGINT, SIGTERM or SIGHUP (a second one, or a stop over
-30 s, ends it at once); a local Ray instance it started never outlives it, even after kill -9. `status`, `scale` and `drain` talk
+30 s, ends it at once); a local Ray instance it started never outlives it, even after kill -9. `status`, `scale`, `drain` and `trace` talk
 to a running server's admin API (--url, default http://127.0.0.1:8000) with its admin key (--admin-key
 or TANDEM_ADMIN_KEY). Every failure prints what to do next, never a traceback.
 """
@@ -24,6 +25,7 @@ import sys
 from urllib.parse import urlparse
 
 from cluster.admin_client import AdminClient, CLIError
+from cluster.trace_view import format_trace
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 WORKER_ID = re.compile(r"^(prefill|decode)-\d+$")
@@ -106,6 +108,12 @@ def scale_command(args, parser) -> int:
 def drain_command(args, parser) -> int:
     result = _client(args).drain(args.worker)
     print(f"{result['worker_id']} drained: its requests finished and it left the {result['pool']} pool")
+    return 0
+
+
+def trace_command(args, parser) -> int:
+    trace = _client(args).trace(args.request_id)
+    print(json.dumps(trace, indent=2) if args.json else format_trace(trace))
     return 0
 
 
@@ -228,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     admin_command("drain", "stop routing to a worker, let its requests finish, then remove it",
                   drain_command).add_argument("worker", type=_worker_id, metavar="WORKER",
                                               help="worker id, e.g. decode-1 (see `tandem status`)")
+    trace = admin_command("trace", "show where a recent request's time went, stage by stage", trace_command)
+    trace.add_argument("request_id", type=_request_id, metavar="REQUEST_ID",
+                       help="its id: the X-Request-Id the client sent or the response header carried")
+    trace.add_argument("--json", action="store_true", help="print the raw JSON")
     add_replay_command(commands)
     return parser
 
@@ -264,6 +276,12 @@ def add_replay_command(commands) -> None:
     replay.add_argument("--ignore-revision", action="store_true",
                         help="run even when the model revision differs from the record's (then a warning)")
     replay.set_defaults(command=replay_command)
+
+
+def _request_id(text: str) -> str:
+    if not 0 < len(text) <= 128 or not all("!" <= c <= "~" for c in text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a request id: 1 to 128 printable ASCII characters")
+    return text
 
 
 def _count(text: str) -> int:

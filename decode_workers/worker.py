@@ -82,8 +82,9 @@ class DecodeWorker(EngineServer):
                 yield self.to_delta(out, request)
             timeline = request.timeline
             emit_spans(timeline, ("queue", "decode") if local else ("transfer", "decode_admission", "decode"),
-                       {"tandem.worker": self.worker_id, "tandem.blocks_pulled": timeline.blocks_pulled,
-                        "tandem.blocks_skipped": timeline.blocks_skipped, "tandem.bytes_pulled": timeline.bytes_pulled})
+                       {"decode": {"tandem.worker": self.worker_id},
+                        "transfer": {"tandem.blocks_pulled": timeline.blocks_pulled, "tandem.bytes_pulled":
+                                     timeline.bytes_pulled, "tandem.blocks_skipped": timeline.blocks_skipped}})
         finally:
             self.in_flight.discard(request.request_id)
 

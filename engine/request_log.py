@@ -1,6 +1,6 @@
 """Log lines about a request name it: the request id (the client's X-Request-Id, or the ingress's) is set
 in a context variable where a request's work starts (the ingress route, a worker's prefill or generate
-call), and every log record made in that context carries it as `record.request_id` and leads its message
+call), and every log record made in that context carries it as `record.tandem_request_id` (not `request_id`: Ray Serve logs its own under that name) and leads its message
 with `[request_id]`, whatever handlers and formatters the process (Ray's, Serve's) installed."""
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def install_request_log_records() -> None:
 
     def record(*args, **kwargs) -> logging.LogRecord:
         out = factory(*args, **kwargs)
-        out.request_id = REQUEST_ID.get()
-        if out.request_id is not None:
-            out.msg = f"[{out.request_id}] {out.msg}"
+        out.tandem_request_id = REQUEST_ID.get()
+        if out.tandem_request_id is not None:
+            out.msg = f"[{out.tandem_request_id}] {out.msg}"
         return out
 
     record.tandem_request_ids = True

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 # How the pools hand the endpoint to their workers (runtime_env env_vars); "" means tracing is off.
 OTLP_ENV, SERVICE_ENV = "TANDEM_OTLP_ENDPOINT", "TANDEM_OTEL_SERVICE_NAME"
 EXPORT_DELAY_MS = 1000  # a batch of spans leaves at least this often
+MAX_QUEUED_SPANS = 16384  # beyond this, between exports, the SDK drops spans (and logs that it does)
 
 _tracer = None
 _provider = None
@@ -49,7 +50,8 @@ def configure_tracing(endpoint: str | None, service_name: str = "tandem", role: 
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         otlp = OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces")
-        provider.add_span_processor(BatchSpanProcessor(otlp, schedule_delay_millis=EXPORT_DELAY_MS))
+        provider.add_span_processor(BatchSpanProcessor(otlp, schedule_delay_millis=EXPORT_DELAY_MS,
+                                                       max_queue_size=MAX_QUEUED_SPANS))
     _provider, _tracer = provider, provider.get_tracer("tandem")
     logger.info("tracing %s spans to %s", role, endpoint or type(exporter).__name__)
 
@@ -61,6 +63,12 @@ def configure_worker_tracing(role: str) -> None:
 
 def enabled() -> bool:
     return _tracer is not None
+
+
+def flush() -> None:
+    """Export the spans made so far now (benchmarks, tests)."""
+    if _provider is not None:
+        _provider.force_flush()
 
 
 def start_request_span(timeline: RequestTimeline):
@@ -83,11 +91,11 @@ def end_request_span(span, timelines: list[RequestTimeline], error: str | None =
     if span is None:
         return
     for timeline in timelines:
-        emit_spans(timeline, ("validation", "tokenization", "routing"), {
+        emit_spans(timeline, ("validation", "tokenization", "routing"), {"routing": {
             "tandem.prefill_worker": timeline.prefill_worker or "", "tandem.decode_worker": timeline.decode_worker or "",
             "tandem.prefill_path": timeline.prefill_path or "", "tandem.routing_reason": timeline.routing_reason or "",
             "tandem.prefill_overlap_blocks": timeline.prefill_overlap_blocks,
-            "tandem.decode_overlap_blocks": timeline.decode_overlap_blocks})
+            "tandem.decode_overlap_blocks": timeline.decode_overlap_blocks}})
     if error is not None:
         from opentelemetry.trace import Status, StatusCode
         span.set_status(Status(StatusCode.ERROR, error))
@@ -95,19 +103,21 @@ def end_request_span(span, timelines: list[RequestTimeline], error: str | None =
     span.end(end_time=_ns(end) if end else None)
 
 
-def emit_spans(timeline: RequestTimeline, phases: tuple[str, ...], attributes: dict | None = None) -> None:
+def emit_spans(timeline: RequestTimeline, phases: tuple[str, ...], attributes: dict[str, dict] | None = None) -> None:
     """Spans of the named phases (engine/timeline.py PHASES) the request passed, children of its ingress
-    span; nothing when tracing is off here or the request carries no trace context."""
+    span, with `attributes[phase]` on each (beside the request id); nothing when tracing is off here or the
+    request carries no trace context."""
     if _tracer is None or not timeline.traceparent:
         return
     from engine.timeline import PHASES
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
     parent = TraceContextTextMapPropagator().extract({"traceparent": timeline.traceparent})
-    attributes = {"tandem.request_id": timeline.request_id, **(attributes or {})}
+    attributes = attributes or {}
     times = timeline.times
     for name, start, end in PHASES:
         if name in phases and start in times and end in times:
-            span = _tracer.start_span(name, context=parent, start_time=_ns(times[start]), attributes=attributes)
+            span = _tracer.start_span(name, context=parent, start_time=_ns(times[start]),
+                                      attributes={"tandem.request_id": timeline.request_id, **attributes.get(name, {})})
             span.end(end_time=_ns(max(times[end], times[start])))
 
 

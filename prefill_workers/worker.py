@@ -168,7 +168,7 @@ class PrefillWorker(EngineServer):
             raise
         self.loop.submit(self.awaiting_lease.pop, rid, None)
         request.stamp("prefill_done")
-        emit_spans(request.timeline, ("queue", "prefill"), {"tandem.worker": self.worker_id})
+        emit_spans(request.timeline, ("queue", "prefill"), {"prefill": {"tandem.worker": self.worker_id}})
         handle = leased.result() if leased is not None and leased.done() else None
         params = last.kv_transfer_params
         if params is None and handle is not None:

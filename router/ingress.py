@@ -39,7 +39,8 @@ from router.reasoning_parser import ReasoningOptions
 from router.request_limits import RequestLimits, read_body
 from router import tokenize_api
 from router.request_router import RequestRouter
-from router.request_trace import REQUEST_ID_HEADER, Trace, TraceStore
+from router.request_trace import REQUEST_ID_HEADER, Trace
+from router.trace_store import TraceStore, timeline_body
 from router.service import ModelInfo, OpenAIService, to_api_error
 from router.worker_view import WorkerView
 
@@ -47,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # How often a replica publishes its own series to the metrics hub between scrapes.
 METRICS_PUBLISH_S = 5.0
+# How often a replica hands its newly finished requests' timelines to the hub (for `tandem trace`).
+TRACE_SHARE_S = 1.0
 OPENAPI_PATH = "/openapi.json"
 
 
@@ -99,10 +102,10 @@ class Ingress:
 
     `controller`: the cluster controller's actor handle (membership, latency reports, scaling report);
     `metrics_hub`: a `router.metrics.MetricsHub` actor shared by the replicas; `extra_routes`: makes the
-    routes mounted beside the API (the admin API)."""
+    routes mounted beside the API (the admin API), given `find_trace` (recent requests' timelines)."""
 
     async def __init__(self, config: IngressConfig, controller, metrics_hub,
-                       extra_routes: Callable[[], APIRouter] | None = None):
+                       extra_routes: Callable[..., APIRouter] | None = None):
         self.config = config
         self.controller = controller
         self.metrics_hub = metrics_hub
@@ -116,7 +119,8 @@ class Ingress:
         self.view = WorkerView(controller, router, self.metrics, colocated=config.colocated)
         await self.view.start()
         latencies = LatencyReporter(controller)
-        self._tasks = [asyncio.create_task(latencies.run()), asyncio.create_task(self._publish_metrics())]
+        self._tasks = [asyncio.create_task(latencies.run()), asyncio.create_task(self._publish_metrics()),
+                       asyncio.create_task(self._share_traces())]
         writer = None if config.audit.sink is None else AuditWriter(
             config.audit.sink, config.audit.max_queue, self.metrics.audit_records, self.metrics.audit_dropped)
         self.service = OpenAIService(model, tokenizer, Authenticator(config.api_keys),
@@ -131,9 +135,11 @@ class Ingress:
                                      Audit(config.audit, model.name, model.revision, writer))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = build_api(self.service, self.view, self.scrape, self.config.limits)
+        # Serve's proxy makes the request id when the client sends none (so the replica always sees one in
+        # X-Request-Id) and echoes it in the response itself.
+        app = build_api(self.service, self.view, self.scrape, self.config.limits, echo_request_id=False)
         if self.extra_routes is not None:
-            app.include_router(self.extra_routes())
+            app.include_router(self.extra_routes(find_trace=self.request_trace))
         return app
 
     async def scrape(self) -> bytes:
@@ -181,8 +187,25 @@ class Ingress:
                             for w in self.view.workers}}
 
     async def request_trace(self, request_id: str) -> dict | None:
-        """The stage timelines of a recent request this replica served; None when it has none."""
-        return self.service.traces.get(request_id)
+        """The stage timelines of a recent request, served by this replica or (shared through the hub
+        within TRACE_SHARE_S) another; None when none has it."""
+        timelines = self.service.traces.get(request_id)
+        if timelines is not None:
+            return timeline_body(request_id, timelines)
+        try:
+            return await asyncio.wait_for(self.metrics_hub.find_trace.remote(request_id), timeout=5.0)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+            logger.warning("the metrics hub did not answer (%s): only this replica's requests are found", exc)
+            return None
+
+    async def _share_traces(self) -> None:
+        while True:
+            await asyncio.sleep(TRACE_SHARE_S)
+            if finished := self.service.traces.take_unshared():
+                try:
+                    await self.metrics_hub.add_traces.remote([timeline_body(rid, t) for rid, t in finished])
+                except ray.exceptions.RayError as exc:
+                    logger.warning("cannot share recent requests' timelines with the hub: %s", exc)
 
     async def __del__(self):
         for task in self._tasks:
@@ -197,7 +220,7 @@ class Ingress:
 
 
 def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awaitable[bytes]],
-              limits: RequestLimits) -> FastAPI:
+              limits: RequestLimits, echo_request_id: bool = True) -> FastAPI:
     """The HTTP surface: the OpenAI API, /health and /metrics (`scrape` makes its body), and the API's own
     description. Every error, including unknown routes, has OpenAI's error shape; bodies beyond `limits` are
     refused unparsed."""
@@ -211,11 +234,11 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
 
     @app.post("/v1/completions", openapi_extra=request_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await _generation(request, service.completions, limits)
+        return await _generation(request, service.completions, limits, echo_request_id)
 
     @app.post("/v1/chat/completions", openapi_extra=request_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        return await _generation(request, service.chat, limits)
+        return await _generation(request, service.chat, limits, echo_request_id)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -259,9 +282,10 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
     return app
 
 
-async def _generation(request: Request, endpoint, limits: RequestLimits) -> Response:
+async def _generation(request: Request, endpoint, limits: RequestLimits, echo_request_id: bool) -> Response:
     """A generation endpoint: the request's id (the client's X-Request-Id or a new one) names it in the
-    log lines made for it and comes back in the response headers, on errors too."""
+    log lines made for it and comes back in the response headers, on errors too (`echo_request_id`: here,
+    unless a proxy in front does it)."""
     trace = None
     try:
         trace = Trace.from_headers(request.headers)
@@ -273,7 +297,7 @@ async def _generation(request: Request, endpoint, limits: RequestLimits) -> Resp
         if trace is not None:
             trace.failed(error.message)
         response = error_response(error)
-    if trace is not None:
+    if trace is not None and echo_request_id:
         response.headers[REQUEST_ID_HEADER] = trace.request_id
     return response
 

@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.timeline import RequestTimeline
+from router.trace_store import TraceStore
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
@@ -153,10 +154,23 @@ class MetricsHub:
     """Holds each ingress replica's latest published series (a Ray actor, one per cluster). A replica not
     heard from within `ttl_s` is gone, and so are its series, as a pod's are when the pod goes."""
 
-    def __init__(self, ttl_s: float = 30.0):
+    def __init__(self, ttl_s: float = 30.0, recent_requests: int = 1000):
         self.ttl_s = ttl_s
         self.series: dict[str, tuple[float, bytes]] = {}
         self.lock = threading.Lock()
+        # Recent requests' timelines from every replica, so `tandem trace` finds one whichever replica
+        # served it and whichever the admin call lands on.
+        self.traces = TraceStore(recent_requests)
+
+    def add_traces(self, traces: list[dict]) -> None:
+        """Replicas' finished requests (request_trace.timeline_body), oldest first."""
+        with self.lock:
+            for trace in traces:
+                self.traces.add(trace["request_id"], trace)
+
+    def find_trace(self, request_id: str) -> dict | None:
+        with self.lock:
+            return self.traces.get(request_id)
 
     def publish(self, replica: str, text: bytes) -> dict[str, bytes]:
         """Store `replica`'s series; returns every live replica's."""

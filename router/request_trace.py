@@ -4,12 +4,12 @@ Every request gets an id: the client's `X-Request-Id` when it sends a valid one 
 characters, no spaces), else one made here; it comes back in the `X-Request-Id` response header and is
 carried to every worker in the request's timeline (engine/timeline.py). A client that sends
 `X-Tandem-Trace: 1` gets the timelines in the response: a `tandem` field in the JSON body, or in the last
-chunk of a stream. The last `recent_requests` timelines stay in a `TraceStore` for `tandem trace`.
+chunk of a stream. The last `recent_requests` timelines stay in a `TraceStore` (router/trace_store.py)
+for `tandem trace`.
 """
 from __future__ import annotations
 
 import uuid
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -39,7 +39,7 @@ class Trace:
     @classmethod
     def from_headers(cls, headers: Mapping[str, str]) -> Trace:
         """At arrival: the request's id and trace flag from its headers (400 naming a bad header)."""
-        timeline = RequestTimeline(uuid.uuid4().hex)  # stamps the arrival before anything is checked
+        timeline = RequestTimeline("")  # stamps the arrival before anything is checked
         timeline.request_id = request_id_from(headers)
         trace = cls(timeline, trace_requested(headers))
         trace.span = start_request_span(timeline)
@@ -71,33 +71,3 @@ def trace_requested(headers: Mapping[str, str]) -> bool:
     if value.strip().lower() in _TRUE:
         return True
     raise APIError.bad_request(f"the {TRACE_HEADER} header must be 1 or 0 (true or false)", TRACE_HEADER)
-
-
-def timeline_body(request_id: str, timelines: list[RequestTimeline]) -> dict:
-    """What `tandem trace` and the `tandem` response field show: one timeline per prompt (and per
-    candidate run alone) of the request."""
-    return {"request_id": request_id, "timelines": [t.to_dict() for t in timelines]}
-
-
-class TraceStore:
-    """The timelines of the last `capacity` finished requests, by request id (a client that reuses an id
-    finds its latest request)."""
-
-    def __init__(self, capacity: int = 1000):
-        self.capacity = capacity
-        self._requests: OrderedDict[str, list[RequestTimeline]] = OrderedDict()
-
-    def add(self, request_id: str, timelines: list[RequestTimeline]) -> None:
-        if self.capacity <= 0:
-            return
-        self._requests.pop(request_id, None)
-        self._requests[request_id] = timelines
-        while len(self._requests) > self.capacity:
-            self._requests.popitem(last=False)
-
-    def get(self, request_id: str) -> dict | None:
-        timelines = self._requests.get(request_id)
-        return None if timelines is None else timeline_body(request_id, timelines)
-
-    def __len__(self) -> int:
-        return len(self._requests)

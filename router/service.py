@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import secrets
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -36,7 +35,8 @@ from router.openai_responses import (ChatFormatter, Choice, CompletionFormatter,
 from router.policy import NoDecodeWorker
 from router.request_limits import RequestLimits, TokenizerPool
 from router.request_router import RequestRouter
-from router.request_trace import Trace, TraceStore, timeline_body
+from router.request_trace import Trace
+from router.trace_store import TraceStore, timeline_body
 from router.streams import cancel, merge_streams
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class OpenAIService:
         return self.model.card(model)
 
     async def completions(self, body: bytes, authorization: str | None, trace: Trace | None = None) -> Response:
-        trace = trace or Trace(RequestTimeline(uuid.uuid4().hex))
+        trace = trace or Trace.from_headers({})
         tenant = self.auth.tenant(authorization)
         req = parse_body(CompletionRequest, body)
         self.check_model(req.model)
@@ -115,7 +115,7 @@ class OpenAIService:
                                     audit=audit)
 
     async def chat(self, body: bytes, authorization: str | None, trace: Trace | None = None) -> Response:
-        trace = trace or Trace(RequestTimeline(uuid.uuid4().hex))
+        trace = trace or Trace.from_headers({})
         tenant = self.auth.tenant(authorization)
         req = parse_body(ChatCompletionRequest, body)
         self.check_model(req.model)

@@ -36,7 +36,8 @@ DEPLOYABLE = ["base", "overlays/cpu"]
 KUBERNETES_VERSIONS = [all_versions()[0], all_versions()[-1]]
 
 HISTOGRAMS = {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-              "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "tandem:kv_transfer_seconds"}
+              "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "tandem:kv_transfer_seconds",
+              "tandem:request_stage_seconds"}
 COUNTERS = {"vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens", "vllm:generation_tokens",
             "vllm:num_preemptions", "tandem:kv_transfer_bytes", "tandem:routing_decisions",
             "tandem:routing_prefix_hit_blocks", "tandem:scaling_events", "tandem:prefills",

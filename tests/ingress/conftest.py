@@ -1,5 +1,6 @@
 """Two tandem applications on one real Serve instance (loopback, ephemeral port), shared by the ingress
-tests: `main` (disaggregated; two tenants' keys and an admin key; one prefill and two decode workers) and
+tests: `main` (disaggregated; two tenants' keys and an admin key; one prefill and two decode workers;
+OpenTelemetry spans exported to an in-process OTLP collector) and
 `aux` (colocated; no keys; three decode workers; an admission bound of two sequences), and `pair`
 (colocated; one decode worker behind two ingress replicas; two model names and its own chat template). main
 writes audit records (digests only) to a file; pair writes them with inputs logged, both replicas to one file.
@@ -78,7 +79,16 @@ def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> boo
 
 
 @pytest.fixture(scope="package")
-def apps(ray_cluster, tiny_llama_dir, tmp_path_factory):
+def otlp_collector():
+    """Where main's ingress and workers export their spans."""
+    from tests.otlp_collector import OTLPCollector
+    collector = OTLPCollector().start()
+    yield collector
+    collector.stop()
+
+
+@pytest.fixture(scope="package")
+def apps(ray_cluster, tiny_llama_dir, otlp_collector, tmp_path_factory):
     from ray import serve
     from ray.serve.api import RunTarget
 
@@ -90,7 +100,8 @@ def apps(ray_cluster, tiny_llama_dir, tmp_path_factory):
     main = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-main", api_keys=KEYS,
                          admin_key=ADMIN_KEY, audit={"sink": f"file:{audit_dir / 'main.jsonl'}"},
                          engine=engine, router={"max_local_prefill_length": 48, "decode_wait_s": 2},
-                         prefill={"num_cpus": 0.5}, decode={"replicas": 2, "num_cpus": 0.5, "replace_dead": False})
+                         prefill={"num_cpus": 0.5}, decode={"replicas": 2, "num_cpus": 0.5, "replace_dead": False},
+                         tracing={"otlp_endpoint": otlp_collector.url})
     # Workers these tests kill stay dead (not replaced), so each test knows which workers there are; main's
     # last test kills its last decode worker, and a stream waits only 2 s for one to come back.
     aux = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="ingress-aux", mode="colocated",
@@ -100,7 +111,8 @@ def apps(ray_cluster, tiny_llama_dir, tmp_path_factory):
     # pair also answers to a second model name and renders chats with its own template.
     pair = ClusterConfig(model=tiny_llama_dir, served_model_name=[MODEL, ALIAS], chat_template=CHAT_TEMPLATE,
                          name="ingress-pair", mode="colocated", engine=engine, decode={"num_cpus": 0.5},
-                         ingress_replicas=2, audit={"sink": f"file:{audit_dir / 'pair.jsonl'}", "log_inputs": True})
+                         ingress_replicas=2, admin_key=ADMIN_KEY,
+                         audit={"sink": f"file:{audit_dir / 'pair.jsonl'}", "log_inputs": True})
     configs = {"main": main, "aux": aux, "pair": pair}
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
