@@ -47,10 +47,16 @@ class ModelRunner:
                              and cpu_kernels.available())
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]], sample_mask: list[bool]) -> torch.Tensor:
-        """Logits [num_sampled, vocab] for the requests whose last scheduled token completes their tokens."""
+    def execute(self, scheduled: list[tuple[Request, int]], sample_mask: list[bool],
+                num_logits: list[int] | None = None) -> torch.Tensor:
+        """Logits [num_sampled, vocab] for the requests whose last scheduled token completes their tokens;
+        with `num_logits`, each sampled row's last `num_logits[i]` positions (a decode verifying a draft)."""
         batch = self.prepare(scheduled)
-        keep = [i for i, s in zip(batch.last_token_idx, sample_mask) if s]
+        if num_logits is None:
+            keep = [i for i, s in zip(batch.last_token_idx, sample_mask) if s]
+        else:
+            keep = [p for i, s, m in zip(batch.last_token_idx, sample_mask, num_logits) if s
+                    for p in range(i - m + 1, i + 1)]
         return self.forward(batch, self._tensor(keep))
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> PackedBatch:
@@ -66,7 +72,8 @@ class ModelRunner:
         for i in decodes + [i for i in range(len(scheduled)) if i not in is_decode]:
             req, num_new = scheduled[i]
             start, end, offset = req.num_computed_tokens, req.num_computed_tokens + num_new, len(input_ids)
-            input_ids.extend(req.all_token_ids[start:end])
+            input_ids.extend(req.all_token_ids[start:end] if not req.spec_token_ids
+                             else (req.all_token_ids + req.spec_token_ids)[start:end])
             positions.extend(range(start, end))
             table = req.block_table[:-(-end // bs)]
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
