@@ -11,12 +11,15 @@ class SpeculativeConfig:
     """`ngram` proposes the tokens that followed the latest earlier occurrence of the request's last
     `prompt_lookup_max` .. `prompt_lookup_min` tokens (prompt lookup), up to `num_speculative_tokens` a step.
     `enabled_by_default`: requests that do not say (SamplingParams.speculative None) speculate; with False
-    only requests that ask do."""
+    only requests that ask do. `adaptive` sizes each request's draft from its measured acceptance and the
+    measured cost of a draft token, down to none where drafting does not pay; False always drafts
+    `num_speculative_tokens` (when the lookup finds that many)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     enabled_by_default: bool = True
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.method not in METHODS:

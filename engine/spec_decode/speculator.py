@@ -32,6 +32,7 @@ import torch
 from engine.reasoning import force_reasoning_end
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramIndex
+from engine.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -56,27 +57,14 @@ class SpecState:
         self.acceptance += ACCEPTANCE_ALPHA * (float(accepted) - self.acceptance)
 
 
-@dataclass(slots=True)
-class SpecDecodeStats:
-    """vLLM's spec_decode counters: drafts (one per drafted request and step), draft and accepted tokens,
-    and accepted tokens per draft position."""
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
-            self.num_accepted_tokens_per_pos += [0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos))
-        for pos in range(num_accepted):
-            self.num_accepted_tokens_per_pos[pos] += 1
-
-    def copy(self) -> SpecDecodeStats:
-        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                               list(self.num_accepted_tokens_per_pos))
+def num_drafts(acceptance: float, threshold: float, max_k: int) -> int:
+    """How many draft positions pay: position i is reached and accepted with chance acceptance^i, and
+    pays when that beats `threshold`."""
+    k, reach = 0, acceptance
+    while k < max_k and reach > threshold:
+        k += 1
+        reach *= acceptance
+    return k
 
 
 def new_spec_state(config: SpeculativeConfig) -> SpecState:
@@ -99,10 +87,12 @@ class Speculator:
         decoding = [r for r in running if r.spec is not None and r.num_tokens - r.num_computed_tokens == 1]
         if not decoding:
             return
-        threshold = self._threshold(len(running))
+        max_k = self.config.num_speculative_tokens
+        threshold = self._threshold(len(running)) if self.config.adaptive else 0.0
         for req in decoding:
             state = req.spec
-            k = min(self._worth_drafting(state.acceptance, threshold), req.max_tokens - req.num_output_tokens - 1)
+            k = num_drafts(state.acceptance, threshold, max_k) if self.config.adaptive else max_k
+            k = min(k, req.max_tokens - req.num_output_tokens - 1)
             drafts = state.index.propose(req.all_token_ids, max(k, 1))
             if drafts and req.structured_output_request is not None:
                 drafts = drafts[:req.structured_output_request.matcher.validate_tokens(drafts)]
@@ -117,13 +107,6 @@ class Speculator:
         if token_cost is None:
             token_cost = 1.0 / costs.prefill_speed(PRIOR_CONTEXT)
         return min(MAX_THRESHOLD, token_cost * num_decodes / costs.decode_time(num_decodes))
-
-    def _worth_drafting(self, acceptance: float, threshold: float) -> int:
-        k, reach = 0, acceptance
-        while k < self.config.num_speculative_tokens and reach >= threshold:
-            k += 1
-            reach *= acceptance
-        return k
 
     @staticmethod
     def num_logits(scheduled: list[tuple[Request, int]]) -> list[int] | None:
