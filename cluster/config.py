@@ -53,8 +53,10 @@ class EngineOptions(_Strict):
 
 class SpeculativeOptions(_Strict):
     """Speculative decoding in the decode pool (vLLM's `speculative_config`): requests that do not opt out
-    (`"speculative": false` in the body) draft up to `num_speculative_tokens` by prompt lookup."""
-    method: Literal["ngram"] = "ngram"
+    (`"speculative": false` in the body) draft up to `num_speculative_tokens` by prompt lookup (`ngram`), or
+    with `draft_model` by `model`, a smaller HF model directory of the same tokenizer."""
+    method: Literal["ngram", "draft_model"] = "ngram"
+    model: str | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     prompt_lookup_min: int = Field(2, ge=1, le=16)
     prompt_lookup_max: int = Field(4, ge=1, le=16)
@@ -64,6 +66,8 @@ class SpeculativeOptions(_Strict):
     def _lookup_range(self) -> SpeculativeOptions:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("method draft_model needs model (a draft model directory), and only it takes one")
         return self
 
     def engine_config(self) -> SpeculativeConfig:

@@ -195,3 +195,26 @@ def test_request_stops_drafting_when_rejected_and_resumes_when_its_guesses_come_
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.speculator.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"method": "eagle"}, "speculative_config.method"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "speculative_config"),
+    ({"method": "draft_model"}, "speculative_config"),
+])
+def test_cluster_speculative_config_is_validated_naming_the_field(body, field):
+    from pydantic import ValidationError
+
+    from cluster.config import ClusterConfig
+    from engine.errors import first_field_error
+    with pytest.raises(ValidationError) as err:
+        ClusterConfig.model_validate({"speculative_config": body})
+    assert first_field_error(err.value).path == field
+
+
+def test_the_decode_pool_default_reaches_decode_workers_only():
+    from cluster.config import ClusterConfig
+    config = ClusterConfig.model_validate({"speculative_config": {"num_speculative_tokens": 3}})
+    assert config.engine_config(config.decode, "decode").speculative_config.num_speculative_tokens == 3
+    assert config.engine_config(config.prefill, "prefill").speculative_config is None

@@ -32,3 +32,11 @@ class NgramIndex:
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.ends[tuple(tokens[end - n:end])] = end
         self.num_indexed = max(self.num_indexed, len(tokens))
+
+
+class NgramProposer:
+    """Prompt lookup for a batch: each request looks in its own tokens (its SpecState's index)."""
+
+    @staticmethod
+    def propose(batch) -> list[list[int]]:
+        return [req.spec.index.propose(req.all_token_ids, k) for req, k in batch]

@@ -31,7 +31,8 @@ import torch
 
 from engine.reasoning import force_reasoning_end
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.ngram import NgramIndex
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.ngram import NgramIndex, NgramProposer
 from engine.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
@@ -48,8 +49,9 @@ PRIOR_CONTEXT = 512  # the context whose prefill speed prices a draft token befo
 
 @dataclass(slots=True)
 class SpecState:
-    """One request's speculation: its n-gram index, measured acceptance, and a guess it did not draft."""
-    index: NgramIndex
+    """One request's speculation: its n-gram index (method ngram), measured acceptance, and a guess it did
+    not draft."""
+    index: NgramIndex | None
     acceptance: float = PRIOR_ACCEPTANCE
     shadow: int | None = None
 
@@ -68,7 +70,7 @@ def num_drafts(acceptance: float, threshold: float, max_k: int) -> int:
 
 
 def new_spec_state(config: SpeculativeConfig) -> SpecState:
-    return SpecState(NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max))
+    return SpecState(NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max) if config.method == "ngram" else None)
 
 
 class Speculator:
@@ -79,21 +81,26 @@ class Speculator:
         self.engine = engine
         self.stats = SpecDecodeStats()
         self.token_cost_s: float | None = None  # measured seconds one more query token adds to a forward
+        self.draft_model = config.method == "draft_model"
+        self.proposer = (DraftModelProposer(config, engine.config, engine.block_manager.num_blocks)
+                         if self.draft_model else NgramProposer())
 
     # ---- before the step ------------------------------------------------------------------------
 
     def propose(self, running: list[Request]) -> None:
         """Set the drafts (`spec_token_ids`) of the speculating requests about to decode."""
         decoding = [r for r in running if r.spec is not None and r.num_tokens - r.num_computed_tokens == 1]
-        if not decoding:
+        if not decoding and not self.draft_model:
             return
         max_k = self.config.num_speculative_tokens
-        threshold = self._threshold(len(running)) if self.config.adaptive else 0.0
+        threshold = self._threshold(len(running)) if decoding and self.config.adaptive else 0.0
+        plans = []
         for req in decoding:
+            k = num_drafts(req.spec.acceptance, threshold, max_k) if self.config.adaptive else max_k
+            plans.append(min(k, req.max_tokens - req.num_output_tokens - 1))
+        proposals = self.proposer.propose([(req, max(k, 1)) for req, k in zip(decoding, plans)])
+        for req, k, drafts in zip(decoding, plans, proposals):
             state = req.spec
-            k = num_drafts(state.acceptance, threshold, max_k) if self.config.adaptive else max_k
-            k = min(k, req.max_tokens - req.num_output_tokens - 1)
-            drafts = state.index.propose(req.all_token_ids, max(k, 1))
             if drafts and req.structured_output_request is not None:
                 drafts = drafts[:req.structured_output_request.matcher.validate_tokens(drafts)]
             state.shadow = drafts[0] if drafts and k < 1 else None
