@@ -218,3 +218,31 @@ def test_the_decode_pool_default_reaches_decode_workers_only():
     config = ClusterConfig.model_validate({"speculative_config": {"num_speculative_tokens": 3}})
     assert config.engine_config(config.decode, "decode").speculative_config.num_speculative_tokens == 3
     assert config.engine_config(config.prefill, "prefill").speculative_config is None
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5),
+    SamplingParams(temperature=0.0, max_tokens=40, frequency_penalty=1.0, logit_bias={33280: 3.0}, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=40, min_tokens=12, stop_token_ids=[33280]),
+    SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, max_tokens=30, seed=7, ignore_eos=True, logprobs=1,
+                   logit_bias={33280: 20.0, 500: 19.0, 501: 19.0}),
+], ids=["repetition-presence", "frequency-bias", "min-tokens-stop-id", "max-tokens-logprobs", "top-p-min-p-seeded"])
+def test_each_verified_position_is_sampled_as_a_plain_step_would(plain, spec, params):
+    """Penalties count the draft tokens accepted before a position, min_tokens bans stop ids until the
+    count is reached, max_tokens caps the draft, and logprobs come for every emitted token."""
+    prompts = [LOOP_PROMPT, [33280] * 16]
+    expected = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    for e, g in zip(expected, got):
+        assert (g.token_ids, g.finish_reason, g.stop_reason) == (e.token_ids, e.finish_reason, e.stop_reason)
+        assert [lp["token_id"] for lp in g.logprobs] == [lp["token_id"] for lp in e.logprobs]
+        assert [lp["logprob"] for lp in g.logprobs] == pytest.approx([lp["logprob"] for lp in e.logprobs], abs=1e-3)
+    assert spec.speculator.stats.num_draft_tokens > 0
+
+
+def test_prefix_cache_hits_do_not_change_speculated_output(plain, spec):
+    expected = token_ids(plain.generate(PROMPTS, GREEDY))
+    assert token_ids(spec.generate(PROMPTS, GREEDY)) == expected
+    again = spec.generate(PROMPTS, GREEDY)
+    assert token_ids(again) == expected and sum(o.num_cached_tokens for o in again) > 0
