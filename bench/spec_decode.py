@@ -6,8 +6,8 @@ token ids, sampled at temperature 1 with fixed seeds (drafts rarely match; adapt
 switch itself off; greedy, the small model would fall into loops that lookup predicts). Each runs single
 stream and at batch 8, up to `--output-len` tokens. Both sides run on ONE engine (the same weights, warm-up
 and step-cost measurements): the baseline's requests opt out (`speculative=False`), the others follow the
-engine's default (adaptive n-gram, k = 4). Rounds alternate the two sides with the prefix cache reset
-before each, so both see the same machine load; the ratio within a round is the number to trust.
+engine's default (adaptive n-gram, k = 4). Each round runs both sides (which goes first alternates) with the
+prefix cache reset before each, so both see the same machine load; the ratio within a round is the number to trust.
 
 Decode tokens/s counts the tokens after the first over the time from the first token to the last (the
 whole batch's, at batch 8); ITL is the mean gap between a request's tokens (several tokens of one
@@ -104,9 +104,12 @@ def main() -> None:
             prompts = make(engine, batch)
             for round_ in range(args.repeat):
                 before = engine.speculator.stats.copy()
+                if round_ % 2:  # alternate which side runs first
+                    plain = run(engine, prompts, temperature, False, args.output_len)
                 spec = run(engine, prompts, temperature, True, args.output_len)
+                if not round_ % 2:
+                    plain = run(engine, prompts, temperature, False, args.output_len)
                 after = engine.speculator.stats
-                plain = run(engine, prompts, temperature, False, args.output_len)
                 drafted = after.num_draft_tokens - before.num_draft_tokens
                 accepted = after.num_accepted_tokens - before.num_accepted_tokens
                 print(f"{workload:<11} {batch:>5} {round_:>5} {plain['tokens_per_s']:>11.1f} "
