@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from engine.config import EngineConfig
 from engine.cpu_cores import CpuBinding
 from engine.errors import first_field_error
+from engine.spec_decode import SpeculativeConfig
 from cluster.scaling_policy import Thresholds
 from engine.transfer_config import TLSFiles, TransferConfig
 from kv_transfer.addresses import check_host
@@ -52,6 +53,29 @@ class EngineOptions(_Strict):
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
+
+
+class SpeculativeOptions(_Strict):
+    """Speculative decoding in the decode pool (vLLM's `speculative_config`): requests that do not opt out
+    (`"speculative": false` in the body) draft up to `num_speculative_tokens` by prompt lookup (`ngram`), or
+    with `draft_model` by `model`, a smaller HF model directory of the same tokenizer."""
+    method: Literal["ngram", "draft_model"] = "ngram"
+    model: str | None = None
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    prompt_lookup_min: int = Field(2, ge=1, le=16)
+    prompt_lookup_max: int = Field(4, ge=1, le=16)
+    adaptive: bool = True
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeOptions:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("method draft_model needs model (a draft model directory), and only it takes one")
+        return self
+
+    def engine_config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(**self.model_dump())
 
 
 class TLSOptions(_Strict):
@@ -239,6 +263,7 @@ class ClusterConfig(_Strict):
     prefill: PoolConfig = Field(default_factory=PoolConfig)
     decode: PoolConfig = Field(default_factory=PoolConfig)
     engine: EngineOptions = Field(default_factory=EngineOptions)
+    speculative_config: SpeculativeOptions | None = None  # the decode pool's default; None: requests opt in
     transfer: TransferOptions = Field(default_factory=TransferOptions)
     router: RouterOptions = Field(default_factory=RouterOptions)
     slo: SloConfig = Field(default_factory=SloConfig)
@@ -309,9 +334,10 @@ class ClusterConfig(_Strict):
         binding = self.cpu.binding(role, pool) if role else None
         threads = pool.num_threads or (None if binding else max(1, int(pool.num_cpus)))
         itl_slo_ms = self.slo.itl_ms if role == "decode" else None
+        speculative = self.speculative_config.engine_config() if role == "decode" and self.speculative_config else None
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
                             num_threads=threads, cpu_binding=binding, itl_slo_ms=itl_slo_ms,
-                            stall_ratio=self.slo.stall_ratio,
+                            stall_ratio=self.slo.stall_ratio, speculative_config=speculative,
                             reasoning_markers=(self.reasoning.start, self.reasoning.end) if self.reasoning else None,
                             **self.engine.model_dump())
 

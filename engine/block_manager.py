@@ -160,6 +160,13 @@ class BlockManager:
         self.events.append(KVEvent("stored", [block_hash], parent_hash))
         return True
 
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Free the blocks of `req` past its first `num_tokens` tokens (KV written for rejected drafts)."""
+        keep = self.blocks_needed(num_tokens)
+        if len(req.block_table) > keep:
+            self.free_block_ids(reversed(req.block_table[keep:]))
+            del req.block_table[keep:]
+
     def free(self, req: Request) -> None:
         self.free_block_ids(reversed(req.block_table))
         req.block_table = []

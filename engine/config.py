@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.cpu_cores import CpuBinding
+from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -50,6 +51,9 @@ class EngineConfig:
     stall_ratio: float = 2.0  # ... and within this many plain decode steps
     # (start, end) of the model's thinking, e.g. ("<think>", "</think>"): what max_reasoning_tokens caps.
     reasoning_markers: tuple[str, str] | None = None
+    # Speculative decoding for the requests that do not opt out (a decode pool's default); None: only
+    # requests that opt in (SamplingParams.speculative) speculate, with the default SpeculativeConfig.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -21,6 +21,8 @@ from engine.request import Request
 from engine.sampler import Sampler, skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode import SpeculativeConfig
+from engine.spec_decode.speculator import SpecState, Speculator, new_spec_state
 from engine.step_costs import StepCosts
 from engine.structured import StructuredOutputManager
 
@@ -49,6 +51,8 @@ class Engine(Forking):
         self.sampler = Sampler(self.eos_token_ids, self.structured)
         self.reasoning_markers = (None if config.reasoning_markers is None
                                   else ReasoningMarkers.from_tokenizer(self.tokenizer, *config.reasoning_markers))
+        # Drafts and verifies for the requests that speculate; made with the first such request.
+        self.speculator = None if config.speculative_config is None else Speculator(config.speculative_config, self)
         self.requests: dict[str, Request] = {}
         self.waiting_for_grammar: list[Request] = []  # constrained requests whose grammar still compiles
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -118,7 +122,17 @@ class Engine(Forking):
             return self.candidate_requests(request_id, prompt_ids, params, max_tokens, cache_salt, seed)
         structured = None if params.structured is None else self.structured.request(params.structured)
         return Request(request_id, prompt_ids, params, max_tokens, cache_salt, self.generator(params, seed),
-                       all_token_ids=[*prompt_ids, *output_token_ids], structured_output_request=structured)
+                       all_token_ids=[*prompt_ids, *output_token_ids], structured_output_request=structured,
+                       spec=self._spec_state(params))
+
+    def _spec_state(self, params: SamplingParams) -> SpecState | None:
+        """A one-candidate request speculates when it asks to, or when the engine's config does by default
+        and it does not opt out; requests with a reasoning budget do not (their logits are forced)."""
+        config = self.config.speculative_config
+        wanted = params.speculative if params.speculative is not None else config is not None and config.enabled_by_default
+        if not wanted or params.max_reasoning_tokens is not None:
+            return None
+        return new_spec_state(config or SpeculativeConfig())
 
     def _check_reasoning(self, params: SamplingParams) -> None:
         if params.max_reasoning_tokens is None:
@@ -145,6 +159,8 @@ class Engine(Forking):
         skips the draws they took, and its grammar replays them once compiled. Candidates waiting to fork
         from `req` are registered with it."""
         self.num_prompt_tokens += req.num_prompt_tokens
+        if req.spec is not None and self.speculator is None:  # the first request to opt in
+            self.speculator = Speculator(SpeculativeConfig(enabled_by_default=False), self)
         if req.beam_search is not None:  # a search answers under its output ids once it ends
             self.scheduler.add(req)
             self.requests.update(dict.fromkeys(output_ids(req), req))
@@ -201,7 +217,8 @@ class Engine(Forking):
                 "num_total_blocks": bm.num_blocks, "prefix_cache_queries": bm.prefix_cache_queries,
                 "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": sched.num_preemptions,
                 "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
-                "step_costs": self.step_costs.copy(), "kv_bytes_per_token": self.kv_cache.layout.bytes_per_token}
+                "step_costs": self.step_costs.copy(), "kv_bytes_per_token": self.kv_cache.layout.bytes_per_token,
+                "spec_decode": None if self.speculator is None else self.speculator.stats.copy()}
 
     def reserve_for_import(self, req: Request) -> list[int] | None:
         """Give `req` blocks for its whole prompt, reusing locally cached prefix blocks.
@@ -284,6 +301,8 @@ class Engine(Forking):
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return what changed for each request."""
         failed = self._admit_structured() if self.waiting_for_grammar else []
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.waiting_for_grammar and not failed:  # nothing to run until a grammar is ready
@@ -291,22 +310,29 @@ class Engine(Forking):
             return failed
         if self.on_scheduled is not None:
             self.on_scheduled(scheduled)
-        sample_mask = [req.num_computed_tokens + n == req.num_tokens for req, n in scheduled]
+        sample_mask = [req.num_computed_tokens + n == req.num_tokens + len(req.spec_token_ids) for req, n in scheduled]
+        num_logits = None if self.speculator is None else self.speculator.num_logits(scheduled)
         started = time.perf_counter()
         try:
             self.kv_cache.copy_blocks(self.block_manager.take_copies())
-            logits = self.runner.execute(scheduled, sample_mask)
+            logits = self.runner.execute(scheduled, sample_mask, num_logits)
         except Exception as exc:  # a failed forward fails its requests, not the engine
             logger.exception("model forward failed")
             return failed + [out for req, _ in scheduled for out in self._fail(req, exc)]
         sampled = [req for (req, _), s in zip(scheduled, sample_mask) if s]
         shape = step_shape(scheduled)  # before the requests advance
         for req, n in scheduled:
-            req.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(req)
-        logits = force_reasoning_end(logits, sampled)
-        outputs = self._sample(sampled, logits)
-        self.step_costs.observe(*shape, time.perf_counter() - started, borrowed=self.borrowing)
+            if not req.spec_token_ids:  # a drafted request advances by what its verification keeps
+                req.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(req)
+        if self.speculator is None:
+            outputs = self._sample(sampled, force_reasoning_end(logits, sampled))
+        else:
+            outputs = self.speculator.sample(sampled, logits)
+        if num_logits is None:
+            self.step_costs.observe(*shape, time.perf_counter() - started, borrowed=self.borrowing)
+        else:
+            self.speculator.observe_step(shape, num_logits, time.perf_counter() - started)
         return failed + outputs
 
     def _sample(self, sampled: list[Request], logits: torch.Tensor) -> list[RequestOutput]:

@@ -47,16 +47,25 @@ class ModelRunner:
                              and cpu_kernels.available())
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]], sample_mask: list[bool]) -> torch.Tensor:
-        """Logits [num_sampled, vocab] for the requests whose last scheduled token completes their tokens."""
+    def execute(self, scheduled: list[tuple[Request, int]], sample_mask: list[bool],
+                num_logits: list[int] | None = None) -> torch.Tensor:
+        """Logits [num_sampled, vocab] for the requests whose last scheduled token completes their tokens;
+        with `num_logits`, each sampled row's last `num_logits[i]` positions (a decode verifying a draft)."""
         batch = self.prepare(scheduled)
-        keep = [i for i, s in zip(batch.last_token_idx, sample_mask) if s]
+        if num_logits is None:
+            keep = [i for i, s in zip(batch.last_token_idx, sample_mask) if s]
+        else:
+            keep = [p for i, s, m in zip(batch.last_token_idx, sample_mask, num_logits) if s
+                    for p in range(i - m + 1, i + 1)]
         return self.forward(batch, self._tensor(keep))
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> PackedBatch:
         """Pack the scheduled tokens of all requests into one sequence with its attention metadata.
-        Decode tokens come first, longest context first, so attention can take them in a few slices."""
-        decodes = sorted((i for i, (req, n) in enumerate(scheduled) if n == 1 and req.num_computed_tokens > 0),
+        Decode tokens come first, longest context first, so attention can take them in a few slices.
+        With the CPU kernel, a decode verifying a draft is decodes too: its token at position p attends
+        positions [0, p] of the same block table, as a one-token decode of a context p + 1 long would."""
+        decodes = sorted((i for i, (req, n) in enumerate(scheduled)
+                          if req.num_computed_tokens > 0 and (n == 1 or self._paged_draft(req, n))),
                          key=lambda i: -scheduled[i][0].num_computed_tokens)
         is_decode = set(decodes)
         input_ids, positions, slots = [], [], []
@@ -66,14 +75,15 @@ class ModelRunner:
         for i in decodes + [i for i in range(len(scheduled)) if i not in is_decode]:
             req, num_new = scheduled[i]
             start, end, offset = req.num_computed_tokens, req.num_computed_tokens + num_new, len(input_ids)
-            input_ids.extend(req.all_token_ids[start:end])
+            input_ids.extend(req.all_token_ids[start:end] if not req.spec_token_ids
+                             else (req.all_token_ids + req.spec_token_ids)[start:end])
             positions.extend(range(start, end))
             table = req.block_table[:-(-end // bs)]
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_token_idx[i] = offset + num_new - 1
             if i in is_decode:
-                tables.append(table)
-                lens.append(end)
+                tables += [table] * num_new
+                lens += range(start + 1, end + 1)
             else:
                 prefills.append(self._prefill_segment(offset, num_new, end, table))
         paged = self._paged_decodes(tables, lens) if self.paged_kernel and tables else None
@@ -99,9 +109,12 @@ class ModelRunner:
             seg.mask = causal.tril(context_len - num_new)
         return seg
 
+    def _paged_draft(self, req: Request, num_new: int) -> bool:
+        return self.paged_kernel and num_new == 1 + len(req.spec_token_ids)
+
     def _paged_decodes(self, tables: list[list[int]], lens: list[int]) -> PagedDecodes:
-        padded = self._padded_tables(tables).view(len(tables), len(tables[0]))
-        return PagedDecodes(len(tables), padded, self._tensor(lens), lens[0])
+        padded = self._padded_tables(tables).view(len(tables), max(map(len, tables)))
+        return PagedDecodes(len(tables), padded, self._tensor(lens), max(lens))
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Split decodes (sorted longest first) where a table is under half the group's widest, so
@@ -122,8 +135,8 @@ class ModelRunner:
         return DecodeGroup(start, start + len(tables), block_ids, lens[0], mask)
 
     def _padded_tables(self, tables: list[list[int]]) -> torch.Tensor:
-        """Block tables (sorted longest first) padded with block 0 to the first one's width, flattened."""
-        width = len(tables[0])
+        """Block tables padded with block 0 to the widest one's width, flattened."""
+        width = max(map(len, tables))
         return self._tensor([b for t in tables for b in t + [0] * (width - len(t))])
 
     def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.stats import SpecDecodeStats
 from engine.step_costs import PRIOR_KV_PULL_GBPS, StepCosts
 from engine.timeline import RequestTimeline
 
@@ -113,6 +114,7 @@ class WorkerStats:
     step_costs: StepCosts = field(default_factory=StepCosts)
     kv_bytes_per_token: int = 0
     kv_pull_gbps: float = PRIOR_KV_PULL_GBPS  # a decode worker's pulls
+    spec_decode: SpecDecodeStats | None = None  # None until a request speculated on this worker
 
     @property
     def kv_usage(self) -> float:

@@ -12,6 +12,7 @@ from engine.reasoning import ReasoningBudget
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.spec_decode.speculator import SpecState
     from engine.structured import StructuredOutputRequest
 
 
@@ -59,6 +60,8 @@ class Request:
     pending_forks: list["Request"] = field(default_factory=list)
     beam_search: object | None = None  # the BeamSearch this request is a beam of
     cumulative_logprob: float = 0.0  # of its output tokens, kept for beams
+    spec: SpecState | None = None  # its speculative decoding, when it speculates (engine/spec_decode/)
+    spec_token_ids: list[int] = field(default_factory=list)  # this step's draft, verified by the forward
 
     def __post_init__(self):
         if not self.all_token_ids:

@@ -78,6 +78,8 @@ class SamplingParams:
     use_beam_search: bool = False
     best_of: int | None = None
     length_penalty: float = 1.0
+    # Speculative decoding for this request: None follows the engine's default, False opts out, True opts in.
+    speculative: bool | None = None
 
     def __post_init__(self):
         # vLLM and OpenAI clients send null or a bare string as well as a list.
@@ -121,6 +123,8 @@ class SamplingParams:
         check(self.max_reasoning_tokens is None
               or (isinstance(self.max_reasoning_tokens, int) and self.max_reasoning_tokens >= 0),
               "max_reasoning_tokens", f"must be a non-negative integer, got {self.max_reasoning_tokens!r}")
+        check(self.speculative is None or isinstance(self.speculative, bool), "speculative",
+              f"must be true, false or null, got {self.speculative!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"may hold at most {MAX_STOP_STRINGS} strings")
         self._validate_token_ids(vocab_size)

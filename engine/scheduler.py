@@ -45,18 +45,23 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new > 1:
                 num_new = min(num_new, prefill_budget)
+            elif req.spec_token_ids:  # a decode verifying its draft: 1 + k query tokens
+                del req.spec_token_ids[budget - 1:]
             if not num_new:  # a prefill chunk over the cap, or a beam waiting for its siblings' step
                 i += 1
                 continue
-            while not self.block_manager.allocate_slots(req, num_new):
+            while not self.block_manager.allocate_slots(req, num_new + len(req.spec_token_ids)):
+                if req.spec_token_ids:  # drop the draft before preempting anyone for it
+                    req.spec_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             else:
-                scheduled.append((req, num_new))
-                budget -= num_new
+                scheduled.append((req, num_new + len(req.spec_token_ids)))
+                budget -= num_new + len(req.spec_token_ids)
                 if num_new > 1:
                     prefill_budget -= num_new
                 i += 1
@@ -120,6 +125,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1

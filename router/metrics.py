@@ -255,6 +255,7 @@ class WorkerStatsCollector:
                 family.add_metric([s.pool, s.worker_id], float(get(s)))
             yield family
         yield from _measured_costs(stats)
+        yield from _spec_decode(stats)
         transfer_bytes = CounterMetricFamily("tandem:kv_transfer_bytes", "KV bytes pulled by decode workers.",
                                              labels=labels)
         for worker_id, t in self.transfer.items():
@@ -294,3 +295,27 @@ def _measured_costs(stats: list) -> Iterable[Metric]:
         if s.pool == "decode":
             pull.add_metric([s.pool, s.worker_id], s.kv_pull_gbps)
     return [speed, step, pull]
+
+
+SPEC_DECODE_COUNTERS = {
+    "vllm:spec_decode_num_drafts": ("Drafts verified (one per speculating request and step).", "num_drafts"),
+    "vllm:spec_decode_num_draft_tokens": ("Draft tokens proposed.", "num_draft_tokens"),
+    "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted.", "num_accepted_tokens"),
+}
+
+
+def _spec_decode(stats: list) -> Iterable[Metric]:
+    """Speculative decoding counters of the workers that speculated, with vLLM's names."""
+    labels = ["pool", "worker"]
+    speculated = [s for s in stats if s.spec_decode is not None]
+    for name, (doc, attr) in SPEC_DECODE_COUNTERS.items():
+        family = CounterMetricFamily(name, doc, labels=labels)
+        for s in speculated:
+            family.add_metric([s.pool, s.worker_id], float(getattr(s.spec_decode, attr)))
+        yield family
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by position in the draft.", labels=labels + ["position"])
+    for s in speculated:
+        for position, n in enumerate(s.spec_decode.num_accepted_tokens_per_pos):
+            per_pos.add_metric([s.pool, s.worker_id, str(position)], float(n))
+    yield per_pos

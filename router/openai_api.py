@@ -11,7 +11,7 @@ import inspect
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError, first_field_error
@@ -127,6 +127,7 @@ class _GenerationRequest(_Body):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep only the prompt's last k tokens
+    speculative: StrictBool | None = None  # speculative decoding: null follows the decode pool's default
     spaces_between_special_tokens: Literal[True] = True
     # accepted, not acted on (IGNORED_FIELDS)
     metadata: dict[str, str] | None = None
@@ -162,7 +163,8 @@ class _GenerationRequest(_Body):
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, structured=self.structured()[0],
-                use_beam_search=self.use_beam_search, best_of=best_of, length_penalty=self.length_penalty)
+                use_beam_search=self.use_beam_search, best_of=best_of, length_penalty=self.length_penalty,
+                speculative=self.speculative)
             params.validate(vocab_size)
         except InvalidRequestError as exc:
             raise APIError.from_invalid(exc, renames) from None

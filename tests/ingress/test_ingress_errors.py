@@ -37,7 +37,7 @@ def test_wrong_api_key_is_401_for_the_openai_client(main_app):
     ("presence_penalty", 3), ("frequency_penalty", -3), ("repetition_penalty", 0), ("n", 0), ("n", 1.5),
     ("max_tokens", 0), ("min_tokens", 20), ("logprobs", 21), ("stop", [""]), ("stop_token_ids", [-1]),
     ("stop_token_ids", [10**7]), ("logit_bias", {"x": 1}), ("logit_bias", {"5": 500}), ("seed", 1.5),
-    ("stream", "yes"), ("prompt", []), ("prompt", [10**7]), ("prompt", ""), ("cache_salt", ""), ("echo", True),
+    ("stream", "yes"), ("speculative", "yes"), ("prompt", []), ("prompt", [10**7]), ("prompt", ""), ("cache_salt", ""), ("echo", True),
     ("stream_options", {"include_usage": "yes"}), ("no_such_field", 1),
 ])
 def test_bad_completion_field_is_400_naming_it(main_app, field, value):
