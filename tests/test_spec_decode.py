@@ -246,3 +246,11 @@ def test_prefix_cache_hits_do_not_change_speculated_output(plain, spec):
     assert token_ids(spec.generate(PROMPTS, GREEDY)) == expected
     again = spec.generate(PROMPTS, GREEDY)
     assert token_ids(again) == expected and sum(o.num_cached_tokens for o in again) > 0
+
+
+def test_drafted_rows_match_on_the_gather_path_too(tiny_llama_dir, plain):
+    """Where the CPU decode kernel does not run (GPU, other dtypes), a drafted row is a k+1-token chunk."""
+    engine = make_engine(tiny_llama_dir, speculative=True)
+    engine.runner.paged_kernel = False
+    assert token_ids(engine.generate(PROMPTS, GREEDY)) == token_ids(plain.generate(PROMPTS, GREEDY))
+    assert engine.speculator.stats.num_accepted_tokens > 0
