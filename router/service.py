@@ -181,6 +181,7 @@ class OpenAIService:
             try:
                 body = (await self._complete(candidates, prompt_lengths, fmt)).model_dump()
             except BaseException as exc:
+                self._finished(candidates, trace, error=f"{type(exc).__name__}: {exc}")
                 record(exc)
                 raise
             self._finished(candidates, trace, body)
@@ -219,14 +220,16 @@ class OpenAIService:
             raise _failed(failed.error)
         return fmt.response(choices, usage(choices, prompt_lengths))
 
-    def _finished(self, candidates: list[Candidates], trace: Trace, body: dict | None = None) -> None:
-        """A request ended: its timelines go to the store, and into `body` when the client asked for them."""
+    def _finished(self, candidates: list[Candidates], trace: Trace, body: dict | None = None,
+                  error: str | None = None) -> None:
+        """A request that was placed ended (or failed: `error`): its timelines go to the store, so a failed
+        request shows how far it got, and into `body` when the client asked for them."""
         if trace.stored:
             return
         trace.stored = True
         timelines = [cand.request.timeline for cand in candidates]
         self.traces.add(trace.request_id, timelines)
-        end_request_span(trace.span, timelines)
+        end_request_span(trace.span, timelines, error)
         if trace.requested and body is not None:
             body["tandem"] = timeline_body(trace.request_id, timelines)
 
@@ -240,6 +243,7 @@ class OpenAIService:
         except BaseException as exc:
             await cancel(first)
             await _close(streams)
+            self._finished(candidates, trace, error=f"{type(exc).__name__}: {exc}")
             record(exc)
             raise
         events = self._events(candidates, streams, firsts, prompt_lengths, req, fmt, trace, record)

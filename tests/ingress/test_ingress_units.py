@@ -7,6 +7,7 @@ import pytest
 from router.admission import Admission
 from router.auth import Authenticator, cache_salt
 from router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from router.request_trace import Trace
 
 
 def test_tenants_get_distinct_salts_that_no_request_salt_can_forge():
@@ -108,7 +109,11 @@ def test_a_candidate_that_ends_in_error_gives_a_500_with_its_message_not_an_empt
 
     service = OpenAIService(ModelInfo("m", tokenizer.vocab_size, 512, 0), tokenizer, Authenticator({}), Admission(4),
                             FailingRequests(), block_size=16)
+    trace = Trace.from_headers({"X-Request-Id": "failed-1"})
     with pytest.raises(APIError) as raised:
-        asyncio.run(service.completions(b'{"model": "m", "prompt": "Hi"}', None))
+        asyncio.run(service.completions(b'{"model": "m", "prompt": "Hi"}', None, trace))
     assert raised.value.status == 500 and "decode-0 failed mid-stream" in raised.value.message
     assert service.admission.in_flight == 0
+    # The failed request's timeline is kept for `tandem trace`: it shows how far the request got.
+    [timeline] = service.traces.get("failed-1")
+    assert {"arrival", "validated", "tokenized"} <= set(timeline.times)
