@@ -122,10 +122,12 @@ def test_removing_every_sequence_empties_a_tree():
     sequences = [[1, 2, 3, 1, 2, 3, 4], [2, 3, 4, 5], [1, 1, 1, 1, 1, 1, 1, 1]]
     for tokens in sequences:
         tree.add(tokens)
-    assert tree.find([1, 2, 3]).count == 2 and tree.find([1, 1, 1, 1, 1]).count == 4
-    for tokens in sequences:
+    assert tree.counts[tree.find([1, 2, 3])] == 2 and tree.counts[tree.find([1, 1, 1, 1, 1])] == 4
+    for tokens in sequences[::-1]:
         tree.remove(tokens)
-    assert tree.num_nodes == 0 and not tree.root.children
+    assert tree.num_nodes == 0 and not tree.children[0]
+    tree.add(sequences[1])  # freed nodes are reused
+    assert tree.num_nodes == len(tree.counts) - 1 - len(tree.free) and tree.counts[tree.find([3, 4])] == 1
 
 
 @pytest.mark.parametrize("bad", [

@@ -17,12 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-class Node:
-    __slots__ = ("count", "children")
-
-    def __init__(self):
-        self.count = 0
-        self.children: dict[int, Node] = {}
+ROOT = 0
 
 
 class SuffixTree:
@@ -30,52 +25,70 @@ class SuffixTree:
 
     `extend` grows it with one sequence as that sequence grows (a request's tree); `current[i]` is then
     the node of the sequence's last i + 1 tokens. `add`/`remove` put a whole sequence in and take it out
-    again (the global trees), so counts and nodes go back exactly to what they were."""
+    again (the global trees), so counts and nodes go back exactly to what they were. Nodes are ids into
+    flat lists (children maps hold ints only, so the garbage collector never walks a tree)."""
 
-    __slots__ = ("max_depth", "root", "num_nodes", "current", "num_indexed")
+    __slots__ = ("max_depth", "counts", "children", "free", "current", "num_indexed")
 
     def __init__(self, max_depth: int):
         self.max_depth = max_depth
-        self.root = Node()
-        self.num_nodes = 0
-        self.current: list[Node] = []
+        self.counts: list[int] = [0]
+        self.children: list[dict[int, int]] = [{}]  # node -> {token: child}
+        self.free: list[int] = []  # ids of removed nodes, reused first
+        self.current: list[int] = []
         self.num_indexed = 0
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.counts) - len(self.free) - 1
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Index the tokens of the growing sequence `tokens` not indexed yet: O(max_depth) per token."""
         for token in tokens[self.num_indexed:]:
-            parents = [self.root, *self.current[:self.max_depth - 1]]
+            parents = [ROOT, *self.current[:self.max_depth - 1]]
             self.current = [self._child(parent, token, 1) for parent in parents]
         self.num_indexed = max(self.num_indexed, len(tokens))
 
     def add(self, tokens: Sequence[int], sign: int = 1) -> None:
         """Count every substring of `tokens` (sign -1: remove them again; nodes left at zero are freed)."""
         for start in range(len(tokens)):
-            node = self.root
+            node = ROOT
             path = tokens[start:start + self.max_depth]
             for depth, token in enumerate(path):
                 child = self._child(node, token, sign)
-                if child.count == 0:  # only this occurrence used it: the rest of the path is its alone
-                    del node.children[token]
-                    self.num_nodes -= len(path) - depth
+                if self.counts[child] == 0:  # only this occurrence used it: the rest of the path is its alone
+                    del self.children[node][token]
+                    self._free_chain(child, path[depth + 1:])
                     break
                 node = child
 
     def remove(self, tokens: Sequence[int]) -> None:
         self.add(tokens, -1)
 
-    def _child(self, node: Node, token: int, sign: int) -> Node:
-        child = node.children.get(token)
+    def _child(self, node: int, token: int, sign: int) -> int:
+        child = self.children[node].get(token)
         if child is None:
-            child = node.children[token] = Node()
-            self.num_nodes += 1
-        child.count += sign
+            if self.free:
+                child = self.free.pop()
+                self.counts[child], self.children[child] = 0, {}
+            else:
+                child = len(self.counts)
+                self.counts.append(0)
+                self.children.append({})
+            self.children[node][token] = child
+        self.counts[child] += sign
         return child
 
-    def find(self, pattern: Sequence[int]) -> Node | None:
-        node = self.root
+    def _free_chain(self, node: int, rest: Sequence[int]) -> None:
+        self.free.append(node)
+        for token in rest:
+            node = self.children[node][token]
+            self.free.append(node)
+
+    def find(self, pattern: Sequence[int]) -> int | None:
+        node: int | None = ROOT
         for token in pattern:
-            node = node.children.get(token)
+            node = self.children[node].get(token)
             if node is None:
                 return None
         return node
@@ -88,16 +101,17 @@ class DraftRule:
     max_spec_factor: float
     min_token_prob: float
 
-    def draft(self, node: Node, match_len: int, k: int, current: list[Node] | None) -> tuple[list[int], float]:
-        """The draft from the node of a matched pattern, and its score (expected tokens kept). `current`:
-        the request's own chain of end nodes, whose counts include the end, which nothing follows yet."""
+    def draft(self, tree: SuffixTree, node: int, match_len: int, k: int, own: bool) -> tuple[list[int], float]:
+        """The draft from the node of a matched pattern, and its score (expected tokens kept). `own`: the
+        tree is the request's, whose chain of end nodes counts the end, which nothing follows yet."""
         limit = min(k, math.ceil(self.max_spec_factor * match_len))
+        counts, current = tree.counts, tree.current
         tokens: list[int] = []
         score, prob, depth = 0.0, 1.0, match_len
-        while len(tokens) < limit and node.children:
-            seen = node.count - (current is not None and depth <= len(current) and current[depth - 1] is node)
-            token, child = max(node.children.items(), key=lambda item: item[1].count)
-            prob *= child.count / max(seen, child.count)
+        while len(tokens) < limit and tree.children[node]:
+            seen = counts[node] - (own and depth <= len(current) and current[depth - 1] == node)
+            token, child = max(tree.children[node].items(), key=lambda item: counts[item[1]])
+            prob *= counts[child] / max(seen, counts[child])
             if prob < self.min_token_prob:
                 break
             tokens.append(token)
@@ -112,9 +126,9 @@ def best_draft(rule: DraftRule, tree: SuffixTree, tokens: Sequence[int], k: int,
     best: tuple[list[int], float] = ([], 0.0)
     for match_len in range(min(tree.max_depth - 1, len(tokens)), 0, -1):
         node = tree.current[match_len - 1] if own else tree.find(tokens[len(tokens) - match_len:])
-        if node is None or not node.children:
+        if node is None or not tree.children[node]:
             continue
-        draft = rule.draft(node, match_len, k, tree.current if own else None)
+        draft = rule.draft(tree, node, match_len, k, own)
         if draft[1] > best[1]:
             best = draft
     return best
