@@ -1,17 +1,23 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding on the default model, in one run.
+"""Speculative decoding, n-gram prompt lookup and suffix decoding, against plain decoding on the default
+model, in one run.
 
 Workloads (issue 15): `repetitive` asks the chat model to repeat a given document with one edit (the
 output copies long runs of the prompt, where prompt lookup shines); `random` gives prompts of random
 token ids, sampled at temperature 1 with fixed seeds (drafts rarely match; adaptive speculation should
-switch itself off; greedy, the small model would fall into loops that lookup predicts). Each runs single
-stream and at batch 8, up to `--output-len` tokens. Both sides run on ONE engine (the same weights, warm-up
-and step-cost measurements): the baseline's requests opt out (`speculative=False`), the others follow the
-engine's default (adaptive n-gram, k = 4). Each round runs both sides (which goes first alternates) with the
-prefix cache reset before each, so both see the same machine load; the ratio within a round is the number to trust.
+switch itself off; greedy, the small model would fall into loops that lookup predicts); `repeated` asks
+the same templated task (a form letter for a different customer) that HISTORY earlier requests asked
+just before (greedy; they run unmeasured before each side, so suffix decoding's global tree holds their
+outputs, as in an agentic loop). Each runs single stream and at batch 8, up to `--output-len` tokens. All
+sides run on ONE engine (the same weights, warm-up and step-cost measurements), its speculator swapped
+per side: the baseline's requests opt out (`speculative=False`), the others follow the engine's default
+(adaptive, k = 4) with method ngram or suffix. Each suffix run has its own cache salt, so its global tree
+holds only that run's history, never an earlier round's outputs. Each round runs every side (the order
+reverses every other round) with the prefix cache reset before each, so all see the same machine load;
+the ratios within a round are the numbers to trust.
 
 Decode tokens/s counts the tokens after the first over the time from the first token to the last (the
 whole batch's, at batch 8); ITL is the mean gap between a request's tokens (several tokens of one
-verified draft arrive together, so ITL is the mean over tokens, not over steps). The outputs of the two
+verified draft arrive together, so ITL is the mean over tokens, not over steps). The outputs of all
 sides are compared token for token (greedy, and seeded sampling too: each emitted token takes one draw).
 
 Run: flock -w 1800 /tmp/tandem-bench.lock .venv/bin/python bench/spec_decode.py --repeat 2
@@ -32,6 +38,7 @@ import torch  # noqa: E402
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.spec_decode import SpeculativeConfig  # noqa: E402
+from engine.spec_decode.speculator import Speculator  # noqa: E402
 
 DOCUMENT = """The harbour town of Ardmore sits at the mouth of a narrow river. Every morning the fishing boats
 leave before sunrise and return in the early afternoon, when the market opens on the stone quay. The
@@ -56,17 +63,47 @@ def repetitive_prompts(engine: Engine, n: int) -> list[list[int]]:
     return prompts
 
 
+CUSTOMERS = ["Maria Lopez", "John Smith", "Aiko Tanaka", "Peter Novak", "Fatima Khan", "Liam Walsh",
+             "Chen Wei", "Olga Ivanova", "Samuel Okafor", "Emma Dubois", "Noah Berg", "Sofia Rossi"]
+LETTER = ("Write the standard delivery-delay letter to our customer {name}. Use exactly this template, "
+          "filling in the name:\n\nDear {{name}},\nWe are sorry to tell you that your order has been delayed "
+          "by our warehouse. It will now arrive within five working days. We have refunded the delivery "
+          "charge to your account, and you do not need to do anything. If you have any questions, reply to "
+          "this letter or call our service desk, which is open every day from eight to eight.\nKind regards,"
+          "\nThe customer service team")
+HISTORY = 4  # earlier requests of the repeated task, run (unmeasured) before each side
+
+
+def repeated_prompts(engine: Engine, n: int, offset: int = HISTORY) -> list[list[int]]:
+    names = CUSTOMERS[offset:offset + n] if offset + n <= len(CUSTOMERS) else [f"Customer {i}" for i in range(n)]
+    return [engine.apply_chat_template([{"role": "user", "content": LETTER.format(name=name)}]) for name in names]
+
+
 def random_prompts(engine: Engine, n: int, length: int = 128) -> list[list[int]]:
     rng = random.Random(1)
     return [[rng.randrange(3, engine.runner.vocab_size) for _ in range(length)] for _ in range(n)]
 
 
-def run(engine: Engine, prompts: list[list[int]], temperature: float, speculative: bool, output_len: int) -> dict:
-    """Decode tokens/s and mean ITL of one batch, and its outputs."""
+def use(engine: Engine, speculator: Speculator) -> None:
+    engine.config.speculative_config, engine.speculator = speculator.config, speculator
+
+
+def run(engine: Engine, prompts: list[list[int]], temperature: float, speculative: bool, output_len: int,
+        history: list[list[int]]) -> dict:
+    """Decode tokens/s and mean ITL of one batch (after the unmeasured `history` requests), and its outputs."""
     engine.block_manager.reset_prefix_cache()
-    reqs = [engine.add_request(f"{'s' if speculative else 'p'}-{time.monotonic_ns()}-{i}", p, SamplingParams(
-        temperature=temperature, seed=i, max_tokens=output_len, speculative=None if speculative else False))
-            for i, p in enumerate(prompts)]
+    salt = f"run-{time.monotonic_ns()}"
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(temperature=temperature, seed=i, max_tokens=output_len,
+                              speculative=None if speculative else False)
+    if history:
+        for i, p in enumerate(history):
+            engine.add_request(f"h-{salt}-{i}", p, params(i), cache_salt=salt)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.block_manager.reset_prefix_cache()
+    reqs = [engine.add_request(f"{salt}-{i}", p, params(i), cache_salt=salt) for i, p in enumerate(prompts)]
     gaps: list[float] = []
     seen = {r.request_id: (0, None) for r in reqs}
     while engine.has_unfinished_requests():
@@ -92,30 +129,41 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=160)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--workloads", default="repetitive,random,repeated")
     args = parser.parse_args()
-    engine = Engine(EngineConfig(model=args.model, speculative_config=SpeculativeConfig(
-        num_speculative_tokens=args.num_speculative_tokens)))
+    configs = {m: SpeculativeConfig(method=m, num_speculative_tokens=args.num_speculative_tokens)
+               for m in ("ngram", "suffix")}
+    engine = Engine(EngineConfig(model=args.model, speculative_config=configs["ngram"]))
     engine.warm_up()
+    speculators = {"ngram": engine.speculator, "suffix": Speculator(configs["suffix"], engine)}
     print(f"threads={torch.get_num_threads()} k={args.num_speculative_tokens} output_len={args.output_len}")
-    print(f"{'workload':<11} {'batch':>5} {'round':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
-          f"{'plain ITL':>9} {'spec ITL':>8} {'accepted/draft':>14} {'same':>5}")
-    for workload, make, temperature in (("repetitive", repetitive_prompts, 0.0), ("random", random_prompts, 1.0)):
+    print(f"{'workload':<11} {'batch':>5} {'round':>5} {'plain tok/s':>11} {'ngram':>6} {'suffix':>6} "
+          f"{'ngram x':>7} {'suffix x':>8} {'plain ITL':>9} {'ngram ITL':>9} {'suffix ITL':>10} "
+          f"{'ngram acc/draft':>15} {'suffix acc/draft':>16} {'same':>5}")
+    workloads = {"repetitive": (repetitive_prompts, 0.0), "random": (random_prompts, 1.0),
+                 "repeated": (repeated_prompts, 0.0)}
+    for workload in args.workloads.split(","):
+        make, temperature = workloads[workload]
+        history = repeated_prompts(engine, HISTORY, offset=0) if workload == "repeated" else []
         for batch in (1, 8):
             prompts = make(engine, batch)
             for round_ in range(args.repeat):
-                before = engine.speculator.stats.copy()
-                if round_ % 2:  # alternate which side runs first
-                    plain = run(engine, prompts, temperature, False, args.output_len)
-                spec = run(engine, prompts, temperature, True, args.output_len)
-                if not round_ % 2:
-                    plain = run(engine, prompts, temperature, False, args.output_len)
-                after = engine.speculator.stats
-                drafted = after.num_draft_tokens - before.num_draft_tokens
-                accepted = after.num_accepted_tokens - before.num_accepted_tokens
-                print(f"{workload:<11} {batch:>5} {round_:>5} {plain['tokens_per_s']:>11.1f} "
-                      f"{spec['tokens_per_s']:>10.1f} {spec['tokens_per_s'] / plain['tokens_per_s']:>6.2f} "
-                      f"{plain['itl_ms']:>9.1f} {spec['itl_ms']:>8.1f} {f'{accepted}/{drafted}':>14} "
-                      f"{str(spec['outputs'] == plain['outputs']):>5}")
+                sides = ["plain", "ngram", "suffix"]
+                results, accepted = {}, {}
+                for side in sides if round_ % 2 == 0 else sides[::-1]:
+                    use(engine, speculators["suffix" if side == "suffix" else "ngram"])
+                    before = engine.speculator.stats.copy()
+                    results[side] = run(engine, prompts, temperature, side != "plain", args.output_len, history)
+                    after = engine.speculator.stats
+                    accepted[side] = (f"{after.num_accepted_tokens - before.num_accepted_tokens}/"
+                                      f"{after.num_draft_tokens - before.num_draft_tokens}")
+                rate = {side: results[side]["tokens_per_s"] for side in sides}
+                itl = {side: results[side]["itl_ms"] for side in sides}
+                same = results["ngram"]["outputs"] == results["plain"]["outputs"] == results["suffix"]["outputs"]
+                print(f"{workload:<11} {batch:>5} {round_:>5} {rate['plain']:>11.1f} {rate['ngram']:>6.1f} "
+                      f"{rate['suffix']:>6.1f} {rate['ngram'] / rate['plain']:>7.2f} "
+                      f"{rate['suffix'] / rate['plain']:>8.2f} {itl['plain']:>9.1f} {itl['ngram']:>9.1f} "
+                      f"{itl['suffix']:>10.1f} {accepted['ngram']:>15} {accepted['suffix']:>16} {str(same):>5}")
 
 
 if __name__ == "__main__":

@@ -58,20 +58,23 @@ class EngineOptions(_Strict):
 class SpeculativeOptions(_Strict):
     """Speculative decoding in the decode pool (vLLM's `speculative_config`): requests that do not opt out
     (`"speculative": false` in the body) draft up to `num_speculative_tokens` by prompt lookup (`ngram`), or
-    with `draft_model` by `model`, a smaller HF model directory of the same tokenizer."""
-    method: Literal["ngram", "draft_model"] = "ngram"
+    with `draft_model` by `model`, a smaller HF model directory of the same tokenizer, or with `suffix` from
+    suffix trees over the request's tokens and earlier outputs of its cache salt (`suffix_decoding_*`)."""
+    method: Literal["ngram", "draft_model", "suffix"] = "ngram"
     model: str | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     prompt_lookup_min: int = Field(2, ge=1, le=16)
     prompt_lookup_max: int = Field(4, ge=1, le=16)
     adaptive: bool = True
+    suffix_decoding_max_tree_depth: int = Field(24, ge=2, le=64)
+    suffix_decoding_max_cached_requests: int = Field(1000, ge=0)
+    suffix_decoding_max_tree_nodes: int = Field(500_000, ge=1)
+    suffix_decoding_max_spec_factor: float = Field(1.0, gt=0)
+    suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1)
 
     @model_validator(mode="after")
-    def _lookup_range(self) -> SpeculativeOptions:
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError("method draft_model needs model (a draft model directory), and only it takes one")
+    def _consistent(self) -> SpeculativeOptions:
+        self.engine_config()  # the engine's own checks across fields (a ValueError names the fields)
         return self
 
     def engine_config(self) -> SpeculativeConfig:

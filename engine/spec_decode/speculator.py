@@ -34,6 +34,7 @@ from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram import NgramIndex, NgramProposer
 from engine.spec_decode.stats import SpecDecodeStats
+from engine.spec_decode.suffix import SuffixProposer, SuffixTree
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -49,9 +50,9 @@ PRIOR_CONTEXT = 512  # the context whose prefill speed prices a draft token befo
 
 @dataclass(slots=True)
 class SpecState:
-    """One request's speculation: its n-gram index (method ngram), measured acceptance, and a guess it did
-    not draft."""
-    index: NgramIndex | None
+    """One request's speculation: its n-gram index (method ngram) or suffix tree (method suffix), measured
+    acceptance, and a guess it did not draft."""
+    index: NgramIndex | SuffixTree | None
     acceptance: float = PRIOR_ACCEPTANCE
     shadow: int | None = None
 
@@ -70,7 +71,9 @@ def num_drafts(acceptance: float, threshold: float, max_k: int) -> int:
 
 
 def new_spec_state(config: SpeculativeConfig) -> SpecState:
-    return SpecState(NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max) if config.method == "ngram" else None)
+    if config.method == "ngram":
+        return SpecState(NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max))
+    return SpecState(SuffixTree(config.suffix_decoding_max_tree_depth) if config.method == "suffix" else None)
 
 
 class Speculator:
@@ -82,8 +85,10 @@ class Speculator:
         self.stats = SpecDecodeStats()
         self.token_cost_s: float | None = None  # measured seconds one more query token adds to a forward
         self.draft_model = config.method == "draft_model"
-        self.proposer = (DraftModelProposer(config, engine.config, engine.block_manager.num_blocks)
-                         if self.draft_model else NgramProposer())
+        if self.draft_model:
+            self.proposer = DraftModelProposer(config, engine.config, engine.block_manager.num_blocks)
+        else:
+            self.proposer = SuffixProposer(config) if config.method == "suffix" else NgramProposer()
 
     # ---- before the step ------------------------------------------------------------------------
 
@@ -141,7 +146,12 @@ class Speculator:
             plain_logits = logits if len(plain_rows) == len(logits) else logits[plain_rows]
             outputs = self.engine._sample(plain, force_reasoning_end(plain_logits, plain))
             self._check_shadows(plain)
-        return outputs + [self._verify(req, rows) for req, rows in drafted]
+        outputs += [self._verify(req, rows) for req, rows in drafted]
+        if isinstance(self.proposer, SuffixProposer):
+            for req in sampled:
+                if req.spec is not None and req.finish_reason in ("stop", "length"):
+                    self.proposer.finished(req)
+        return outputs
 
     def _verify(self, req: Request, rows: torch.Tensor) -> RequestOutput:
         engine, bm = self.engine, self.engine.block_manager
