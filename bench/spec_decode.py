@@ -5,9 +5,9 @@ Workloads (issue 15): `repetitive` asks the chat model to repeat a given documen
 output copies long runs of the prompt, where prompt lookup shines); `random` gives prompts of random
 token ids, sampled at temperature 1 with fixed seeds (drafts rarely match; adaptive speculation should
 switch itself off; greedy, the small model would fall into loops that lookup predicts); `repeated` asks
-the same templated task (a form letter for a different customer) that HISTORY earlier requests asked
-just before (greedy; they run unmeasured before each side, so suffix decoding's global tree holds their
-outputs, as in an agentic loop). Each runs single stream and at batch 8, up to `--output-len` tokens. All
+the same support question (under another ticket number) that HISTORY earlier requests asked just before
+(greedy; they run unmeasured before each side, so suffix decoding's global tree holds their outputs, as
+in an agentic loop or a support queue). Each runs single stream and at batch 8, up to `--output-len` tokens. All
 sides run on ONE engine (the same weights, warm-up and step-cost measurements), its speculator swapped
 per side: the baseline's requests opt out (`speculative=False`), the others follow the engine's default
 (adaptive, k = 4) with method ngram or suffix. Each suffix run has its own cache salt, so its global tree
@@ -63,20 +63,16 @@ def repetitive_prompts(engine: Engine, n: int) -> list[list[int]]:
     return prompts
 
 
-CUSTOMERS = ["Maria Lopez", "John Smith", "Aiko Tanaka", "Peter Novak", "Fatima Khan", "Liam Walsh",
-             "Chen Wei", "Olga Ivanova", "Samuel Okafor", "Emma Dubois", "Noah Berg", "Sofia Rossi"]
-LETTER = ("Write the standard delivery-delay letter to our customer {name}. Use exactly this template, "
-          "filling in the name:\n\nDear {{name}},\nWe are sorry to tell you that your order has been delayed "
-          "by our warehouse. It will now arrive within five working days. We have refunded the delivery "
-          "charge to your account, and you do not need to do anything. If you have any questions, reply to "
-          "this letter or call our service desk, which is open every day from eight to eight.\nKind regards,"
-          "\nThe customer service team")
+QUESTION = ("Ticket {ticket}. A customer asks: how do I reset my password on the website? Answer in five short "
+            "numbered steps.")
 HISTORY = 4  # earlier requests of the repeated task, run (unmeasured) before each side
 
 
 def repeated_prompts(engine: Engine, n: int, offset: int = HISTORY) -> list[list[int]]:
-    names = CUSTOMERS[offset:offset + n] if offset + n <= len(CUSTOMERS) else [f"Customer {i}" for i in range(n)]
-    return [engine.apply_chat_template([{"role": "user", "content": LETTER.format(name=name)}]) for name in names]
+    """The same support question under different ticket numbers: the answer is not in the prompt (prompt
+    lookup has little to copy), but earlier tickets were answered alike."""
+    return [engine.apply_chat_template([{"role": "user", "content": QUESTION.format(ticket=4711 + offset + i)}])
+            for i in range(n)]
 
 
 def random_prompts(engine: Engine, n: int, length: int = 128) -> list[list[int]]:
@@ -103,6 +99,7 @@ def run(engine: Engine, prompts: list[list[int]], temperature: float, speculativ
         while engine.has_unfinished_requests():
             engine.step()
         engine.block_manager.reset_prefix_cache()
+    before = engine.speculator.stats.copy()
     reqs = [engine.add_request(f"{salt}-{i}", p, params(i), cache_salt=salt) for i, p in enumerate(prompts)]
     gaps: list[float] = []
     seen = {r.request_id: (0, None) for r in reqs}
@@ -119,8 +116,11 @@ def run(engine: Engine, prompts: list[list[int]], temperature: float, speculativ
     first = min(r.times.first_token for r in reqs)
     last = max(r.times.last_token for r in reqs)
     tokens = sum(r.num_output_tokens - 1 for r in reqs)
+    after = engine.speculator.stats
     return {"tokens_per_s": tokens / (last - first), "itl_ms": 1000 * statistics.mean(gaps),
-            "outputs": [r.output_token_ids for r in reqs]}
+            "outputs": [r.output_token_ids for r in reqs],
+            "accepted": f"{after.num_accepted_tokens - before.num_accepted_tokens}/"
+                        f"{after.num_draft_tokens - before.num_draft_tokens}"}
 
 
 def main() -> None:
@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--workloads", default="repetitive,random,repeated")
+    parser.add_argument("--batches", default="1,8")
     args = parser.parse_args()
     configs = {m: SpeculativeConfig(method=m, num_speculative_tokens=args.num_speculative_tokens)
                for m in ("ngram", "suffix")}
@@ -145,18 +146,15 @@ def main() -> None:
     for workload in args.workloads.split(","):
         make, temperature = workloads[workload]
         history = repeated_prompts(engine, HISTORY, offset=0) if workload == "repeated" else []
-        for batch in (1, 8):
+        for batch in map(int, args.batches.split(",")):
             prompts = make(engine, batch)
             for round_ in range(args.repeat):
                 sides = ["plain", "ngram", "suffix"]
-                results, accepted = {}, {}
+                results = {}
                 for side in sides if round_ % 2 == 0 else sides[::-1]:
                     use(engine, speculators["suffix" if side == "suffix" else "ngram"])
-                    before = engine.speculator.stats.copy()
                     results[side] = run(engine, prompts, temperature, side != "plain", args.output_len, history)
-                    after = engine.speculator.stats
-                    accepted[side] = (f"{after.num_accepted_tokens - before.num_accepted_tokens}/"
-                                      f"{after.num_draft_tokens - before.num_draft_tokens}")
+                accepted = {side: results[side]["accepted"] for side in sides}
                 rate = {side: results[side]["tokens_per_s"] for side in sides}
                 itl = {side: results[side]["itl_ms"] for side in sides}
                 same = results["ngram"]["outputs"] == results["plain"]["outputs"] == results["suffix"]["outputs"]
