@@ -269,8 +269,7 @@ class ClusterController:
     def _restart_stalled(self, pool: WorkerPool, info: WorkerInfo) -> None:
         """A worker that answers but whose engine loop is stuck would hold its requests for ever: end its
         process so Ray restarts it in place and its streams migrate."""
-        with self.lock:
-            self._record(pool.pool, "stalled", info.worker_id, info.stalled)
+        self._record(pool.pool, "stalled", info.worker_id, info.stalled)
         logger.error("restarting %s: %s", info.worker_id, info.stalled)
         info.stalled = None
         try:
