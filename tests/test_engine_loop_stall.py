@@ -10,6 +10,7 @@ import pytest
 
 from engine.engine_loop import EngineLoop
 from engine.serving import EngineServer, WorkerStalled
+from tests.pool_helpers import wait_for
 
 
 class IdleEngine:
@@ -17,13 +18,8 @@ class IdleEngine:
         return False
 
 
-def wait_until(predicate, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+def wait_until(predicate) -> bool:
+    return wait_for(predicate, timeout_s=30.0, interval_s=0.01)
 
 
 def test_an_idle_loop_is_not_stalled():
