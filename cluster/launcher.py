@@ -103,7 +103,7 @@ class _StopOnSignal:
         self.say(f"stopping now ({reason}): killing the local Ray instance" if self.marker else
                  f"stopping now ({reason}); the application may still run on the Ray cluster")
         if self.marker:
-            kill_marked(self.marker)
+            kill_marked(self.marker, root=os.getpid())
         os._exit(1)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.local_ray_watchdog import kill_marked, marked_processes
+from cluster.local_ray_watchdog import Family, family, kill_marked
 from tests.test_cli import free_port
 
 RUN_ENV = "TANDEM_TEST_RUN"
@@ -46,8 +46,14 @@ class Server:
         """The log without the lines Ray forwards from its actors ("(Name pid=...) ...")."""
         return "\n".join(line for line in self.output().splitlines() if not RAY_LINE.match(line))
 
-    def ray_processes(self) -> list[str]:
-        return [_cmdline(pid) for pid in marked_processes(self.run, RUN_ENV)]
+    def family(self) -> Family:
+        """Its live descendants and every process carrying the run's marker (a process that sets its
+        title, as Ray's agents do, may have overwritten the marker /proc shows: the tree finds it)."""
+        return family(self.run, RUN_ENV, root=self.process.pid)
+
+    def leftovers(self, recorded: Family) -> list[str]:
+        """What still runs of `recorded` or carries the run's marker."""
+        return [_cmdline(pid) for pid in family(self.run, RUN_ENV, known=recorded)]
 
 
 class Relay:
@@ -90,6 +96,8 @@ class Relay:
         """Send a signal the way `send` does to a server that just served; returns the seconds it took to
         exit; asserts nothing of its Ray instance remains."""
         server = self.serving()
+        recorded = server.family()
+        assert any("DashboardAgent" in _cmdline(pid) for pid in recorded), [_cmdline(p) for p in recorded]
         started = time.monotonic()
         send(server.process.pid)
         try:
@@ -103,9 +111,9 @@ class Relay:
             assert "tandem: stopping" in output and "tandem: stopped" in output, output
             assert "Traceback" not in server.own_output(), output
         deadline = time.monotonic() + LEFTOVER_BOUND_S
-        while server.ray_processes() and time.monotonic() < deadline:
+        while server.leftovers(recorded) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert server.ray_processes() == [], "outlived tandem serve"
+        assert server.leftovers(recorded) == [], "outlived tandem serve"
         self.server = None
         return took
 
