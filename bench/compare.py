@@ -10,7 +10,10 @@ Cases, each server fresh (started and stopped here, one at a time, each under
   b. tandem disaggregated against colocated on the long-prompt-burst mix: the short requests' ITL
      while long prompts arrive;
   c. prefix-aware routing against round-robin with two decode workers on the prefix-repetition set:
-     TTFT and prefix hit rate (from the server's vllm:prefix_cache_* counters).
+     TTFT and prefix hit rate (from the server's vllm:prefix_cache_* counters). Both arms run with the
+     same KV cache per worker, sized so that one worker holds only --prefix-cache-share of the prefixes
+     (two hold them all): the working set of a real deployment outgrows one worker's cache, and that is
+     where routing matters. --prefix-cache-share 0 keeps the default cache, which holds every prefix.
 Writes compare.json, plots and summary.md under bench/results/<timestamp>/ and prints the tables.
 """
 from __future__ import annotations
@@ -172,18 +175,37 @@ def case_b(cfg) -> list[dict]:
 
 def case_c(cfg) -> list[dict]:
     argv = ["--dataset", "prefix-repetition", "--num-prompts", str(cfg.num_prompts), "--disable-tqdm",
-            "--prefix-num-prefixes", str(cfg.num_prefixes)]
+            "--prefix-num-prefixes", str(cfg.num_prefixes), "--prefix-len", str(cfg.prefix_len)]
     # Colocated: each decode worker prefills its own requests, so where a request goes decides
     # whether its prefix is already cached (one shared prefill worker would hide the routing).
     flags = ["--colocated", "--decode", "2"]
-    runs = [run_case(tandem("tandem-prefix-aware", *flags), argv, cfg.prefix_rates, cfg.seed + 200, cfg.out)]
-    config = cfg.round_robin_config
-    if config is None:
-        config = cfg.out / "round-robin.yaml"
-        config.write_text(ROUND_ROBIN_YAML)
-    rr = tandem("tandem-round-robin", *flags, "--config", str(config))
-    runs.append(run_case(rr, argv, cfg.prefix_rates, cfg.seed + 200, cfg.out))
+    blocks = prefix_case_blocks(cfg.num_prefixes, cfg.prefix_len, cfg.prefix_cache_share)
+    engine = f"engine: {{num_kv_blocks: {blocks}}}\n" if blocks else ""
+    configs = {"tandem-prefix-aware": engine or None, "tandem-round-robin": engine + ROUND_ROBIN_YAML}
+    if cfg.round_robin_config is not None:
+        configs["tandem-round-robin"] = cfg.round_robin_config.read_text()
+    runs = []
+    for name, text in configs.items():
+        extra = []
+        if text:
+            path = cfg.out / f"{name}.yaml"
+            path.write_text(text)
+            extra = ["--config", str(path)]
+        runs.append(run_case(tandem(name, *flags, *extra), argv, cfg.prefix_rates, cfg.seed + 200, cfg.out))
+        runs[-1]["num_kv_blocks"] = blocks or "default"
     return runs
+
+
+def prefix_case_blocks(num_prefixes: int, prefix_len: int, share: float | None, block_size: int = 16,
+                       headroom_blocks: int = 64) -> int | None:
+    """KV blocks per decode worker for case c: room for `share` of the prefixes' blocks plus headroom
+    for the requests in flight. With share < 1 no worker can hold every prefix, which is where routing
+    matters (each of two workers holds its half under prefix-aware routing, round-robin spreads every
+    prefix over both); None (share 0 or unset): the default cache, which holds them all."""
+    if not share:
+        return None
+    prefix_blocks = num_prefixes * -(-prefix_len // block_size)
+    return max(2, int(share * prefix_blocks) + headroom_blocks)
 
 
 # ---- report --------------------------------------------------------------------------------------------
@@ -238,14 +260,17 @@ def table_b(servers: list[dict]) -> str:
 
 
 def table_c(servers: list[dict]) -> str:
-    rows = ["| routing | rate | TTFT p50 / p99 | prefix hit rate | failed |", "|---|---|---|---|---|"]
+    rows = ["| routing | KV blocks per worker | rate | TTFT p50 / p99 | prefix hit rate | failed |",
+            "|---|---|---|---|---|---|"]
     for srv in servers:
+        blocks = srv.get("num_kv_blocks", "default")
         if srv.get("error"):
-            rows.append(f"| {srv['server']} | – | {srv['error']} | | |")
+            rows.append(f"| {srv['server']} | {blocks} | – | {srv['error']} | | |")
         for run in srv["runs"]:
             s, hit = run["summary"], run["server_counters"].get("prefix_hit_rate")
-            rows.append(f"| {srv['server']} | {run['request_rate']:g} | {_ms(s['ttft_ms'], 'median', 'p99')} | "
-                        f"{'n/a' if hit is None else f'{hit:.1%}'} | {s['failed']} |")
+            rows.append(f"| {srv['server']} | {blocks} | {run['request_rate']:g} | "
+                        f"{_ms(s['ttft_ms'], 'median', 'p99')} | {'n/a' if hit is None else f'{hit:.1%}'} | "
+                        f"{s['failed']} |")
     return "\n".join(rows)
 
 
@@ -274,7 +299,11 @@ def parse_args(argv=None):
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--burst-every", type=int, default=8)
     p.add_argument("--long-input-len", type=int, default=1536)
-    p.add_argument("--num-prefixes", type=int, default=4)
+    p.add_argument("--num-prefixes", type=int, default=8)
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--prefix-cache-share", type=float, default=0.6,
+                   help="case c: each decode worker's KV cache holds this share of all prefixes' blocks "
+                        "(plus in-flight headroom); 0: the default cache, which holds every prefix")
     p.add_argument("--seed", type=int, default=int(time.time()) % 100000,
                    help="default: from the clock, so a rerun never hits the last run's cached prefixes")
     p.add_argument("--round-robin-config", type=Path,
@@ -284,6 +313,7 @@ def parse_args(argv=None):
     if cfg.smoke:
         cfg.rates, cfg.burst_rates, cfg.prefix_rates = [1.0], [1.0], [1.0]
         cfg.num_prompts, cfg.burst_every, cfg.long_input_len, cfg.num_prefixes = 8, 3, 768, 2
+        cfg.prefix_len = 128
     cfg.out = cfg.result_dir / time.strftime("%Y%m%d-%H%M%S")
     cfg.out.mkdir(parents=True, exist_ok=True)
     return cfg

@@ -64,6 +64,14 @@ def test_prefix_repetition_shares_each_prefix_across_its_suffixes():
     assert len(prefixes) == 3
 
 
+def test_case_c_cache_holds_a_share_of_the_prefixes_so_no_worker_holds_them_all():
+    from bench.compare import prefix_case_blocks
+    blocks = prefix_case_blocks(num_prefixes=8, prefix_len=512, share=0.6)
+    assert blocks == int(0.6 * 8 * 32) + 64  # 8 prefixes of 32 blocks each
+    assert blocks - 64 < 8 * 32 <= 2 * (blocks - 64)  # one worker cannot hold them all, two can
+    assert prefix_case_blocks(8, 512, share=0) is None  # the default cache
+
+
 def test_multi_turn_counts_turns_as_prompts():
     sessions = serve_data.multi_turn_sessions(SPACE, 10, turns=4, user_len=16, output_len=8, seed=0)
     assert [len(s.turns) for s in sessions] == [4, 4, 2]
