@@ -61,9 +61,11 @@ def test_the_controller_killed_under_load_comes_back_with_its_workers_and_scales
         await asyncio.sleep(2.0)  # the load keeps running on the adopted workers
         steps["up"] = await controller.scale.remote("decode", 2)
         new = {w.worker_id: w.actor for w in (await controller.membership.remote()).workers}[steps["up"].added[0]]
-        await wait_until(lambda: has_served(new))  # the ingress routes to workers the new controller adds
+        # The ingress routes to workers the new controller adds (on a loaded machine the restart and the
+        # scale-up take minutes, so the load must run on until then: its bound is the stop, not a count).
+        await wait_until(lambda: has_served(new), timeout_s=180)
 
-    client = under_load(app, operations, seed=21, max_tokens=(16, 48))
+    client = under_load(app, operations, seed=21, max_tokens=(16, 48), max_requests=5000)
     assert failures(client.outcomes) == []
     assert len(client.outcomes) >= 20
     assert steps["after"] == before  # the same workers, same ids
