@@ -166,7 +166,7 @@ class DecodeWorker(EngineServer):
 
     async def stats(self) -> WorkerStats:
         stats = await super().stats()
-        stats.kv_pull_gbps = self.pull_speed.gbps
+        stats.kv_pull_gbps, stats.kv_pull_latency_s = self.pull_speed.gbps, self.pull_speed.latency_s
         return stats
 
     def transfer_stats(self) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,6 +146,12 @@ class PinnedCores:
         self._states: dict[Core, int] = {}  # read-only fds of other owners' lock files
         if self.owned:
             pin_threads(self.cpus())
+
+    @property
+    def node_key(self) -> str:
+        """Which cores this worker shares with its neighbours: its host and core-lock directory ("" when it
+        owns none). Workers with one key lend to and borrow from each other."""
+        return f"{socket.gethostname()}:{self.directory}" if self.owned else ""
 
     @property
     def threads(self) -> int:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.stats import SpecDecodeStats
-from engine.step_costs import PRIOR_KV_PULL_GBPS, StepCosts
+from engine.step_costs import PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, StepCosts
 from engine.timeline import RequestTimeline
 
 
@@ -113,7 +113,8 @@ class WorkerStats:
     # What the worker measures, for placement against the SLOs (engine/step_costs.py).
     step_costs: StepCosts = field(default_factory=StepCosts)
     kv_bytes_per_token: int = 0
-    kv_pull_gbps: float = PRIOR_KV_PULL_GBPS  # a decode worker's pulls
+    kv_pull_gbps: float = PRIOR_KV_PULL_GBPS  # a decode worker's pulls: bandwidth and fixed cost
+    kv_pull_latency_s: float = PRIOR_KV_PULL_LATENCY_S
     spec_decode: SpecDecodeStats | None = None  # None until a request speculated on this worker
 
     @property

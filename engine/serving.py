@@ -112,6 +112,9 @@ class EngineServer:
             costs = counters["step_costs"]
             costs.own_threads = self.cores.own_threads
             costs.borrow_threads = self.cores.threads_if_borrowing_now()
+            costs.cpu_node = self.cores.node_key
+            costs.lend_threads = self.cores.own_threads if self.cores.binding.lend else 0
+            costs.borrows = self.cores.binding.borrow
         return counters
 
     async def kv_events(self, after_seq: int, timeout_s: float = 1.0) -> KVEventsReply:

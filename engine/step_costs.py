@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 PRIOR_PREFILL_TOKENS_PER_S = 500.0
 PRIOR_DECODE_STEP_S = 0.05
 PRIOR_KV_PULL_GBPS = 1.0  # DESIGN §3: gRPC streaming moves ~1 GB/s on loopback
+PRIOR_KV_PULL_LATENCY_S = 0.005  # a pull's fixed cost (calls, lease, first chunk) before it is measured
+LARGE_PULL_BYTES = 4 << 20  # pulls at least this big measure bandwidth; smaller ones, latency
 # Until a worker has measured a forward on borrowed cores: the speed-up per thread it adds, of a perfect
 # one. Measured on the dev box: a 256-token SmolLM2 prefill on 2 threads ran 1.77x its 1-thread speed.
 PRIOR_BORROW_EFFICIENCY = 0.85
@@ -31,13 +33,17 @@ def bucket(n: float) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
-def _nearest(table: dict[int, float], key: int) -> float | None:
-    """The value of the bucket nearest `key` in log scale; the larger bucket on a tie (the slower one)."""
+def _nearest(table: dict[int, float], key: int, within: int | None = None) -> float | None:
+    """The value of the bucket nearest `key` in log scale; the larger bucket on a tie (the slower one).
+    None when the table is empty, or when the nearest bucket is more than `within` buckets away."""
     if not table:
         return None
     if key in table:
         return table[key]
-    return table[min(table, key=lambda b: (abs(math.log2(b) - math.log2(key)), -b))]
+    nearest = min(table, key=lambda b: (abs(math.log2(b) - math.log2(key)), -b))
+    if within is not None and abs(math.log2(nearest) - math.log2(key)) > within:
+        return None
+    return table[nearest]
 
 
 @dataclass(slots=True)
@@ -52,6 +58,13 @@ class StepCosts:
     borrowed_prefill_tokens_per_s: dict[int, float] = field(default_factory=dict)
     own_threads: int = 1
     borrow_threads: int = 0
+    # Who lends to whom, so the router can tell from its own live view of the decode workers whether cores
+    # are lent right now (a stats snapshot taken while a lender was busy goes stale at once): the pinned
+    # worker's node (host and core-lock directory; "" when not pinned), the threads a decode worker lends
+    # while idle, and whether a prefill worker borrows.
+    cpu_node: str = ""
+    lend_threads: int = 0
+    borrows: bool = False
 
     def observe(self, num_decodes: int, prefill_tokens: int, prefill_context: int, seconds: float,
                 borrowed: bool = False) -> None:
@@ -81,12 +94,16 @@ class StepCosts:
 
     def prefill_speed(self, context: int, borrowing: bool = False) -> float:
         """Prompt tokens per second for chunks ending at about `context` tokens; with `borrowing`, on the
-        cores lent now as well (measured, or the own speed scaled by PRIOR_BORROW_EFFICIENCY)."""
+        cores lent now as well (measured within a factor of two of `context`, else the own speed scaled by
+        PRIOR_BORROW_EFFICIENCY)."""
         measured = _nearest(self.prefill_tokens_per_s, bucket(context))
         own = PRIOR_PREFILL_TOKENS_PER_S if measured is None else measured
         if not borrowing:
             return own
-        borrowed = _nearest(self.borrowed_prefill_tokens_per_s, bucket(context))
+        # Only a measurement at about this length: a short prompt's borrowed forward is mostly fixed cost,
+        # and its speed says nothing of a long one's (seen: a 16-token warm-up put 432 tok/s, slower than
+        # one core, on every prompt).
+        borrowed = _nearest(self.borrowed_prefill_tokens_per_s, bucket(context), within=1)
         if borrowed is not None:
             return borrowed
         extra = (self.borrow_threads - self.own_threads) / max(self.own_threads, 1)
@@ -116,7 +133,8 @@ class StepCosts:
     def copy(self) -> StepCosts:
         """A snapshot another thread may read (or pickle) while this one keeps measuring."""
         return StepCosts(dict(self.prefill_tokens_per_s), dict(self.decode_step_s), self.alpha,
-                         dict(self.borrowed_prefill_tokens_per_s), self.own_threads, self.borrow_threads)
+                         dict(self.borrowed_prefill_tokens_per_s), self.own_threads, self.borrow_threads,
+                         self.cpu_node, self.lend_threads, self.borrows)
 
     def _update(self, table: dict[int, float], key: int, value: float) -> None:
         old = table.get(key)
@@ -125,14 +143,37 @@ class StepCosts:
 
 @dataclass(slots=True)
 class TransferSpeed:
-    """EWMA of a decode worker's measured KV pull speed in GB/s; the prior until the first pull."""
+    """A decode worker's KV pulls, modelled as seconds = latency_s + bytes / (gbps * 1e9) and learned from
+    the pulls it makes (EWMAs; the priors until then). A small pull is all latency (one block of SmolLM2
+    moved at 0.04 GB/s "bandwidth"), so only pulls of at least LARGE_PULL_BYTES teach the bandwidth; the
+    others teach the latency."""
     gbps: float = PRIOR_KV_PULL_GBPS
+    latency_s: float = PRIOR_KV_PULL_LATENCY_S
     measured: bool = False
     alpha: float = 0.2
+    _seen: set = field(default_factory=set)  # which of "latency" and "bandwidth" were measured
 
     def observe(self, num_bytes: int, seconds: float) -> None:
         if num_bytes <= 0 or seconds <= 0:
             return
-        value = num_bytes / seconds / 1e9
-        self.gbps = value if not self.measured else self.gbps + self.alpha * (value - self.gbps)
         self.measured = True
+        if num_bytes >= LARGE_PULL_BYTES:
+            # At most 10x the pull's own rate: a latency estimate near the pull's time must not blow it up.
+            value = num_bytes / max(seconds - self.latency_s, seconds / 10) / 1e9
+            self.gbps = self._ewma("bandwidth", self.gbps, value)
+        else:
+            self.latency_s = self._ewma("latency", self.latency_s, max(0.0, seconds - num_bytes / (self.gbps * 1e9)))
+
+    def seconds(self, num_bytes: int) -> float:
+        return pull_seconds(num_bytes, self.latency_s, self.gbps)
+
+    def _ewma(self, kind: str, old: float, value: float) -> float:
+        if kind not in self._seen:
+            self._seen.add(kind)
+            return value
+        return old + self.alpha * (value - old)
+
+
+def pull_seconds(num_bytes: int, latency_s: float, gbps: float) -> float:
+    """Predicted seconds of a KV pull of `num_bytes` (none for nothing to pull)."""
+    return 0.0 if num_bytes <= 0 else latency_s + num_bytes / (gbps * 1e9)

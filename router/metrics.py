@@ -286,7 +286,10 @@ def _measured_costs(stats: list) -> Iterable[Metric]:
                               "context length a chunk ends at (power-of-two bucket).", labels=labels + ["context"])
     step = GaugeMetricFamily("tandem:decode_step_seconds", "Measured time of a step, by decode batch size "
                              "(power-of-two bucket).", labels=labels + ["batch"])
-    pull = GaugeMetricFamily("tandem:kv_pull_gbps", "Measured KV pull speed of a decode worker (GB/s).", labels=labels)
+    pull = GaugeMetricFamily("tandem:kv_pull_gbps", "Measured KV pull bandwidth of a decode worker (GB/s), "
+                             "from pulls of at least 4 MiB.", labels=labels)
+    latency = GaugeMetricFamily("tandem:kv_pull_latency_seconds", "Measured fixed cost of a decode worker's "
+                                "KV pull, from smaller pulls.", labels=labels)
     for s in stats:
         for context, value in sorted(s.step_costs.prefill_tokens_per_s.items()):
             speed.add_metric([s.pool, s.worker_id, str(context)], value)
@@ -294,7 +297,8 @@ def _measured_costs(stats: list) -> Iterable[Metric]:
             step.add_metric([s.pool, s.worker_id, str(batch)], value)
         if s.pool == "decode":
             pull.add_metric([s.pool, s.worker_id], s.kv_pull_gbps)
-    return [speed, step, pull]
+            latency.add_metric([s.pool, s.worker_id], s.kv_pull_latency_s)
+    return [speed, step, pull, latency]
 
 
 SPEC_DECODE_COUNTERS = {

@@ -15,13 +15,14 @@ Dynamo's fixed token thresholds (`decide_prefill`, an operator's override);
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.step_costs import PRIOR_KV_PULL_GBPS, StepCosts
+from engine.step_costs import PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, StepCosts, pull_seconds
 from router.index import PrefixIndex
 
 
@@ -38,7 +39,16 @@ class WorkerLoad:
     draining: bool = False
     step_costs: StepCosts = field(default_factory=StepCosts)  # measured by the worker (priors until then)
     kv_bytes_per_token: int = 0
-    kv_pull_gbps: float = PRIOR_KV_PULL_GBPS  # a decode worker's measured pull speed
+    kv_pull_gbps: float = PRIOR_KV_PULL_GBPS  # a decode worker's measured pulls: bandwidth and fixed cost
+    kv_pull_latency_s: float = PRIOR_KV_PULL_LATENCY_S
+    # A CPU prefill worker's threads if it started a forward now, borrowing the cores that the decode
+    # workers of its node lend while idle, as the router sees them now (`lent_threads`); None: unknown.
+    borrow_threads_now: int | None = None
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running, waiting or queued: a lending decode worker's cores are lent."""
+        return not (self.num_running or self.num_waiting or self.queued_prefill_tokens)
 
     @property
     def kv_usage(self) -> float:
@@ -163,16 +173,20 @@ def decide_prefill(prompt_tokens: int, decode_cached_tokens: int, prefill: Worke
 def remote_prefill_ttft(prompt_tokens: int, prefill_cached_tokens: int, decode_cached_tokens: int,
                         prefill: WorkerLoad, decode: WorkerLoad) -> float:
     """Predicted seconds to the first token on the remote path: the prefill worker's queue (its queued
-    prompt tokens at its measured speed), the compute of the part it does not cache, and the pull of
-    the KV the decode worker lacks at the decode worker's measured GB/s. A CPU prefill worker that can
-    borrow idle decode cores right now (its last stats said some are lent) computes at its borrowed speed."""
+    prompt tokens at its measured speed), the compute of the part it does not cache, and the pull of the
+    KV the decode worker lacks (its measured pull latency and GB/s). A CPU prefill worker that can borrow
+    idle decode cores right now computes at its borrowed speed: the router's live view says so
+    (`WorkerLoad.borrow_threads_now`), else its last stats."""
     costs = prefill.step_costs
+    if prefill.borrow_threads_now is not None:
+        costs = dataclasses.replace(costs, borrow_threads=prefill.borrow_threads_now)
     borrowing = costs.borrowing
     mean_queued = prefill.queued_prefill_tokens / max(prefill.num_waiting, 1)
     queue_s = prefill.queued_prefill_tokens / costs.prefill_speed(max(mean_queued, 1), borrowing)
     compute_s = costs.prefill_time(prompt_tokens - prefill_cached_tokens, prompt_tokens, borrowing)
     bytes_per_token = decode.kv_bytes_per_token or prefill.kv_bytes_per_token
-    pull_s = (prompt_tokens - decode_cached_tokens) * bytes_per_token / (decode.kv_pull_gbps * 1e9)
+    pull_s = pull_seconds((prompt_tokens - decode_cached_tokens) * bytes_per_token, decode.kv_pull_latency_s,
+                          decode.kv_pull_gbps)
     return queue_s + compute_s + pull_s
 
 
@@ -262,7 +276,7 @@ class Router:
         if decode is None:
             raise NoDecodeWorker("no decode worker is healthy and accepting requests")
         prefill = self.prefill_policy.place(block_hashes, prompt_tokens, prefill_loads)
-        prefill_load = None if prefill is None else _load_of(prefill, prefill_loads)
+        prefill_load = None if prefill is None else lent_threads(_load_of(prefill, prefill_loads), decode_loads)
         if self.disagg.placement == "thresholds":
             decision = decide_prefill(prompt_tokens, decode.cached_tokens, prefill_load, self.disagg)
         else:
@@ -271,6 +285,19 @@ class Router:
                                               prefill_load, self.disagg, elapsed_s, self.block_size)
         return RouteDecision(decode, prefill if decision.remote else None, decision.reason, decision.wait,
                              decision.predicted_ttft_s)
+
+
+def lent_threads(prefill: WorkerLoad, decode_loads: Sequence[WorkerLoad]) -> WorkerLoad:
+    """`prefill` with `borrow_threads_now`: its own threads plus those of every idle lending decode worker
+    on its node, from the router's live loads. A decode worker's stats snapshot goes stale as soon as its
+    batch empties or fills, and a prefill worker's report of what is lent dates from its last stats poll,
+    which, under a steady trickle of requests, always finds the decode worker busy with the previous one."""
+    costs = prefill.step_costs
+    if not (costs.borrows and costs.cpu_node):
+        return prefill
+    lent = sum(d.step_costs.lend_threads for d in decode_loads
+               if d.step_costs.cpu_node == costs.cpu_node and d.healthy and d.idle)
+    return dataclasses.replace(prefill, borrow_threads_now=costs.own_threads + lent if lent else 0)
 
 
 def _load_of(placement: Placement, loads: Sequence[WorkerLoad]) -> WorkerLoad:

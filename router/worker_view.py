@@ -63,8 +63,8 @@ class WorkerState:
             load.queued_prefill_tokens, load.num_waiting, load.num_running = (
                 s.queued_prefill_tokens, s.num_waiting, s.num_running)
             load.num_active_blocks, load.num_total_blocks = s.num_active_blocks, s.num_total_blocks
-            load.step_costs, load.kv_bytes_per_token, load.kv_pull_gbps = (
-                s.step_costs, s.kv_bytes_per_token, s.kv_pull_gbps)
+            load.step_costs, load.kv_bytes_per_token, load.kv_pull_gbps, load.kv_pull_latency_s = (
+                s.step_costs, s.kv_bytes_per_token, s.kv_pull_gbps, s.kv_pull_latency_s)
         for routed_at, prefill_tokens in self.pending.values():
             if routed_at >= self.stats_asked_at:
                 load.queued_prefill_tokens += prefill_tokens

@@ -120,6 +120,7 @@ def test_a_cold_256_token_prompt_is_prefilled_by_the_idle_prefill_worker_while_s
         assert total(samples, "tandem:prefill_tokens_per_second", pool=pool) > 0
         assert total(samples, "tandem:decode_step_seconds", pool=pool) > 0
     assert total(samples, "tandem:kv_pull_gbps", pool="decode") > 0
+    assert total(samples, "tandem:kv_pull_latency_seconds", pool="decode") > 0
 
 
 def test_a_full_prefill_queue_makes_requests_wait_for_a_slot_instead_of_stalling_the_streams(patient):

@@ -8,9 +8,12 @@ import pytest
 from engine.hashing import block_hashes
 from engine.kv_events import KVEvent, KVEventBatch
 from router.index import PrefixIndex
-from engine.step_costs import PRIOR_BORROW_EFFICIENCY, PRIOR_DECODE_STEP_S, PRIOR_PREFILL_TOKENS_PER_S, StepCosts
+from engine.step_costs import (PRIOR_BORROW_EFFICIENCY, PRIOR_DECODE_STEP_S, PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S,
+                               PRIOR_PREFILL_TOKENS_PER_S,
+                               StepCosts, TransferSpeed)
 from router.policy import (CostWeights, DisaggConfig, NoDecodeWorker, PoolPolicy, PrefillDecision, Router, WorkerLoad,
-                           decide_prefill, decide_prefill_by_cost, local_prefill_cost, remote_prefill_ttft)
+                           decide_prefill, decide_prefill_by_cost, lent_threads, local_prefill_cost,
+                           remote_prefill_ttft)
 
 BLOCK = 16
 DOC = list(range(5000, 5000 + 128 * BLOCK))  # a 2048-token shared document
@@ -191,8 +194,8 @@ def prefill_worker(**fields) -> WorkerLoad:
 
 
 def decode_worker(num_running: int = 0, **fields) -> WorkerLoad:
-    return WorkerLoad("d0", num_running=num_running, step_costs=measured(), kv_bytes_per_token=KV_BYTES,
-                      kv_pull_gbps=1.0, **fields)
+    return WorkerLoad("d0", num_running=num_running, **{"step_costs": measured(), "kv_bytes_per_token": KV_BYTES,
+                                                        "kv_pull_gbps": 1.0, **fields})
 
 
 def by_cost(prompt_tokens, decode, prefill, decode_cached=0, prefill_cached=0, elapsed_s=0.0, config=SLO):
@@ -226,7 +229,7 @@ def test_the_stall_free_budget_keeps_a_step_within_its_time_but_always_progresse
 def test_the_remote_ttft_adds_queue_wait_compute_of_the_uncached_part_and_the_pull():
     prefill = prefill_worker(queued_prefill_tokens=1000, num_waiting=2)
     predicted = remote_prefill_ttft(1024, 512, 256, prefill, decode_worker())
-    queue, compute, pull = 1000 / 500, 0.02 + 512 / 500, 768 * KV_BYTES / 1e9
+    queue, compute, pull = 1000 / 500, 0.02 + 512 / 500, PRIOR_KV_PULL_LATENCY_S + 768 * KV_BYTES / 1e9
     assert predicted == pytest.approx(queue + compute + pull)
 
 
@@ -274,6 +277,76 @@ def test_an_idle_decode_worker_leaves_the_prompt_to_a_prefill_worker_that_borrow
     lending.own_threads, lending.borrow_threads = 1, 2
     assert by_cost(256, decode_worker(), prefill_worker()) == PrefillDecision(False, "decode_idle")
     assert by_cost(256, decode_worker(), prefill_worker(step_costs=lending)).remote
+
+
+def pinned(costs: StepCosts, node: str = "host:/dev/shm/tandem-cpu", lend: int = 0, borrows: bool = False,
+           own: int = 1, stale_borrow_threads: int = 0) -> StepCosts:
+    costs.cpu_node, costs.lend_threads, costs.borrows = node, lend, borrows
+    costs.own_threads, costs.borrow_threads = own, stale_borrow_threads
+    return costs
+
+
+def test_the_router_sees_from_its_live_loads_that_an_idle_decode_worker_lends_its_cores():
+    """The prefill worker's last stats were taken while the decode worker streamed the previous request
+    (nothing lent then); the decode worker is idle now, so the prompt runs on both cores remotely.
+    Before, every prompt of a steady trickle went local: a local prefill kept decode busy at the next
+    stats poll, so the prefill worker never reported a lent core (measured: 12 of 12 sequential 256-token
+    prompts local at 467 ms TTFT; forced remote, 338 ms)."""
+    router = Router(PrefixIndex(), BLOCK, disagg=SLO, rng=random.Random(0))
+    tokens = prompt(1, suffix_blocks=0)[:256]
+    prefill = [prefill_worker(step_costs=pinned(measured(), borrows=True))]
+    lender = decode_worker(step_costs=pinned(measured(), lend=1))
+    route = router.route(block_hashes(tokens, BLOCK), len(tokens), prefill, [lender])
+    assert route.prefill is not None and route.reason == "remote_within_ttft_slo"
+    alone = measured().prefill_time(256, 256)
+    assert route.predicted_ttft_s < alone  # at the borrowed speed
+    # Pinned to another node's cores, or lending nothing: no core is lent, and the idle decode worker
+    # prefills, as fast as the prefill worker alone and without the hops.
+    for other in (decode_worker(step_costs=pinned(measured(), node="other:/dev/shm/tandem-cpu", lend=1)),
+                  decode_worker(step_costs=pinned(measured()))):
+        route = router.route(block_hashes(tokens, BLOCK), len(tokens), prefill, [other])
+        assert route.prefill is None and route.reason == "decode_idle", route
+    # Busy, it lends nothing: the prompt still goes remote (its streams must not stall), at the prefill
+    # worker's own speed.
+    busy = decode_worker(num_running=1, step_costs=pinned(measured(), lend=1))
+    route = router.route(block_hashes(tokens, BLOCK), len(tokens), prefill, [busy])
+    assert route.prefill is not None and route.predicted_ttft_s >= alone
+
+
+def test_a_stale_report_of_lent_cores_is_overruled_by_a_busy_lender():
+    busy = decode_worker(num_running=3, step_costs=pinned(measured(), lend=1))
+    stale = prefill_worker(step_costs=pinned(measured(), borrows=True, stale_borrow_threads=2))
+    assert lent_threads(stale, [busy]).borrow_threads_now == 0
+    assert lent_threads(stale, [decode_worker(step_costs=pinned(measured(), lend=1))]).borrow_threads_now == 2
+    unpinned = prefill_worker(step_costs=measured())  # a GPU or unpinned worker: its stats stand
+    assert lent_threads(unpinned, [busy]).borrow_threads_now is None
+
+
+def test_a_borrowed_speed_measured_on_a_short_prompt_says_nothing_of_a_long_one():
+    """A 16-token warm-up on borrowed cores is mostly a forward's fixed cost: seen putting 432 tok/s (slower
+    than one core) on every prompt, so the router sent none to the prefill worker."""
+    costs = pinned(measured(tokens_per_s=650.0), borrows=True, stale_borrow_threads=2)
+    costs.observe(0, 16, 16, 0.074, borrowed=True)
+    assert costs.prefill_speed(16, borrowing=True) == pytest.approx(16 / (0.074 - 0.02))
+    assert costs.prefill_speed(256, borrowing=True) == pytest.approx(650 * (1 + PRIOR_BORROW_EFFICIENCY))
+    costs.observe(0, 256, 256, 0.02 + 256 / 1200, borrowed=True)
+    assert costs.prefill_speed(256, borrowing=True) == pytest.approx(1200)
+    assert costs.prefill_speed(512, borrowing=True) == pytest.approx(1200)  # one bucket away still counts
+
+
+def test_kv_pulls_are_latency_plus_bytes_over_bandwidth_learned_apart():
+    """One block (737 KB of SmolLM2) pulled in 17 ms is latency, not a bandwidth of 0.04 GB/s; taken as
+    bandwidth it predicted 267 ms for a 256-token prompt's pull."""
+    speed = TransferSpeed()
+    speed.observe(737_280, 0.017)
+    assert speed.gbps == PRIOR_KV_PULL_GBPS and speed.latency_s == pytest.approx(0.017 - 737_280 / 1e9)
+    speed.observe(11_796_480, speed.latency_s + 11_796_480 / 2e9)  # 256 tokens at 2 GB/s
+    assert speed.gbps == pytest.approx(2.0)
+    assert speed.seconds(11_796_480) == pytest.approx(speed.latency_s + 11_796_480 / 2e9)
+    assert speed.seconds(0) == 0.0
+    decode = decode_worker(kv_pull_gbps=speed.gbps, kv_pull_latency_s=speed.latency_s)
+    fast = remote_prefill_ttft(256, 0, 0, prefill_worker(), decode)
+    assert fast == pytest.approx(measured().prefill_time(256, 256) + speed.seconds(256 * KV_BYTES))
 
 
 def test_a_small_uncached_tail_that_fits_one_step_within_the_itl_slo_is_prefilled_locally():
