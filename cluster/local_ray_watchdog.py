@@ -54,11 +54,6 @@ def kill_marked(marker: str, name: str = MARKER_ENV, known: Family | None = None
     return list(found)
 
 
-def marked_processes(marker: str, name: str = MARKER_ENV) -> list[int]:
-    """Processes other than this one whose environment (as /proc shows it) has name=marker."""
-    return [pid for pid, process in _processes().items() if _has_marker(pid, name, marker)]
-
-
 def family(marker: str, name: str = MARKER_ENV, known: Family | None = None, root: int | None = None) -> Family:
     """The live processes of a server's family, this one and its watchdogs excepted: those in `known` still
     running (same start time), those whose environment has name=marker, the descendants of `root`, and
@@ -70,7 +65,7 @@ def family(marker: str, name: str = MARKER_ENV, known: Family | None = None, roo
     children: dict[int, list[int]] = {}
     for pid, (ppid, _start) in processes.items():
         children.setdefault(ppid, []).append(pid)
-    stack = list(found) + list(children.get(root, [])) if root is not None else list(found)
+    stack = list(found) + children.get(root, [])
     while stack:
         pid = stack.pop()
         found.setdefault(pid, processes[pid][1])

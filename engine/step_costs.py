@@ -149,14 +149,12 @@ class TransferSpeed:
     others teach the latency."""
     gbps: float = PRIOR_KV_PULL_GBPS
     latency_s: float = PRIOR_KV_PULL_LATENCY_S
-    measured: bool = False
     alpha: float = 0.2
     _seen: set = field(default_factory=set)  # which of "latency" and "bandwidth" were measured
 
     def observe(self, num_bytes: int, seconds: float) -> None:
         if num_bytes <= 0 or seconds <= 0:
             return
-        self.measured = True
         if num_bytes >= LARGE_PULL_BYTES:
             # At most 10x the pull's own rate: a latency estimate near the pull's time must not blow it up.
             value = num_bytes / max(seconds - self.latency_s, seconds / 10) / 1e9
