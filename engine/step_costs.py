@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 # Priors for a worker that has measured nothing yet: a small model on one CPU core.
 PRIOR_PREFILL_TOKENS_PER_S = 500.0
 PRIOR_DECODE_STEP_S = 0.05
+# What each sequence added to a batch adds to a decode step, as a share of a lone sequence's step, until two
+# batch sizes are measured: a guess for a small model on CPU cores, where a step reads all weights once and
+# each sequence adds its own matmul rows and attention (a GPU's is far smaller, and measured soon enough).
+PRIOR_DECODE_BATCH_SLOPE = 0.1
 PRIOR_KV_PULL_GBPS = 1.0  # DESIGN §3: gRPC streaming moves ~1 GB/s on loopback
 PRIOR_KV_PULL_LATENCY_S = 0.005  # a pull's fixed cost (calls, lease, first chunk) before it is measured
 LARGE_PULL_BYTES = 4 << 20  # pulls at least this big measure bandwidth; smaller ones, latency
@@ -91,6 +95,27 @@ class StepCosts:
         """Seconds of a step running `num_decodes` decode tokens (and the fixed cost of any forward)."""
         measured = _nearest(self.decode_step_s, bucket(num_decodes))
         return PRIOR_DECODE_STEP_S if measured is None else measured
+
+    def decode_time_between(self, num_decodes: int) -> float:
+        """`decode_time`, interpolated linearly between the measured buckets (each at its own size), so
+        that one more sequence always costs its share and not a whole bucket's jump or nothing. Beyond the
+        largest measured size the slope of the last two goes on; with one (a warm-up's) or none, the prior
+        slope: a batch nobody measured is not free."""
+        keys = sorted(self.decode_step_s)
+        if not keys:
+            return PRIOR_DECODE_STEP_S * (1 + PRIOR_DECODE_BATCH_SLOPE * (max(num_decodes, 1) - 1))
+        table = self.decode_step_s
+        if num_decodes <= keys[0]:
+            return table[keys[0]]
+        for low, high in zip(keys, keys[1:]):
+            if num_decodes <= high:
+                return table[low] + (table[high] - table[low]) * (num_decodes - low) / (high - low)
+        last = keys[-1]
+        if len(keys) > 1:
+            slope = max(0.0, (table[last] - table[keys[-2]]) / (last - keys[-2]))
+        else:
+            slope = PRIOR_DECODE_BATCH_SLOPE * table[last]
+        return table[last] + slope * (num_decodes - last)
 
     def prefill_speed(self, context: int, borrowing: bool = False) -> float:
         """Prompt tokens per second for chunks ending at about `context` tokens; with `borrowing`, on the

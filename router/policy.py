@@ -7,6 +7,12 @@ usage). Lowest cost wins; ties are broken at random so equal workers share
 the traffic. The prefill and decode pools are placed separately, each by its
 own `PoolPolicy` over that pool's load snapshot.
 
+With `placement: slo` (the default) the decode worker is chosen by what placing the request there
+costs in seconds (`decode_seconds`): its predicted time to first token on the path the SLO decision
+would take there, its own decode steps beside that worker's batch, and what it adds to the streams
+already running (a local prefill's stall, one more sequence per step). A prefix hit is then worth what
+its miss would cost on that worker, measured, rather than a token constant against running sequences.
+
 The conditional-disaggregation decision ("prefill on a prefill worker, or let
 the decode worker prefill locally") is made from the workers' measured costs
 against the TTFT/ITL SLOs (`decide_prefill_by_cost`, the default), or by
@@ -239,6 +245,38 @@ def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefil
     return PrefillDecision(True, "ttft_slo_missed_either_way", predicted_ttft_s=remote)
 
 
+# A request's output length for placement when its max_tokens says nothing smaller (a client's default
+# of the whole context must not make every batch look the same).
+EXPECTED_OUTPUT_TOKENS = 128
+# Added to a decode worker whose free KV blocks cannot hold the request: chosen only when all are full.
+KV_FULL_PENALTY_S = 1000.0
+TIE_TOLERANCE_S = 0.001  # costs this close count as equal; the worker with fewer sequences wins
+
+
+def decode_seconds(prompt_tokens: int, decode_cached_tokens: int, decode: WorkerLoad, decision: PrefillDecision,
+                   output_tokens: int, config: DisaggConfig, block_size: int, elapsed_s: float = 0.0) -> float:
+    """What placing the request on `decode` costs, in seconds summed over everyone it delays: its own
+    time to first token on the path `decision` takes there, its own decode steps beside the worker's batch,
+    the stall a local prefill puts on each running stream, and the slower steps one more sequence gives
+    them for (on average) half the request's output. A worker short of free KV blocks for it is
+    penalised by KV_FULL_PENALTY_S (it would preempt)."""
+    batch = decode.num_running + decode.num_waiting
+    if decision.remote:
+        ttft, stall = decision.predicted_ttft_s or 0.0, 0.0
+    else:
+        ttft, stall = local_prefill_cost(prompt_tokens, decode_cached_tokens, decode, config.itl_slo_s, block_size,
+                                         config.stall_ratio)
+        ttft += elapsed_s
+    costs = decode.step_costs
+    step, step_with = costs.decode_time_between(max(batch, 1)), costs.decode_time_between(batch + 1)
+    seconds = (ttft + decode.num_running * stall + output_tokens * step_with
+               + batch * output_tokens / 2 * max(0.0, step_with - step))
+    needed = -(-(prompt_tokens + output_tokens - decode_cached_tokens) // block_size)
+    if decode.num_total_blocks and decode.num_active_blocks + needed > decode.num_total_blocks:
+        seconds += KV_FULL_PENALTY_S
+    return seconds
+
+
 class NoDecodeWorker(RuntimeError):
     """No decode worker is healthy and accepting requests; the ingress answers 503."""
 
@@ -261,6 +299,7 @@ class Router:
                  prefill_weights: CostWeights | None = None, decode_weights: CostWeights | None = None,
                  rng: random.Random | None = None, routing: Literal["prefix_aware", "round_robin"] = "prefix_aware"):
         rng = rng or random.Random()
+        self.rng = rng
         self.index = index
         self.block_size = block_size
         self.disagg = disagg or DisaggConfig()
@@ -269,22 +308,54 @@ class Router:
         self.decode_policy = PoolPolicy(index, block_size, decode_weights, rng, round_robin)
 
     def route(self, block_hashes: Sequence[int], prompt_tokens: int, prefill_loads: Sequence[WorkerLoad],
-              decode_loads: Sequence[WorkerLoad], elapsed_s: float = 0.0) -> RouteDecision:
-        """Pick the decode worker, then decide whether a prefill worker computes the prompt. `elapsed_s`:
-        how long ago the request arrived (its TTFT runs from then)."""
-        decode = self.decode_policy.place(block_hashes, prompt_tokens, decode_loads)
-        if decode is None:
-            raise NoDecodeWorker("no decode worker is healthy and accepting requests")
+              decode_loads: Sequence[WorkerLoad], elapsed_s: float = 0.0,
+              output_tokens: int = EXPECTED_OUTPUT_TOKENS) -> RouteDecision:
+        """Pick the decode worker and decide whether a prefill worker computes the prompt. `elapsed_s`:
+        how long ago the request arrived (its TTFT runs from then); `output_tokens`: what it will likely
+        generate (its remaining max_tokens, at most EXPECTED_OUTPUT_TOKENS)."""
         prefill = self.prefill_policy.place(block_hashes, prompt_tokens, prefill_loads)
         prefill_load = None if prefill is None else lent_threads(_load_of(prefill, prefill_loads), decode_loads)
-        if self.disagg.placement == "thresholds":
-            decision = decide_prefill(prompt_tokens, decode.cached_tokens, prefill_load, self.disagg)
+        prefill_cached = prefill.cached_tokens if prefill else 0
+        if self.disagg.placement == "slo" and not self.decode_policy.round_robin:
+            decode, decision = self._place_decode_by_cost(block_hashes, prompt_tokens, prefill_cached, prefill_load,
+                                                          decode_loads, elapsed_s, output_tokens)
         else:
-            decision = decide_prefill_by_cost(prompt_tokens, decode.cached_tokens,
-                                              prefill.cached_tokens if prefill else 0, _load_of(decode, decode_loads),
-                                              prefill_load, self.disagg, elapsed_s, self.block_size)
+            decode = self.decode_policy.place(block_hashes, prompt_tokens, decode_loads)
+            if decode is None:
+                raise NoDecodeWorker("no decode worker is healthy and accepting requests")
+            if self.disagg.placement == "thresholds":
+                decision = decide_prefill(prompt_tokens, decode.cached_tokens, prefill_load, self.disagg)
+            else:
+                decision = decide_prefill_by_cost(prompt_tokens, decode.cached_tokens, prefill_cached,
+                                                  _load_of(decode, decode_loads), prefill_load, self.disagg, elapsed_s,
+                                                  self.block_size)
         return RouteDecision(decode, prefill if decision.remote else None, decision.reason, decision.wait,
                              decision.predicted_ttft_s)
+
+    def _place_decode_by_cost(self, block_hashes: Sequence[int], prompt_tokens: int, prefill_cached: int,
+                              prefill: WorkerLoad | None, decode_loads: Sequence[WorkerLoad], elapsed_s: float,
+                              output_tokens: int) -> tuple[Placement, PrefillDecision]:
+        """The decode worker where the request costs least in seconds (`decode_seconds`), each with the
+        prefill decision it would get there; among costs within TIE_TOLERANCE_S, the worker with the fewest
+        sequences, then a random one."""
+        candidates = [load for load in decode_loads if load.schedulable]
+        if not candidates:
+            raise NoDecodeWorker("no decode worker is healthy and accepting requests")
+        overlaps = self.index.overlap(block_hashes, [load.worker_id for load in candidates])
+        options = []
+        for load in candidates:
+            cached = overlaps[load.worker_id] * self.block_size
+            decision = decide_prefill_by_cost(prompt_tokens, cached, prefill_cached, load, prefill, self.disagg,
+                                              elapsed_s, self.block_size)
+            seconds = decode_seconds(prompt_tokens, cached, load, decision, output_tokens, self.disagg,
+                                     self.block_size, elapsed_s)
+            options.append((seconds, load.num_running + load.num_waiting, load.worker_id, cached, decision))
+        best = min(option[0] for option in options)
+        near = [option for option in options if option[0] <= best + TIE_TOLERANCE_S]
+        fewest = min(option[1] for option in near)
+        tied = [option for option in near if option[1] == fewest]
+        seconds, _, worker_id, cached, decision = tied[0] if len(tied) == 1 else self.rng.choice(tied)
+        return Placement(worker_id, cached, seconds), decision
 
 
 def lent_threads(prefill: WorkerLoad, decode_loads: Sequence[WorkerLoad]) -> WorkerLoad:

@@ -35,7 +35,7 @@ from engine.timeline import RequestTimeline
 from router.dispatch import run_request
 from router.streams import merge_streams
 from router.latency_report import LatencyReporter
-from router.policy import NoDecodeWorker, RouteDecision
+from router.policy import EXPECTED_OUTPUT_TOKENS, NoDecodeWorker, RouteDecision
 from router.worker_view import WorkerView
 
 logger = logging.getLogger(__name__)
@@ -194,7 +194,8 @@ class RequestRouter:
                 decision = self.view.route(block_hashes, request.num_context_tokens, excluded,
                                            remote_prefill=not (request.output_token_ids or
                                                                request.sampling_params.use_beam_search),
-                                           elapsed_s=max(0.0, time.time() - request.times["arrival"]))
+                                           elapsed_s=max(0.0, time.time() - request.times["arrival"]),
+                                           output_tokens=expected_output_tokens(request))
             except NoDecodeWorker:
                 decode_wait = decode_wait or _DecodeWait(request, self.decode_wait_s, self.metrics)
                 if await decode_wait.wait(self.view):
@@ -221,6 +222,14 @@ class RequestRouter:
                  finish_reason: str | None) -> None:
         self.metrics.observe_finished("decode", worker, timeline, token_times, finish_reason)
         self.latencies.add(timeline.times.get("arrival"), token_times)
+
+
+def expected_output_tokens(request: GenerateRequest) -> int:
+    """What the request will likely still generate, for placement: its remaining max_tokens, capped."""
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is None:
+        return EXPECTED_OUTPUT_TOKENS
+    return max(1, min(max_tokens - len(request.output_token_ids), EXPECTED_OUTPUT_TOKENS))
 
 
 def _record(timeline: RequestTimeline, decision: RouteDecision, block_size: int) -> None:

@@ -23,7 +23,7 @@ from router.metrics import Metrics
 from engine.engine_loop import EngineStopped
 from engine.protocol import WorkerStats
 from router.index import PrefixIndex
-from router.policy import RouteDecision, Router, WorkerLoad
+from router.policy import EXPECTED_OUTPUT_TOKENS, RouteDecision, Router, WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +119,9 @@ class WorkerView:
     # ---- the request path ---------------------------------------------------------------------
 
     def route(self, block_hashes: Sequence[int], prompt_tokens: int, exclude: Collection[str] = (),
-              remote_prefill: bool = True, elapsed_s: float = 0.0) -> RouteDecision:
-        """Place a request that arrived `elapsed_s` ago; raises NoDecodeWorker when no decode worker is
+              remote_prefill: bool = True, elapsed_s: float = 0.0,
+              output_tokens: int = EXPECTED_OUTPUT_TOKENS) -> RouteDecision:
+        """Place a request that arrived `elapsed_s` ago and will generate about `output_tokens`; raises NoDecodeWorker when no decode worker is
         schedulable. Without `remote_prefill` the decode worker prefills, whatever the policy says. A
         decision to wait for a prefill slot (`wait`) is not counted: the caller routes again."""
         local_only = self.colocated or not remote_prefill
@@ -128,7 +129,8 @@ class WorkerView:
         for w in self.workers.values():
             if w.worker_id not in exclude and not (local_only and w.pool == "prefill"):
                 loads[w.pool].append(w.load())
-        decision = self.router.route(block_hashes, prompt_tokens, loads["prefill"], loads["decode"], elapsed_s)
+        decision = self.router.route(block_hashes, prompt_tokens, loads["prefill"], loads["decode"], elapsed_s,
+                                     output_tokens)
         if local_only:
             decision.reason = "colocated" if self.colocated else "migration"
         if decision.wait:

@@ -8,10 +8,11 @@ import pytest
 from engine.hashing import block_hashes
 from engine.kv_events import KVEvent, KVEventBatch
 from router.index import PrefixIndex
-from engine.step_costs import (PRIOR_BORROW_EFFICIENCY, PRIOR_DECODE_STEP_S, PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S,
+from engine.step_costs import (PRIOR_BORROW_EFFICIENCY, PRIOR_DECODE_BATCH_SLOPE, PRIOR_DECODE_STEP_S, PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S,
                                PRIOR_PREFILL_TOKENS_PER_S,
                                StepCosts, TransferSpeed)
-from router.policy import (CostWeights, DisaggConfig, NoDecodeWorker, PoolPolicy, PrefillDecision, Router, WorkerLoad,
+from router.policy import (EXPECTED_OUTPUT_TOKENS, CostWeights, DisaggConfig, NoDecodeWorker, PoolPolicy, PrefillDecision,
+                           Router, WorkerLoad, decode_seconds,
                            decide_prefill, decide_prefill_by_cost, lent_threads, local_prefill_cost,
                            remote_prefill_ttft)
 
@@ -421,3 +422,112 @@ def test_round_robin_takes_the_workers_in_turn_whatever_they_cache():
     chosen = [policy.place([1, 2], 32, loads) for _ in range(4)]
     assert [p.worker_id for p in chosen] == ["decode-0", "decode-1", "decode-0", "decode-1"]
     assert [p.cached_tokens for p in chosen] == [0, 32, 0, 32]  # what the chosen worker caches is still known
+
+
+# ---- the decode worker by cost in seconds (placement "slo", the default) ----
+
+def colocated(worker_id: str, num_running: int = 0, **fields) -> WorkerLoad:
+    """A colocated decode worker of the slow dev box: 512 tokens of prompt cost it about a second."""
+    return WorkerLoad(worker_id, num_running=num_running, num_total_blocks=1024,
+                      **{"step_costs": measured(500.0, {1: 0.05, 2: 0.055, 4: 0.06, 8: 0.07, 16: 0.09}), **fields})
+
+
+def test_a_prefix_holder_running_a_few_more_streams_keeps_the_prefix_when_a_miss_costs_more():
+    """Case c of bench/compare.py: the token-constant policy sends a request to the other worker as soon
+    as it runs one or two sequences fewer (384 prefill-token equivalents each against a 512-token prefix),
+    which spread every prefix over both workers. By seconds, a second of prefill outweighs a few ms
+    per step for two more sequences."""
+    index = index_with({"d0": DOC[:512]})
+    tokens = prompt(1, prefix=DOC[:512])
+    hashes = block_hashes(tokens, BLOCK)
+    loads = [colocated("d0", num_running=4), colocated("d1", num_running=2)]
+    assert PoolPolicy(index, BLOCK, rng=random.Random(0)).place(hashes, len(tokens), loads).worker_id == "d1"
+    route = Router(index, BLOCK, rng=random.Random(0)).route(hashes, len(tokens), [], loads, output_tokens=64)
+    assert route.decode.worker_id == "d0" and route.decode.cached_tokens == 512
+    assert route.prefill is None and route.reason == "no_prefill_worker"
+
+
+def test_a_prefix_holder_with_a_long_prefill_queue_loses_to_a_free_worker():
+    index = index_with({"d0": DOC[:512]})
+    tokens = prompt(1, prefix=DOC[:512])
+    loads = [colocated("d0", num_running=4, queued_prefill_tokens=4096), colocated("d1", num_running=4)]
+    route = Router(index, BLOCK, rng=random.Random(0)).route(block_hashes(tokens, BLOCK), len(tokens), [], loads)
+    assert route.decode.worker_id == "d1" and route.decode.cached_tokens == 0
+
+
+def test_decode_load_spreads_as_measured_steps_slow_with_the_batch():
+    router = Router(PrefixIndex(), BLOCK, rng=random.Random(0))
+    loads = [colocated(f"d{i}") for i in range(3)]
+    for seed in range(9):
+        tokens = prompt(seed, prefix=[])
+        route = router.route(block_hashes(tokens, BLOCK), len(tokens), [], loads)
+        next(load for load in loads if load.worker_id == route.decode.worker_id).num_running += 1
+    assert [load.num_running for load in loads] == [3, 3, 3]
+
+
+def test_workers_that_measured_nothing_share_the_load_by_their_sequence_counts():
+    """Priors cost a decode step the same at any batch size; equal costs go to the emptier worker."""
+    router = Router(PrefixIndex(), BLOCK, rng=random.Random(0))
+    loads = [WorkerLoad(f"d{i}", num_total_blocks=1024) for i in range(2)]
+    prefill = [WorkerLoad("p0", num_total_blocks=1024)]
+    for seed in range(6):
+        tokens = prompt(seed, prefix=[])
+        route = router.route(block_hashes(tokens, BLOCK), len(tokens), prefill, loads)
+        next(load for load in loads if load.worker_id == route.decode.worker_id).num_running += 1
+    assert [load.num_running for load in loads] == [3, 3]
+
+
+def test_a_worker_without_free_kv_blocks_for_the_request_is_chosen_only_when_all_are_full():
+    index = index_with({"d0": DOC[:512]})
+    tokens = prompt(1, prefix=DOC[:512])
+    hashes = block_hashes(tokens, BLOCK)
+    full = colocated("d0", num_active_blocks=1020)
+    route = Router(index, BLOCK, rng=random.Random(0)).route(hashes, len(tokens), [], [full, colocated("d1", 6)])
+    assert route.decode.worker_id == "d1"
+    both_full = [full, colocated("d1", 6, num_active_blocks=1020)]
+    assert Router(index, BLOCK, rng=random.Random(0)).route(hashes, len(tokens), [], both_full).decode.worker_id == "d0"
+
+
+def test_decode_seconds_add_the_ttft_own_steps_stalls_and_the_slowdown_of_the_batch():
+    load = colocated("d0", num_running=2)  # steps of 55 ms with 2 sequences, 57.5 ms with 3
+    local = PrefillDecision(False, "stall_within_itl_slo")
+    ttft, stall = local_prefill_cost(256, 0, load, SLO.itl_slo_s, BLOCK, SLO.stall_ratio)
+    assert decode_seconds(256, 0, load, local, 10, SLO, BLOCK) == pytest.approx(
+        ttft + 2 * stall + 10 * 0.0575 + 2 * 10 / 2 * 0.0025)
+    remote = PrefillDecision(True, "remote_within_ttft_slo", predicted_ttft_s=0.4)
+    load.num_running = 4  # 60 ms with 4, 62.5 ms with 5
+    assert decode_seconds(256, 0, load, remote, 10, SLO, BLOCK) == pytest.approx(0.4 + 10 * 0.0625 + 4 * 5 * 0.0025)
+
+
+def test_decode_steps_between_measured_batch_sizes_are_interpolated():
+    costs = StepCosts({}, {1: 0.02, 8: 0.04, 32: 0.08})
+    assert [costs.decode_time_between(n) for n in (1, 4, 8, 20, 32, 56)] == pytest.approx(
+        [0.02, 0.02 + 0.02 * 3 / 7, 0.04, 0.06, 0.08, 0.12])  # past 32: the slope of 8..32 goes on
+    # A warm-up measured one size, or nothing is measured: a prior slope, so a bigger batch is never free.
+    assert StepCosts({}, {1: 0.02}).decode_time_between(11) == pytest.approx(0.02 * (1 + 10 * PRIOR_DECODE_BATCH_SLOPE))
+    assert StepCosts().decode_time_between(5) == pytest.approx(PRIOR_DECODE_STEP_S * (1 + 4 * PRIOR_DECODE_BATCH_SLOPE))
+
+
+def test_a_worker_that_measured_only_its_warm_up_does_not_take_every_request():
+    """Two workers whose warm-ups measured a lone step 5 ms apart: the faster one is not given the whole
+    burst as if a bigger batch cost it nothing (the spread test through the real app sends 8 at once)."""
+    router = Router(PrefixIndex(), BLOCK, rng=random.Random(0))
+    loads = [WorkerLoad(f"d{i}", num_total_blocks=1024, step_costs=StepCosts({64: 500.0}, {1: 0.030 + 0.005 * i}))
+             for i in range(2)]
+    for seed in range(8):
+        tokens = prompt(seed, prefix=[], suffix_blocks=2)
+        route = router.route(block_hashes(tokens, BLOCK), len(tokens), [], loads, output_tokens=64)
+        next(load for load in loads if load.worker_id == route.decode.worker_id).num_running += 1
+    assert min(load.num_running for load in loads) >= 3, [load.num_running for load in loads]
+
+
+def test_placement_expects_the_remaining_max_tokens_capped():
+    from engine.protocol import GenerateRequest
+    from engine.sampling_params import SamplingParams
+    from router.request_router import expected_output_tokens
+    request = GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=40))
+    assert expected_output_tokens(request) == 40
+    request.output_token_ids = list(range(30))  # migrated after 30 tokens
+    assert expected_output_tokens(request) == 10
+    assert expected_output_tokens(GenerateRequest("r", [1], SamplingParams(max_tokens=100_000))) == EXPECTED_OUTPUT_TOKENS
+    assert expected_output_tokens(GenerateRequest("r", [1], SamplingParams(max_tokens=None))) == EXPECTED_OUTPUT_TOKENS
