@@ -240,9 +240,12 @@ class AuditOptions(_Strict):
 class CpuOptions(_Strict):
     """On CPU, `pin` gives each worker int(num_cpus) physical cores of its own (threads: one per core
     unless the pool's num_threads says otherwise); `borrow` lets a prefill forward also use the cores of
-    a decode worker on its node while that one is idle. Ignored by workers on GPUs."""
+    a decode worker on its node while that one is idle. A forward on borrowed cores carries at most the
+    prompt tokens that take `borrow_slice_ms` at the borrowed speed (default: the ITL SLO; 0: no cap),
+    since a lender that turns busy shares its core until that forward ends. Ignored by workers on GPUs."""
     pin: bool = True
     borrow: bool = True
+    borrow_slice_ms: float | None = Field(None, ge=0)
 
     def binding(self, role: str, pool: PoolConfig) -> CpuBinding | None:
         cores = int(pool.num_cpus)
@@ -337,9 +340,11 @@ class ClusterConfig(_Strict):
         binding = self.cpu.binding(role, pool) if role else None
         threads = pool.num_threads or (None if binding else max(1, int(pool.num_cpus)))
         itl_slo_ms = self.slo.itl_ms if role == "decode" else None
+        slice_ms = self.slo.itl_ms if self.cpu.borrow_slice_ms is None else self.cpu.borrow_slice_ms
         speculative = self.speculative_config.engine_config() if role == "decode" and self.speculative_config else None
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
                             num_threads=threads, cpu_binding=binding, itl_slo_ms=itl_slo_ms,
+                            borrow_slice_ms=slice_ms if binding is not None and binding.borrow else None,
                             stall_ratio=self.slo.stall_ratio, speculative_config=speculative,
                             reasoning_markers=(self.reasoning.start, self.reasoning.end) if self.reasoning else None,
                             **self.engine.model_dump())

@@ -49,6 +49,10 @@ class EngineConfig:
     # time stays within this (stall-free batching); None: chunks up to max_num_batched_tokens.
     itl_slo_ms: float | None = None
     stall_ratio: float = 2.0  # ... and within this many plain decode steps
+    # A forward on borrowed cores (a prefill worker's, engine/cpu_cores.py) carries at most the prompt tokens
+    # predicted to take this long at the borrowed speed: a lender that turns busy shares its core with the
+    # forward until it ends. None or 0: chunks up to max_num_batched_tokens.
+    borrow_slice_ms: float | None = None
     # (start, end) of the model's thinking, e.g. ("<think>", "</think>"): what max_reasoning_tokens caps.
     reasoning_markers: tuple[str, str] | None = None
     # Speculative decoding for the requests that do not opt out (a decode pool's default); None: only

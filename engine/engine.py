@@ -303,6 +303,7 @@ class Engine(Forking):
         failed = self._admit_structured() if self.waiting_for_grammar else []
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+        self.scheduler.step_token_cap = self._borrowed_step_cap() if self.borrowing else None
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.waiting_for_grammar and not failed:  # nothing to run until a grammar is ready
@@ -334,6 +335,15 @@ class Engine(Forking):
         else:
             self.speculator.observe_step(shape, num_logits, time.perf_counter() - started)
         return failed + outputs
+
+    def _borrowed_step_cap(self) -> int | None:
+        """Prompt tokens a forward on borrowed cores may carry: what the borrowed speed computes within
+        `borrow_slice_ms` (at least a block), so a lender that turns busy waits at most about that long
+        for its core to be its own again."""
+        slice_ms = self.config.borrow_slice_ms
+        if not slice_ms:
+            return None
+        return self.step_costs.prefill_budget(0, slice_ms / 1000, self.config.block_size, borrowing=True)
 
     def _sample(self, sampled: list[Request], logits: torch.Tensor) -> list[RequestOutput]:
         """Sample each request's next token; candidates forking from a request sample from its row with

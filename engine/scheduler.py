@@ -27,6 +27,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefill_budget: Callable[[int], int] | None = None
+        self.step_token_cap: int | None = None  # this step's token budget, when smaller (a borrowed forward)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -35,7 +36,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[tuple[Request, int]]:
-        budget = self.max_num_batched_tokens
+        budget = min(self.max_num_batched_tokens, self.step_token_cap or self.max_num_batched_tokens)
         prefill_budget = self._prefill_budget()
         scheduled: list[tuple[Request, int]] = []
         preempted = False

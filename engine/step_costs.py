@@ -146,13 +146,15 @@ class StepCosts:
         at most `stall_ratio` times a plain decode step, so the streams' ITL tail stays near their median."""
         return step_s if stall_ratio is None else min(step_s, stall_ratio * self.decode_time(num_decodes))
 
-    def prefill_budget(self, num_decodes: int, step_s: float, min_tokens: int, stall_ratio: float | None = None) -> int:
+    def prefill_budget(self, num_decodes: int, step_s: float, min_tokens: int, stall_ratio: float | None = None,
+                       borrowing: bool = False) -> int:
         """Prompt tokens a step beside `num_decodes` decodes may carry and still take at most `step_limit`
-        (stall-free batching); never fewer than `min_tokens`, so a prefill always progresses."""
+        (stall-free batching; `borrowing`: at the speed on borrowed cores); never fewer than `min_tokens`,
+        so a prefill always progresses."""
         room = self.step_limit(num_decodes, step_s, stall_ratio) - self.decode_time(num_decodes)
         tokens = min_tokens
         for _ in range(2):  # a chunk's speed depends on its length (its context, at a prompt's start)
-            tokens = max(min_tokens, int(room * self.prefill_speed(max(tokens, 1))))
+            tokens = max(min_tokens, int(room * self.prefill_speed(max(tokens, 1), borrowing)))
         return tokens
 
     def copy(self) -> StepCosts:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from cluster.config import ClusterConfig
 from cluster.launcher import fit_pools_to_cores
 from engine.cpu_cores import CpuBinding, assign_cores, claim_cores, pinning_is_safe
@@ -99,3 +101,15 @@ def test_pinned_workers_take_their_threads_from_their_cores():
     assert unpinned.engine_config(unpinned.prefill, "prefill").num_threads == 2
     fractional = ClusterConfig(decode={"num_cpus": 0.5})
     assert fractional.engine_config(fractional.decode, "decode").cpu_binding is None
+
+
+def test_a_borrowing_prefill_worker_slices_its_borrowed_forwards_by_the_itl_slo_unless_told():
+    config = ClusterConfig(prefill={"num_cpus": 1}, decode={"num_cpus": 1}, slo={"itl_ms": 180})
+    assert config.engine_config(config.prefill, "prefill").borrow_slice_ms == 180
+    assert config.engine_config(config.decode, "decode").borrow_slice_ms is None  # it lends, never borrows
+    told = ClusterConfig(prefill={"num_cpus": 1}, cpu={"borrow_slice_ms": 0})
+    assert told.engine_config(told.prefill, "prefill").borrow_slice_ms == 0
+    no_borrow = ClusterConfig(prefill={"num_cpus": 1}, cpu={"borrow": False})
+    assert no_borrow.engine_config(no_borrow.prefill, "prefill").borrow_slice_ms is None
+    with pytest.raises(ValueError, match="borrow_slice_ms"):
+        ClusterConfig(cpu={"borrow_slice_ms": -1})

@@ -86,3 +86,29 @@ def test_the_engine_measures_prefill_speed_and_decode_step_time_from_its_warm_up
     engine.generate(prompts(engine.runner.vocab_size, (40, 50, 60)), GREEDY)
     assert {64, 128} <= set(costs.prefill_tokens_per_s) and {1, 4} <= set(costs.decode_step_s)
     assert stats["step_costs"] is not costs and stats["kv_bytes_per_token"] == engine.kv_cache.layout.bytes_per_token
+
+
+def test_a_forward_on_borrowed_cores_carries_only_what_the_borrow_slice_computes(tiny_llama_dir):
+    """A lender that turns busy shares its core until the borrowed forward ends: such forwards are cut to
+    borrow_slice_ms at the borrowed speed; forwards on the worker's own cores are not, and the cap goes
+    with the borrowing. Outputs stay HF's."""
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=512,
+                                 borrow_slice_ms=100))
+    engine.step_costs.prefill_tokens_per_s = {b: 1000.0 for b in (16, 64, 256, 512)}  # 100 ms: ~100 tokens
+    engine.step_costs.borrowed_prefill_tokens_per_s = {b: 1600.0 for b in (16, 64, 256, 512)}
+    engine.step_costs.decode_step_s = {1: 0.02}  # a forward's fixed cost: 80 ms are left for prompt tokens
+    steps = recorded_steps(engine)
+    long = prompts(engine.runner.vocab_size, (300,), seed=3)[0]
+    engine.add_request("long", long, GREEDY)
+    engine.borrowing = True
+    outs = engine.step()  # (its own time then updates the measured speeds)
+    assert [prefill for _, prefill, _ in steps] == [128]  # 0.08 s x 1600 tok/s
+    engine.borrowing = False
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert steps[1][1] == 300 - 128  # the rest in one forward on its own core
+    assert [t for out in outs for t in out.new_token_ids] == hf_greedy(tiny_llama_dir, long, GREEDY.max_tokens)
+    uncapped = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=512))
+    uncapped.add_request("long", long, GREEDY)
+    uncapped.borrowing = True
+    assert step_shape(uncapped.scheduler.schedule()) == (0, 300, 300)
