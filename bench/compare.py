@@ -43,7 +43,8 @@ from bench.serve_data import Session, Turn  # noqa: E402
 from bench.serve_metrics import RequestResult, max_rate_meeting_slos, parse_slos  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-LOCK = "/tmp/tandem-bench.lock"
+# A caller that already holds the machine-wide lock (a script between two suite runs) names another here.
+LOCK = os.environ.get("TANDEM_BENCH_LOCK", "/tmp/tandem-bench.lock")
 SLOS = ["ttft:2000", "tpot:250"]
 ROUND_ROBIN_YAML = "router: {routing: round_robin}\n"
 
@@ -169,7 +170,12 @@ def case_a(cfg) -> list[dict]:
 def case_b(cfg) -> list[dict]:
     argv = ["--dataset", "long-prompt-burst", "--num-prompts", str(cfg.num_prompts), "--disable-tqdm",
             "--burst-every", str(cfg.burst_every), "--burst-long-input-len", str(cfg.long_input_len)]
-    specs = (tandem("tandem-disaggregated"), tandem("tandem-colocated", "--colocated"))
+    specs = [tandem("tandem-disaggregated")] + ([] if cfg.burst_no_colocated else [tandem("tandem-colocated", "--colocated")])
+    for arm in cfg.burst_arm:  # NAME=YAML: one more disaggregated arm with that config
+        name, _, text = arm.partition("=")
+        path = cfg.out / f"{name}.yaml"
+        path.write_text(text + "\n")
+        specs.append(tandem(name, "--config", str(path)))
     return [run_case(spec, argv, cfg.burst_rates, cfg.seed + 100, cfg.out) for spec in specs]
 
 
@@ -306,6 +312,9 @@ def parse_args(argv=None):
                         "(plus in-flight headroom); 0: the default cache, which holds every prefix")
     p.add_argument("--seed", type=int, default=int(time.time()) % 100000,
                    help="default: from the clock, so a rerun never hits the last run's cached prefixes")
+    p.add_argument("--burst-arm", action="append", default=[], metavar="NAME=YAML",
+                   help="case b: another disaggregated arm, e.g. 'no-slice=cpu: {borrow_slice_ms: 0}' (repeatable)")
+    p.add_argument("--burst-no-colocated", action="store_true", help="case b: skip the colocated arm")
     p.add_argument("--round-robin-config", type=Path,
                    help="tandem --config YAML for the round-robin arm (default: router.routing round_robin)")
     p.add_argument("--result-dir", type=Path, default=ROOT / "bench/results")

@@ -72,6 +72,18 @@ def test_case_c_cache_holds_a_share_of_the_prefixes_so_no_worker_holds_them_all(
     assert prefix_case_blocks(8, 512, share=0) is None  # the default cache
 
 
+def test_case_b_runs_each_extra_arm_with_its_own_config(tmp_path, monkeypatch):
+    from bench import compare
+    started = []
+    monkeypatch.setattr(compare, "run_case", lambda spec, argv, rates, seed, out: started.append(spec) or {})
+    cfg = compare.parse_args(["--cases", "b", "--result-dir", str(tmp_path), "--burst-no-colocated",
+                              "--burst-arm", "no-slice=cpu: {borrow_slice_ms: 0}", "--burst-arm", "no-borrow=cpu: {borrow: false}"])
+    compare.case_b(cfg)
+    assert [spec.name for spec in started] == ["tandem-disaggregated", "no-slice", "no-borrow"]
+    config = started[1].argv[started[1].argv.index("--config") + 1]
+    assert open(config).read() == "cpu: {borrow_slice_ms: 0}\n"
+
+
 def test_multi_turn_counts_turns_as_prompts():
     sessions = serve_data.multi_turn_sessions(SPACE, 10, turns=4, user_len=16, output_len=8, seed=0)
     assert [len(s.turns) for s in sessions] == [4, 4, 2]
