@@ -217,7 +217,9 @@ def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefil
                            elapsed_s: float = 0.0, min_chunk: int = 16) -> PrefillDecision:
     """Remote prefill unless the remote path would miss the TTFT SLO where a local one would not, or a
     local one costs the decode worker's running streams nothing material: it has none and the remote
-    path is no faster, or the whole prompt fits in one step within the ITL SLO and local is faster.
+    path is no faster, or the whole prompt fits in one step within the ITL SLO and local is faster; or
+    local is faster by more than the delay its chunks add to all running streams together (a deep
+    prefill queue).
 
     A full prefill queue means waiting for a slot while the remote path still meets the TTFT SLO,
     counted from arrival (`elapsed_s` ago), and a local prefill once it would not."""
@@ -234,6 +236,10 @@ def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefil
     step_limit = decode.step_costs.step_limit(decode.num_running, config.itl_slo_s, config.stall_ratio)
     if decode.num_running and one_step <= step_limit and local <= remote:
         return PrefillDecision(False, "stall_within_itl_slo", predicted_ttft_s=local)
+    if decode.num_running and local + decode.num_running * stall < remote:
+        # The prefill queue is deep: the chunked local prefill (each step within the ITL SLO) gets the first
+        # token sooner by more than it delays every running stream together.
+        return PrefillDecision(False, "remote_queue_costs_more", predicted_ttft_s=local)
     if prefill.num_waiting >= config.max_prefill_queue_size:
         if remote <= config.ttft_slo_s:
             return PrefillDecision(True, "prefill_queue_full", wait=True, predicted_ttft_s=remote)

@@ -374,7 +374,22 @@ def test_the_stall_ratio_keeps_a_step_beside_local_prefill_within_a_few_plain_de
 
 def test_a_remote_path_that_misses_the_ttft_slo_loses_to_a_local_one_that_meets_it():
     backlog = prefill_worker(queued_prefill_tokens=2000, num_waiting=1)  # 4 s of queued prompts
-    assert by_cost(256, decode_worker(num_running=4), backlog) == PrefillDecision(False, "remote_misses_ttft_slo")
+    busy = decode_worker(num_running=8)  # 8 x 0.5 s of stall: more than local's TTFT saves
+    assert by_cost(256, busy, backlog) == PrefillDecision(False, "remote_misses_ttft_slo")
+
+
+def test_a_deep_prefill_queue_loses_to_local_chunks_when_they_delay_the_streams_less_than_it_saves():
+    """4 running streams each lose 0.5 s to a 256-token local prefill in ITL-sized chunks (2 s together),
+    and its first token comes ~1 s after arrival against ~4.5 s behind the prefill worker's 2,000 queued
+    tokens. With the queue a second shorter, the remote path wins again (no SLO is missed either way)."""
+    decode = decode_worker(num_running=4)
+    local, stall = local_prefill_cost(256, 0, decode, SLO.itl_slo_s, BLOCK, SLO.stall_ratio)
+    deep = prefill_worker(queued_prefill_tokens=2000, num_waiting=1)
+    assert local + 4 * stall < remote_prefill_ttft(256, 0, 0, deep, decode)
+    assert by_cost(256, decode, deep) == PrefillDecision(False, "remote_queue_costs_more")
+    shorter = prefill_worker(queued_prefill_tokens=500, num_waiting=1)
+    assert local + 4 * stall > remote_prefill_ttft(256, 0, 0, shorter, decode)
+    assert by_cost(256, decode, shorter) == PrefillDecision(True, "remote_within_ttft_slo")
 
 
 def test_when_both_paths_miss_the_ttft_slo_the_running_streams_are_spared():
