@@ -304,8 +304,7 @@ class Router:
     def __init__(self, index: PrefixIndex, block_size: int, disagg: DisaggConfig | None = None,
                  prefill_weights: CostWeights | None = None, decode_weights: CostWeights | None = None,
                  rng: random.Random | None = None, routing: Literal["prefix_aware", "round_robin"] = "prefix_aware"):
-        rng = rng or random.Random()
-        self.rng = rng
+        self.rng = rng = rng or random.Random()
         self.index = index
         self.block_size = block_size
         self.disagg = disagg or DisaggConfig()
