@@ -40,7 +40,7 @@ if __package__ in (None, ""):
 
 from bench import serve, serve_client  # noqa: E402
 from bench.serve_data import Session, Turn  # noqa: E402
-from bench.serve_metrics import RequestResult, max_rate_meeting_slos, parse_slos  # noqa: E402
+from bench.serve_metrics import RequestResult, format_slowest, max_rate_meeting_slos, parse_slos  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # A caller that already holds the machine-wide lock (a script between two suite runs) names another here.
@@ -55,10 +55,11 @@ class ServerSpec:
     name: str
     argv: list[str]
     startup_timeout_s: float = 300.0
+    trace: bool = False  # a tandem server: ask for each request's stage timeline (serve.py --tandem-trace)
 
 
 def tandem(name: str, *flags: str) -> ServerSpec:
-    return ServerSpec(name, [str(ROOT / ".venv/bin/tandem"), "serve", "--port", "{port}", *flags])
+    return ServerSpec(name, [str(ROOT / ".venv/bin/tandem"), "serve", "--port", "{port}", *flags], trace=True)
 
 
 def vllm() -> ServerSpec:
@@ -138,7 +139,8 @@ async def _bench(base_url: str, serve_argv: list[str], rates: list[float], seed:
     args = serve.build_parser().parse_args(serve_argv)
     model = (await serve_client.fetch_models(base_url))[0]
     endpoint = "/v1/chat/completions" if args.dataset == "multi-turn" else "/v1/completions"
-    target = serve_client.Target(base_url, model, endpoint, timeout_s=args.request_timeout)
+    target = serve_client.Target(base_url, model, endpoint, timeout_s=args.request_timeout,
+                                 extra_headers={"X-Tandem-Trace": "1"} if args.tandem_trace else {})
     space = serve.load_token_space(args.tokenizer)
     warm = [Session([Turn(4, space.sample(random.Random(-1 - seed), 16), prompt_len=16)])]
     await serve_client.run_workload(target, warm, show_progress=False)
@@ -148,7 +150,7 @@ async def _bench(base_url: str, serve_argv: list[str], rates: list[float], seed:
 def run_case(spec: ServerSpec, serve_argv: list[str], rates: list[float], seed: int, out_dir: Path) -> dict:
     try:
         with running(spec, out_dir) as base_url:
-            runs = asyncio.run(_bench(base_url, serve_argv, rates, seed))
+            runs = asyncio.run(_bench(base_url, serve_argv + ["--tandem-trace"] * spec.trace, rates, seed))
     except Exception as exc:  # noqa: BLE001 -- one server failing must not lose the others' figures
         print(f"[{spec.name}] failed: {type(exc).__name__}: {exc} (log: {out_dir / (spec.name + '.log')})")
         return {"server": spec.name, "argv": spec.argv, "error": f"{type(exc).__name__}: {exc}", "runs": []}
@@ -156,6 +158,8 @@ def run_case(spec: ServerSpec, serve_argv: list[str], rates: list[float], seed: 
         s = run["summary"]
         print(f"[{spec.name}] {run['request_rate']:g} req/s: {s['completed']} done, {s['failed']} failed, "
               f"TTFT p99 {s['ttft_ms']['p99']:.0f} ms, ITL p99 {s['itl_ms']['p99']:.0f} ms", flush=True)
+        if run.get("slowest_ttfts"):
+            print(format_slowest(run["slowest_ttfts"]), flush=True)
     return {"server": spec.name, "argv": spec.argv, "serve_args": serve_argv, "runs": runs}
 
 

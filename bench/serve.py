@@ -29,8 +29,8 @@ if __package__ in (None, ""):
 from bench import serve_data  # noqa: E402
 from bench.serve_client import Target, counter_deltas, fetch_models, run_workload, scrape_counters  # noqa: E402
 from bench.serve_data import DATASETS, Session, TokenSpace, assign_arrivals  # noqa: E402
-from bench.serve_metrics import (RequestResult, format_summary, max_rate_meeting_slos, parse_slos,  # noqa: E402
-                                 summarize, summarize_by_kind)
+from bench.serve_metrics import (RequestResult, format_slowest, format_summary, max_rate_meeting_slos,  # noqa: E402
+                                 parse_slos, slowest_ttfts, summarize, summarize_by_kind)
 
 
 def build_sessions(args, space: TokenSpace, seed: int) -> list[Session]:
@@ -60,7 +60,7 @@ async def run_one(args, target: Target, space: TokenSpace, rate: float, seed: in
     after = await scrape_counters(target.base_url)
     return {"request_rate": rate, "seed": seed, "summary": summarize(results, duration, slos),
             "by_kind": summarize_by_kind(results, duration, slos), "server_counters": counter_deltas(before, after),
-            "requests": [r.to_dict() for r in results]}
+            "slowest_ttfts": slowest_ttfts(results), "requests": [r.to_dict() for r in results]}
 
 
 def load_token_space(tokenizer_dir: str | None) -> TokenSpace:
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", default=None,
                    help="/v1/completions (default) or /v1/chat/completions (the default for multi-turn)")
     p.add_argument("--api-key")
+    p.add_argument("--tandem-trace", action="store_true",
+                   help="ask a tandem server for each request's stage timeline (X-Tandem-Trace: 1) and list "
+                        "where the slowest first tokens spent their time")
     p.add_argument("--tokenizer", help="HF tokenizer directory (default: tandem's converted SmolLM2)")
     p.add_argument("--dataset", choices=DATASETS, default="random")
     p.add_argument("--num-prompts", type=int, default=100, help="requests per rate (turns, for multi-turn)")
@@ -125,12 +128,15 @@ async def benchmark(args) -> dict:
     endpoint = args.endpoint or ("/v1/chat/completions" if args.dataset == "multi-turn" else "/v1/completions")
     if args.dataset == "multi-turn" and endpoint != "/v1/chat/completions":
         raise SystemExit("multi-turn needs --endpoint /v1/chat/completions")
-    target = Target(args.base_url.rstrip("/"), model, endpoint, args.api_key, args.request_timeout)
+    target = Target(args.base_url.rstrip("/"), model, endpoint, args.api_key, args.request_timeout,
+                    extra_headers={"X-Tandem-Trace": "1"} if args.tandem_trace else {})
     space = load_token_space(args.tokenizer)
     runs = []
     for i, rate in enumerate(args.request_rate):
         run = await run_one(args, target, space, rate, args.seed + i, slos)
         print(format_summary(run["summary"], f"{args.label} @ {rate:g} req/s"), flush=True)
+        if run["slowest_ttfts"]:
+            print(format_slowest(run["slowest_ttfts"]), flush=True)
         runs.append(run)
     out = {"base_url": target.base_url, "model": model, "endpoint": endpoint, "dataset": args.dataset,
            "args": {k: v for k, v in vars(args).items() if k != "api_key"}, "runs": runs}

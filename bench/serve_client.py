@@ -90,6 +90,8 @@ async def send_request(http: aiohttp.ClientSession, target: Target, turn, messag
                     last = now
                     chunks_with_text += 1
                     texts.append(text)
+                if timelines := (chunk.get("tandem") or {}).get("timelines"):
+                    result.timeline = timelines[0]
                 for choice in chunk.get("choices") or []:
                     result.finish_reason = choice.get("finish_reason") or result.finish_reason
                 if chunk.get("usage"):

@@ -27,6 +27,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     finish_reason: str | None = None
+    # tandem's stage timeline of the request (--tandem-trace): stage times and the routing decision.
+    timeline: dict | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -153,4 +155,37 @@ def format_summary(summary: dict, title: str) -> str:
             lines.append(f"{label:<40}{d[stat]:>10.2f}")
     for error, count in summary["errors"].items():
         lines.append(f"failed ({count}): {error}")
+    return "\n".join(lines)
+
+
+# tandem's stages up to the first token, in order (engine/timeline.py STAGES).
+TTFT_STAGES = ("arrival", "validated", "tokenized", "routed", "prefill_queued", "prefill_started", "prefill_done",
+               "transfer_started", "transfer_done", "decode_admitted", "decode_started", "first_token")
+
+
+def slowest_ttfts(results: list[RequestResult], count: int = 5) -> list[dict]:
+    """The `count` slowest first tokens among requests that carry tandem's timeline (--tandem-trace): each
+    with the routing decision and the milliseconds between consecutive stages it passed up to its first
+    token, so a tail can be pinned on a stage (a prefill queue, a local prefill, a pull)."""
+    traced = sorted((r for r in results if r.success and r.timeline), key=lambda r: r.ttft, reverse=True)
+    out = []
+    for r in traced[:count]:
+        times = r.timeline.get("times", {})
+        passed = [(stage, times[stage]) for stage in TTFT_STAGES if stage in times]
+        passed.sort(key=lambda item: item[1])
+        gaps = {stage: round((at - before) * 1000, 1) for (_, before), (stage, at) in zip(passed, passed[1:])}
+        out.append({"ttft_ms": round(r.ttft * 1000, 1), "arrival_s": round(r.arrival, 2),
+                    "path": r.timeline.get("prefill_path"), "reason": r.timeline.get("routing_reason"),
+                    "predicted_ttft_ms": None if r.timeline.get("predicted_ttft_s") is None
+                    else round(r.timeline["predicted_ttft_s"] * 1000, 1), "gaps_ms": gaps})
+    return out
+
+
+def format_slowest(rows: list[dict]) -> str:
+    """One line per slow request: TTFT, path, reason, prediction, then `stage +ms` for each gap."""
+    lines = []
+    for row in rows:
+        gaps = " ".join(f"{stage} +{ms:g}" for stage, ms in row["gaps_ms"].items())
+        lines.append(f"TTFT {row['ttft_ms']:g} ms at {row['arrival_s']:g} s: {row['path']} ({row['reason']}, "
+                     f"predicted {row['predicted_ttft_ms']} ms) | {gaps}")
     return "\n".join(lines)

@@ -12,8 +12,8 @@ from aiohttp import web
 from bench import serve_data
 from bench.serve_client import Target, counter_deltas, parse_counters, run_workload
 from bench.serve_data import Session, TokenSpace, Turn
-from bench.serve_metrics import (RequestResult, max_rate_meeting_slos, parse_slos, percentile, summarize,
-                                 summarize_by_kind)
+from bench.serve_metrics import (RequestResult, format_slowest, max_rate_meeting_slos, parse_slos, percentile,
+                                 slowest_ttfts, summarize, summarize_by_kind)
 
 BODIES = web.AppKey("bodies", list)
 SPACE = TokenSpace(vocab_size=1000, special_ids=frozenset({0, 1, 2}))
@@ -236,7 +236,14 @@ async def _fake_stream(request: web.Request) -> web.StreamResponse:
         await resp.write(_sse({"choices": [{"index": 0, "finish_reason": "length" if i == n - 1 else None,
                                             **piece}]}))
         await asyncio.sleep(0.001)
-    await resp.write(_sse({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": n}}))
+    last = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": n}}
+    if request.headers.get("X-Tandem-Trace") == "1":  # tandem's timeline rides on the last chunk
+        times = {"arrival": 100.0, "routed": 100.004, "prefill_queued": 100.006, "prefill_started": 100.2,
+                 "prefill_done": 100.5, "first_token": 100.503}
+        last["tandem"] = {"request_id": "r", "timelines": [{"times": times, "prefill_path": "remote",
+                                                           "routing_reason": "remote_within_ttft_slo",
+                                                           "predicted_ttft_s": 0.45}]}
+    await resp.write(_sse(last))
     await resp.write(b"data: [DONE]\n\n")
     return resp
 
@@ -282,6 +289,23 @@ def test_client_parses_streams_counts_tokens_and_reports_a_failed_request(fake_s
     assert (summary["completed"], summary["failed"]) == (2, 1)
     sent = app[BODIES][0]
     assert sent["stream"] and sent["ignore_eos"] and sent["stream_options"] == {"include_usage": True}
+
+
+def test_tandem_trace_keeps_each_timeline_and_pins_the_slowest_first_tokens_on_a_stage(fake_server):
+    loop, app, url = fake_server
+    sessions = [Session([Turn(3, [10 + i, 11], prompt_len=2)]) for i in range(3)]
+    untraced, _ = loop.run_until_complete(run_workload(Target(url, "m", timeout_s=10), sessions[:1],
+                                                       show_progress=False))
+    assert untraced[0].timeline is None and slowest_ttfts(untraced) == []
+    target = Target(url, "m", timeout_s=10, extra_headers={"X-Tandem-Trace": "1"})
+    results, _ = loop.run_until_complete(run_workload(target, sessions, show_progress=False))
+    assert all(r.success and r.timeline["prefill_path"] == "remote" for r in results)
+    rows = slowest_ttfts(results, count=2)
+    assert len(rows) == 2 and rows[0]["ttft_ms"] >= rows[1]["ttft_ms"]
+    assert rows[0]["reason"] == "remote_within_ttft_slo" and rows[0]["predicted_ttft_ms"] == 450.0
+    assert rows[0]["gaps_ms"] == {"routed": 4.0, "prefill_queued": 2.0, "prefill_started": 194.0,
+                                  "prefill_done": 300.0, "first_token": 3.0}
+    assert "prefill_done +300" in format_slowest(rows)
 
 
 def test_multi_turn_sends_the_conversation_so_far(fake_server):
