@@ -168,7 +168,8 @@ def run_case(spec: ServerSpec, serve_argv: list[str], rates: list[float], seed: 
 def case_a(cfg) -> list[dict]:
     argv = ["--dataset", "random", "--random-input-len", "256", "--random-output-len", "64",
             "--num-prompts", str(cfg.num_prompts), "--disable-tqdm"]
-    return [run_case(spec, argv, cfg.rates, cfg.seed, cfg.out) for spec in (tandem("tandem"), vllm())]
+    specs = [tandem("tandem", *cfg.tandem_flag)] + ([] if cfg.no_vllm else [vllm()])
+    return [run_case(spec, argv, cfg.rates, cfg.seed, cfg.out) for spec in specs]
 
 
 def case_b(cfg) -> list[dict]:
@@ -318,6 +319,9 @@ def parse_args(argv=None):
                    help="default: from the clock, so a rerun never hits the last run's cached prefixes")
     p.add_argument("--burst-arm", action="append", default=[], metavar="NAME=YAML",
                    help="case b: another disaggregated arm, e.g. 'no-slice=cpu: {borrow_slice_ms: 0}' (repeatable)")
+    p.add_argument("--no-vllm", action="store_true", help="case a: tandem alone (e.g. to read its --tandem-trace tail)")
+    p.add_argument("--tandem-flag", action="append", default=[], metavar="FLAG",
+                   help="case a: one more `tandem serve` flag (repeat), e.g. --tandem-flag=--config=my.yaml")
     p.add_argument("--burst-no-colocated", action="store_true", help="case b: skip the colocated arm")
     p.add_argument("--round-robin-config", type=Path,
                    help="tandem --config YAML for the round-robin arm (default: router.routing round_robin)")

@@ -240,18 +240,23 @@ class AuditOptions(_Strict):
 class CpuOptions(_Strict):
     """On CPU, `pin` gives each worker int(num_cpus) physical cores of its own (threads: one per core
     unless the pool's num_threads says otherwise); `borrow` lets a prefill forward also use the cores of
-    a decode worker on its node while that one is idle. A forward on borrowed cores carries at most the
-    prompt tokens that take `borrow_slice_ms` at the borrowed speed (default: the ITL SLO; 0: no cap),
-    since a lender that turns busy shares its core until that forward ends. Ignored by workers on GPUs."""
+    a decode worker on its node while that one is idle, and (`decode_borrows`) a decode step the cores of a
+    prefill worker while that one has no prompt. A forward on borrowed cores carries at most the prompt
+    tokens that take `borrow_slice_ms` at the borrowed speed (default: the ITL SLO; 0: no cap), since a
+    lender that turns busy shares its core until that forward ends. Ignored by workers on GPUs."""
     pin: bool = True
     borrow: bool = True
+    decode_borrows: bool = True
     borrow_slice_ms: float | None = Field(None, ge=0)
 
     def binding(self, role: str, pool: PoolConfig) -> CpuBinding | None:
         cores = int(pool.num_cpus)
         if not self.pin or cores < 1:  # a fractional worker shares cores by design
             return None
-        return CpuBinding(cores, lend=self.borrow and role == "decode", borrow=self.borrow and role == "prefill")
+        both_ways = self.borrow and self.decode_borrows
+        if role == "prefill":
+            return CpuBinding(cores, lend=both_ways, borrow=self.borrow)
+        return CpuBinding(cores, lend=self.borrow, borrow=both_ways)
 
 
 class ClusterConfig(_Strict):

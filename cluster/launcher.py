@@ -201,7 +201,7 @@ def fit_pools_to_node(config: ClusterConfig, say: Callable[[str], None]) -> Clus
         pools = [("prefill", fitted.prefill)] if fitted.mode == "disaggregated" else []
         say("cores per worker: " + ", ".join(f"{name} {int(p.num_cpus)}" for name, p in
                                               [*pools, ("decode", fitted.decode)]) +
-            (" (pinned; prefill borrows idle decode cores)" if fitted.cpu.pin and fitted.cpu.borrow else ""))
+            (" (pinned; idle cores lent to the other pool)" if fitted.cpu.pin and fitted.cpu.borrow else ""))
     return fitted
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from cluster.config import ClusterConfig
 from cluster.launcher import fit_pools_to_cores
-from engine.cpu_cores import CpuBinding, assign_cores, claim_cores, pinning_is_safe
+from engine import cpu_cores
+from engine.cpu_cores import CpuBinding, PinnedCores, assign_cores, claim_cores, node_cores, pinning_is_safe
 
 CORES = [(0,), (1,), (2,), (3,), (4,), (5,)]
 
@@ -94,8 +95,13 @@ def test_a_pools_own_num_cpus_is_kept():
 def test_pinned_workers_take_their_threads_from_their_cores():
     config = ClusterConfig(prefill={"num_cpus": 2}, decode={"num_cpus": 1, "num_threads": 3})
     prefill, decode = config.engine_config(config.prefill, "prefill"), config.engine_config(config.decode, "decode")
-    assert prefill.cpu_binding == CpuBinding(2, lend=False, borrow=True) and prefill.num_threads is None
-    assert decode.cpu_binding == CpuBinding(1, lend=True, borrow=False) and decode.num_threads == 3
+    assert prefill.cpu_binding == CpuBinding(2, lend=True, borrow=True) and prefill.num_threads is None
+    assert decode.cpu_binding == CpuBinding(1, lend=True, borrow=True) and decode.num_threads == 3
+    one_way = ClusterConfig(cpu={"decode_borrows": False})
+    assert one_way.engine_config(one_way.prefill, "prefill").cpu_binding == CpuBinding(1, lend=False, borrow=True)
+    assert one_way.engine_config(one_way.decode, "decode").cpu_binding == CpuBinding(1, lend=True, borrow=False)
+    neither = ClusterConfig(cpu={"borrow": False})
+    assert neither.engine_config(neither.decode, "decode").cpu_binding == CpuBinding(1, lend=False, borrow=False)
     unpinned = ClusterConfig(cpu={"pin": False}, prefill={"num_cpus": 2})
     assert unpinned.engine_config(unpinned.prefill, "prefill").cpu_binding is None
     assert unpinned.engine_config(unpinned.prefill, "prefill").num_threads == 2
@@ -103,13 +109,45 @@ def test_pinned_workers_take_their_threads_from_their_cores():
     assert fractional.engine_config(fractional.decode, "decode").cpu_binding is None
 
 
-def test_a_borrowing_prefill_worker_slices_its_borrowed_forwards_by_the_itl_slo_unless_told():
+def test_a_borrowing_worker_slices_its_borrowed_forwards_by_the_itl_slo_unless_told():
     config = ClusterConfig(prefill={"num_cpus": 1}, decode={"num_cpus": 1}, slo={"itl_ms": 180})
     assert config.engine_config(config.prefill, "prefill").borrow_slice_ms == 180
-    assert config.engine_config(config.decode, "decode").borrow_slice_ms is None  # it lends, never borrows
+    assert config.engine_config(config.decode, "decode").borrow_slice_ms == 180
+    one_way = ClusterConfig(decode={"num_cpus": 1}, cpu={"decode_borrows": False})
+    assert one_way.engine_config(one_way.decode, "decode").borrow_slice_ms is None  # it lends, never borrows
     told = ClusterConfig(prefill={"num_cpus": 1}, cpu={"borrow_slice_ms": 0})
     assert told.engine_config(told.prefill, "prefill").borrow_slice_ms == 0
     no_borrow = ClusterConfig(prefill={"num_cpus": 1}, cpu={"borrow": False})
     assert no_borrow.engine_config(no_borrow.prefill, "prefill").borrow_slice_ms is None
     with pytest.raises(ValueError, match="borrow_slice_ms"):
         ClusterConfig(cpu={"borrow_slice_ms": -1})
+
+
+@pytest.mark.skipif(len(node_cores()) < 2, reason="lending needs two cores")
+def test_two_workers_lend_each_other_their_idle_cores_and_take_them_back_when_busy(tmp_path, monkeypatch):
+    # The protocol alone, in this process: pinning and thread counts are recorded, not applied.
+    applied = []
+    monkeypatch.setattr(cpu_cores, "pin_threads", lambda cpus: applied.append(sorted(cpus)))
+    monkeypatch.setattr(cpu_cores.torch, "set_num_threads", lambda n: None)
+    both = CpuBinding(1, lend=True, borrow=True)
+    prefill, decode = PinnedCores(both, directory=tmp_path), PinnedCores(both, directory=tmp_path)
+    try:
+        (prefill_core,), (decode_core,) = prefill.owned, decode.owned
+        prefill.idle()  # no prompt: its core is lent
+        decode.busy()
+        assert list(decode.borrowed) == [prefill_core] and decode.threads == 2
+        assert applied[-1] == sorted({*prefill_core, *decode_core})
+        prefill.busy()  # a prompt: it stops lending, and borrows nothing from the busy decode worker
+        assert not prefill.borrowed and prefill.threads == 1
+        decode.busy()  # decode's next step gives the core back
+        assert not decode.borrowed and decode.threads == 1 and applied[-1] == sorted(decode_core)
+        decode.idle()
+        prefill.busy()  # now decode is idle: the prefill takes its core
+        assert list(prefill.borrowed) == [decode_core]
+        decode.busy()  # and decode, busy again, cannot take the busy prefill worker's core meanwhile
+        assert not decode.borrowed
+        prefill.busy()
+        assert not prefill.borrowed
+    finally:
+        prefill.close()
+        decode.close()

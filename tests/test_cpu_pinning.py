@@ -1,5 +1,6 @@
 """On CPU, real prefill and decode workers are pinned to cores of their own, run the threads their cores
-imply, and a prefill borrows the idle decode worker's cores (and only while it is idle)."""
+imply, a prefill borrows the idle decode worker's cores (and only while it is idle), and a decode step the
+idle prefill worker's (and only while that has no prompt)."""
 import asyncio
 
 import pytest
@@ -56,6 +57,19 @@ def test_prefill_borrows_the_idle_decode_workers_core_and_gives_it_back(pools):
     assert costs.borrowed_prefill_tokens_per_s and costs.own_threads == 1 and costs.borrow_threads == 2
 
 
+def test_decode_borrows_the_idle_prefill_workers_core_and_gives_it_back(pools):
+    prefill, decode = only(pools.prefill), only(pools.decode)
+    assert wait_for(lambda: placement(prefill)["lending"])
+    before = placement(decode)["borrowing_steps"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (tokens, _), = run_all([GenerateRequest("decode-borrows", list(range(10, 40)), params)], decode, prefill)
+    assert len(tokens) == 24
+    after = placement(decode)
+    assert after["borrowing_steps"] > before  # its steps ran on the idle prefill worker's core as well
+    # Idle again: the borrowed core went back, and so did the affinity and the threads.
+    assert after["borrowed"] == [] and after["affinity"] == after["cores"] and after["torch_threads"] == 1
+
+
 def test_prefill_keeps_to_its_own_core_while_decode_runs(pools):
     prefill, decode = only(pools.prefill), only(pools.decode)
     long = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
@@ -65,6 +79,9 @@ def test_prefill_keeps_to_its_own_core_while_decode_runs(pools):
                    for i in range(4)]
         try:
             while placement(decode)["lending"]:
+                await asyncio.sleep(0.01)
+            own = placement(prefill)["cores"]
+            while placement(decode)["borrowed"] != own:  # decode runs on the idle prefill core too
                 await asyncio.sleep(0.01)
             await prefill.prefill.remote(GenerateRequest("while-busy", list(range(100, 180)),
                                                          SamplingParams(temperature=0.0, max_tokens=1)))
