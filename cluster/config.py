@@ -240,13 +240,15 @@ class AuditOptions(_Strict):
 class CpuOptions(_Strict):
     """On CPU, `pin` gives each worker int(num_cpus) physical cores of its own (threads: one per core
     unless the pool's num_threads says otherwise); `borrow` lets a prefill forward also use the cores of
-    a decode worker on its node while that one is idle, and (`decode_borrows`) a decode step the cores of a
-    prefill worker while that one has no prompt. A forward on borrowed cores carries at most the prompt
+    a decode worker on its node while that one is idle, and `decode_borrows` (off by default) a decode step
+    the cores of a prefill worker while that one has no prompt: on a machine without a core to spare for the
+    serving processes, their wakeups then stall a decode step on two cores, and it ran slower than on one
+    (bench/RESULTS.md, "Decode steps on borrowed prefill cores"). A forward on borrowed cores carries at most the prompt
     tokens that take `borrow_slice_ms` at the borrowed speed (default: the ITL SLO; 0: no cap), since a
     lender that turns busy shares its core until that forward ends. Ignored by workers on GPUs."""
     pin: bool = True
     borrow: bool = True
-    decode_borrows: bool = True
+    decode_borrows: bool = False
     borrow_slice_ms: float | None = Field(None, ge=0)
 
     def binding(self, role: str, pool: PoolConfig) -> CpuBinding | None:

@@ -201,8 +201,14 @@ def fit_pools_to_node(config: ClusterConfig, say: Callable[[str], None]) -> Clus
         pools = [("prefill", fitted.prefill)] if fitted.mode == "disaggregated" else []
         say("cores per worker: " + ", ".join(f"{name} {int(p.num_cpus)}" for name, p in
                                               [*pools, ("decode", fitted.decode)]) +
-            (" (pinned; idle cores lent to the other pool)" if fitted.cpu.pin and fitted.cpu.borrow else ""))
+            _lending_note(fitted.cpu))
     return fitted
+
+
+def _lending_note(cpu) -> str:
+    if not (cpu.pin and cpu.borrow):
+        return ""
+    return " (pinned; prefill borrows idle decode cores" + (", decode idle prefill cores)" if cpu.decode_borrows else ")")
 
 
 def fit_pools_to_cores(config: ClusterConfig, cores: int) -> ClusterConfig:

@@ -95,11 +95,11 @@ def test_a_pools_own_num_cpus_is_kept():
 def test_pinned_workers_take_their_threads_from_their_cores():
     config = ClusterConfig(prefill={"num_cpus": 2}, decode={"num_cpus": 1, "num_threads": 3})
     prefill, decode = config.engine_config(config.prefill, "prefill"), config.engine_config(config.decode, "decode")
-    assert prefill.cpu_binding == CpuBinding(2, lend=True, borrow=True) and prefill.num_threads is None
-    assert decode.cpu_binding == CpuBinding(1, lend=True, borrow=True) and decode.num_threads == 3
-    one_way = ClusterConfig(cpu={"decode_borrows": False})
-    assert one_way.engine_config(one_way.prefill, "prefill").cpu_binding == CpuBinding(1, lend=False, borrow=True)
-    assert one_way.engine_config(one_way.decode, "decode").cpu_binding == CpuBinding(1, lend=True, borrow=False)
+    assert prefill.cpu_binding == CpuBinding(2, lend=False, borrow=True) and prefill.num_threads is None
+    assert decode.cpu_binding == CpuBinding(1, lend=True, borrow=False) and decode.num_threads == 3
+    both_ways = ClusterConfig(cpu={"decode_borrows": True})
+    assert both_ways.engine_config(both_ways.prefill, "prefill").cpu_binding == CpuBinding(1, lend=True, borrow=True)
+    assert both_ways.engine_config(both_ways.decode, "decode").cpu_binding == CpuBinding(1, lend=True, borrow=True)
     neither = ClusterConfig(cpu={"borrow": False})
     assert neither.engine_config(neither.decode, "decode").cpu_binding == CpuBinding(1, lend=False, borrow=False)
     unpinned = ClusterConfig(cpu={"pin": False}, prefill={"num_cpus": 2})
@@ -112,9 +112,9 @@ def test_pinned_workers_take_their_threads_from_their_cores():
 def test_a_borrowing_worker_slices_its_borrowed_forwards_by_the_itl_slo_unless_told():
     config = ClusterConfig(prefill={"num_cpus": 1}, decode={"num_cpus": 1}, slo={"itl_ms": 180})
     assert config.engine_config(config.prefill, "prefill").borrow_slice_ms == 180
-    assert config.engine_config(config.decode, "decode").borrow_slice_ms == 180
-    one_way = ClusterConfig(decode={"num_cpus": 1}, cpu={"decode_borrows": False})
-    assert one_way.engine_config(one_way.decode, "decode").borrow_slice_ms is None  # it lends, never borrows
+    assert config.engine_config(config.decode, "decode").borrow_slice_ms is None  # it lends, never borrows
+    both_ways = ClusterConfig(decode={"num_cpus": 1}, slo={"itl_ms": 180}, cpu={"decode_borrows": True})
+    assert both_ways.engine_config(both_ways.decode, "decode").borrow_slice_ms == 180
     told = ClusterConfig(prefill={"num_cpus": 1}, cpu={"borrow_slice_ms": 0})
     assert told.engine_config(told.prefill, "prefill").borrow_slice_ms == 0
     no_borrow = ClusterConfig(prefill={"num_cpus": 1}, cpu={"borrow": False})
