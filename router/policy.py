@@ -230,6 +230,11 @@ def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefil
     local, stall = local_prefill_cost(prompt_tokens, decode_cached_tokens, decode, config.itl_slo_s, min_chunk,
                                       config.stall_ratio)
     local += elapsed_s
+    if lent_to_busy_prefill(decode, prefill):
+        # Its core is in a borrowed prefill forward right now: a local prefill shares it (and slows that
+        # forward) until the forward ends, within about one borrowed slice (cpu.borrow_slice_ms, by default
+        # the ITL SLO).
+        local += config.itl_slo_s
     if not decode.num_running and local <= remote:
         return PrefillDecision(False, "decode_idle", predicted_ttft_s=local)
     one_step = decode.step_costs.decode_time(decode.num_running) + stall
@@ -374,6 +379,15 @@ def lent_threads(prefill: WorkerLoad, decode_loads: Sequence[WorkerLoad]) -> Wor
     lent = sum(d.step_costs.lend_threads for d in decode_loads
                if d.step_costs.cpu_node == costs.cpu_node and d.healthy and d.idle)
     return dataclasses.replace(prefill, borrow_threads_now=costs.own_threads + lent if lent else 0)
+
+
+def lent_to_busy_prefill(decode: WorkerLoad, prefill: WorkerLoad) -> bool:
+    """Whether `decode` lends its cores to `prefill` and that one is computing a prompt now, so a forward
+    of its own would share its cores with a borrowed one."""
+    costs = prefill.step_costs
+    return bool(costs.borrows and costs.cpu_node and decode.step_costs.cpu_node == costs.cpu_node
+                and decode.step_costs.lend_threads and decode.idle and decode.healthy
+                and (prefill.num_running or prefill.queued_prefill_tokens))
 
 
 def _load_of(placement: Placement, loads: Sequence[WorkerLoad]) -> WorkerLoad:

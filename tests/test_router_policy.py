@@ -314,6 +314,30 @@ def test_the_router_sees_from_its_live_loads_that_an_idle_decode_worker_lends_it
     assert route.prefill is not None and route.predicted_ttft_s >= alone
 
 
+def test_an_idle_decode_worker_whose_core_is_in_a_borrowed_prefill_forward_is_not_free_for_a_local_one():
+    """A second prompt arriving while the prefill worker runs the first on the idle decode worker's core
+    too: prefilling it locally would share that core with the borrowed forward, slowing both (measured:
+    the first request of a 0.5 req/s run took 1.46 s against a predicted 0.34 s). Local pays for the
+    rest of the borrowed slice (at most the ITL SLO), so the prompt queues behind the first, unless the
+    queue is deep enough that local still wins."""
+    router = Router(PrefixIndex(), BLOCK, disagg=SLO, rng=random.Random(0))
+    tokens = prompt(1, suffix_blocks=0)[:256]
+    lender = decode_worker(step_costs=pinned(measured(), lend=1))
+    borrowing = prefill_worker(num_running=1, queued_prefill_tokens=256, step_costs=pinned(measured(), borrows=True))
+    route = router.route(block_hashes(tokens, BLOCK), len(tokens), [borrowing], [lender])
+    assert route.prefill is not None and route.reason == "remote_within_ttft_slo"
+    # The same queue on a prefill worker that borrows nothing from it (another node): local is free and faster.
+    elsewhere = decode_worker(step_costs=pinned(measured(), node="other:/dev/shm/tandem-cpu", lend=1))
+    route = router.route(block_hashes(tokens, BLOCK), len(tokens), [borrowing], [elsewhere])
+    assert route.prefill is None and route.reason == "decode_idle"
+    # A deep queue: local wins even after waiting out the borrowed slice.
+    deep = prefill_worker(num_running=1, num_waiting=3, queued_prefill_tokens=1024,
+                          step_costs=pinned(measured(), borrows=True))
+    route = router.route(block_hashes(tokens, BLOCK), len(tokens), [deep], [lender])
+    assert route.prefill is None and route.reason == "decode_idle"
+    assert route.predicted_ttft_s == pytest.approx(measured().prefill_time(256, 256) + SLO.itl_slo_s)
+
+
 def test_a_stale_report_of_lent_cores_is_overruled_by_a_busy_lender():
     busy = decode_worker(num_running=3, step_costs=pinned(measured(), lend=1))
     stale = prefill_worker(step_costs=pinned(measured(), borrows=True, stale_borrow_threads=2))
