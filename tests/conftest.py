@@ -6,6 +6,9 @@ import os
 import pytest
 
 os.environ.setdefault("TANDEM_NUM_THREADS", "2")
+# `dtype: auto` on a CPU with native bf16 runs bfloat16; the suite checks results against fp32 references,
+# so it pins fp32 here (its workers inherit this), and tests/test_dtype_auto.py covers the bf16 default.
+os.environ.setdefault("TANDEM_CPU_AUTO_DTYPE", "float32")
 # Tests talk to 127.0.0.1 only: keep Ray on loopback too, and skip its token auth prompt.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -1,4 +1,5 @@
-"""`dtype: auto`, the default: bfloat16 on CUDA, float32 on CPU, resolved once in engine/config.py."""
+"""`dtype: auto`, the default: bfloat16 on CUDA; on CPU bfloat16 where the CPU multiplies it natively, else
+float32 (TANDEM_CPU_AUTO_DTYPE overrides; the suite pins float32), resolved once in engine/config.py."""
 from __future__ import annotations
 
 import pytest
@@ -6,12 +7,38 @@ import torch
 
 from cluster.cli import build_parser
 from cluster.config import ClusterConfig, PoolConfig
-from engine.config import EngineConfig, resolve_dtype
+from engine import Engine, SamplingParams
+from engine import config as engine_config
+from engine.config import CPU_AUTO_DTYPE_ENV, EngineConfig, resolve_dtype
 
 
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
-def test_auto_is_float32_on_cpu(device):
+def test_auto_is_float32_on_cpu_as_the_suite_pins_it(device):
     assert resolve_dtype("auto", device) == "float32"
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_on_cpu_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeypatch, native, expected):
+    monkeypatch.delenv(CPU_AUTO_DTYPE_ENV, raising=False)
+    monkeypatch.setattr(engine_config, "cpu_has_native_bf16", lambda: native)
+    assert resolve_dtype("auto", "cpu") == expected
+    assert resolve_dtype("float32", "cpu") == "float32"  # an explicit dtype wins
+    monkeypatch.setenv(CPU_AUTO_DTYPE_ENV, "float32")
+    assert resolve_dtype("auto", "cpu") == "float32"
+    monkeypatch.setenv(CPU_AUTO_DTYPE_ENV, "half")
+    with pytest.raises(ValueError, match=CPU_AUTO_DTYPE_ENV):
+        resolve_dtype("auto", "cpu")
+
+
+def test_an_engine_runs_bfloat16_on_cpu(tiny_llama_dir):
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, dtype="bfloat16", device="cpu"))
+    assert engine.runner.layout.dtype == "bfloat16" and engine.kv_cache.k[0].dtype == torch.bfloat16
+    assert not engine.runner.paged_kernel  # the C decode kernel is fp32 only: gather + SDPA
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [list(range(5, 40)), list(range(50, 61))]
+    first = [out.token_ids for out in engine.generate(prompts, params)]
+    assert [len(ids) for ids in first] == [12, 12]
+    assert [out.token_ids for out in engine.generate(prompts, params)] == first  # prefix-cached rerun
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda", 0)])
