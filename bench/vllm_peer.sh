@@ -47,7 +47,7 @@ serve() {
     export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}"
     exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
         --host 127.0.0.1 --port "$PORT" --model "$model" \
-        --dtype float32 --enforce-eager
+        --dtype "${VLLM_DTYPE:-float32}" --enforce-eager
 }
 
 start() {
