@@ -132,6 +132,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="both sides' precision (the engine's `auto` is bfloat16 on CPUs with AMX/AVX512-BF16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="rounds, engine and HF alternating (new prompts each)")
     ap.add_argument("--skip-hf", action="store_true", help="only run the engine")
@@ -140,14 +142,14 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(model=args.model, num_threads=args.threads))
+    engine = Engine(EngineConfig(model=args.model, num_threads=args.threads, dtype=args.dtype))
     vocab = engine.runner.vocab_size
     warmup = make_prompts(4, args.prompt_len, vocab, args.seed + 1000)
     engine.generate(warmup, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     model = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=getattr(torch, args.dtype)).eval()
         hf_generate(model, warmup, 8)
 
     print(f"{args.num_requests} requests x {args.prompt_len} prompt x {args.output_len} output tokens, "
