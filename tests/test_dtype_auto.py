@@ -2,6 +2,8 @@
 float32 (TANDEM_CPU_AUTO_DTYPE overrides; the suite pins float32), resolved once in engine/config.py."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +12,8 @@ from cluster.config import ClusterConfig, PoolConfig
 from engine import Engine, SamplingParams
 from engine import config as engine_config
 from engine.config import CPU_AUTO_DTYPE_ENV, EngineConfig, resolve_dtype
+from engine.model_loader import load_model
+from engine.model_runner import OneDNNLinear
 
 
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
@@ -34,6 +38,14 @@ def test_an_engine_runs_bfloat16_on_cpu(tiny_llama_dir):
     engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, dtype="bfloat16", device="cpu"))
     assert engine.runner.layout.dtype == "bfloat16" and engine.kv_cache.k[0].dtype == torch.bfloat16
     assert not engine.runner.paged_kernel  # the C decode kernel is fp32 only: gather + SDPA
+    # Its linears are oneDNN's with prepacked bf16 weights, computing what torch's own bf16 linear does.
+    packed = engine.runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(packed, OneDNNLinear)
+    hf = load_model(Path(tiny_llama_dir), torch.bfloat16, torch.device("cpu"), "sdpa")
+    x = torch.randn(5, packed.in_features, dtype=torch.bfloat16)
+    reference = hf.model.layers[0].mlp.down_proj(x)
+    assert packed(x).dtype == torch.bfloat16
+    assert torch.allclose(packed(x).float(), reference.float(), rtol=0.02, atol=0.02)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [list(range(5, 40)), list(range(50, 61))]
     first = [out.token_ids for out in engine.generate(prompts, params)]
