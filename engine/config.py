@@ -1,6 +1,7 @@
 """Engine configuration: which model, where it runs, and the cache/scheduler budgets."""
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ def resolve_device(device: str) -> torch.device:
 CPU_AUTO_DTYPE_ENV = "TANDEM_CPU_AUTO_DTYPE"
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AMX tiles or AVX512-BF16): there oneDNN runs bf16
     linears several times faster than fp32 (a 256-token SmolLM2 prefill 2.5x, a 16-sequence decode step

@@ -376,8 +376,7 @@ def lent_threads(prefill: WorkerLoad, decode_loads: Sequence[WorkerLoad]) -> Wor
     costs = prefill.step_costs
     if not (costs.borrows and costs.cpu_node):
         return prefill
-    lent = sum(d.step_costs.lend_threads for d in decode_loads
-               if d.step_costs.cpu_node == costs.cpu_node and d.healthy and d.idle)
+    lent = sum(d.step_costs.lend_threads for d in decode_loads if _lends_now(d, costs))
     return dataclasses.replace(prefill, borrow_threads_now=costs.own_threads + lent if lent else 0)
 
 
@@ -385,9 +384,13 @@ def lent_to_busy_prefill(decode: WorkerLoad, prefill: WorkerLoad) -> bool:
     """Whether `decode` lends its cores to `prefill` and that one is computing a prompt now, so a forward
     of its own would share its cores with a borrowed one."""
     costs = prefill.step_costs
-    return bool(costs.borrows and costs.cpu_node and decode.step_costs.cpu_node == costs.cpu_node
-                and decode.step_costs.lend_threads and decode.idle and decode.healthy
+    return bool(costs.borrows and costs.cpu_node and decode.step_costs.lend_threads and _lends_now(decode, costs)
                 and (prefill.num_running or prefill.queued_prefill_tokens))
+
+
+def _lends_now(decode: WorkerLoad, borrower: StepCosts) -> bool:
+    """Whether `decode`'s cores are lent to workers of `borrower`'s node right now: it is there, healthy and idle."""
+    return decode.step_costs.cpu_node == borrower.cpu_node and decode.healthy and decode.idle
 
 
 def _load_of(placement: Placement, loads: Sequence[WorkerLoad]) -> WorkerLoad:
