@@ -4,10 +4,13 @@ PyTorch has no paged attention for CPUs: without a kernel, decode attention gath
 sequence's blocks into a padded copy and runs SDPA, which is built for long query blocks and
 spends most of its time on overhead when each sequence has one query token. The kernel in
 `csrc/paged_attention.c` reads K/V in place from the blocks (bench/RESULTS.md, "Offline engine").
+`csrc/fused_ops.c` holds a decoder layer's elementwise ops (RMSNorm with the residual add, SiLU-and-mul,
+rotary embedding), one call each instead of several torch ops (engine/cpu_layers.py).
 
-The shared library is built with the system C compiler into the tandem cache directory, keyed by
+Each shared library is built with the system C compiler into the tandem cache directory, keyed by
 the source, the flags and the machine, so a build is done once per machine. Without a compiler,
-or with TANDEM_CPU_KERNELS=0, `available()` is False and attention uses gather + SDPA.
+or with TANDEM_CPU_KERNELS=0, `available()` is False: attention uses gather + SDPA and the layers
+run as HF wrote them.
 """
 from __future__ import annotations
 
@@ -28,8 +31,12 @@ from engine.model_loader import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+CSRC = Path(__file__).parent / "csrc"
 BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
+# fused_ops.c rounds like torch's separate ops: no contraction of a * b + c into one FMA; without FP traps
+# its clamps and selects vectorize.
+EXTRA_FLAGS = {"fused_ops": ["-ffp-contract=off", "-fno-trapping-math"]}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _arch_flags() -> list[str]:
@@ -43,13 +50,13 @@ def _arch_flags() -> list[str]:
     return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags else []
 
 
-def _build(compiler: str, flags: list[str], target: Path) -> None:
+def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so that processes building at once never load half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -58,32 +65,82 @@ def _build(compiler: str, flags: list[str], target: Path) -> None:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _load(name: str) -> ctypes.CDLL | None:
     if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler found: CPU decode attention falls back to gather + SDPA")
+        logger.warning("no C compiler found: the CPU path runs without its C kernels (%s)", name)
         return None
-    flags = BASE_FLAGS + _arch_flags()
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + platform.machine().encode())
-    target = cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
+    source = CSRC / f"{name}.c"
+    flags = BASE_FLAGS + EXTRA_FLAGS.get(name, []) + _arch_flags()
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + platform.machine().encode())
+    target = cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():
-            _build(compiler, flags, target)
-        lib = ctypes.CDLL(str(target))
+            _build(compiler, flags, source, target)
+        return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        logger.warning("building the CPU attention kernel failed, falling back to SDPA: %s", detail)
+        logger.warning("building the CPU kernels of %s failed, running without them: %s", name, detail)
         return None
-    fn = lib.paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = _load("paged_attention")
+    if lib is not None:
+        fn = lib.paged_decode_attention
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+@functools.cache
+def _fused() -> ctypes.CDLL | None:
+    lib = _load("fused_ops")
+    if lib is not None:
+        ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+        for name, argtypes in (("rms_norm", [ptr] * 4 + [i32, i32, f32, i32]),
+                               ("silu_and_mul", [ptr, ptr, i32, i32, i32]),
+                               ("rope", [ptr] * 3 + [i32, i32, i32, i64, i32])):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib
 
 
 def available() -> bool:
     return _library() is not None
+
+
+def fused_available() -> bool:
+    return _fused() is not None
+
+
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> None:
+    """out = weight * x / rms(x) per row, as HF's LlamaRMSNorm; with `residual`, x is first added to it
+    and the sum stored back into `residual` (the layer's residual stream). All contiguous, one dtype."""
+    rows, dim = x.numel() // x.shape[-1], x.shape[-1]
+    _fused().rms_norm(out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
+                      weight.data_ptr(), rows, dim, eps, DTYPES[x.dtype])
+
+
+def silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
+    """out = silu(gate) * up, gate_up = [gate | up] per row (contiguous)."""
+    d = out.shape[-1]
+    _fused().silu_and_mul(out.data_ptr(), gate_up.data_ptr(), out.numel() // d, d, DTYPES[out.dtype])
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Rotary embedding in place on the first `heads` heads of each row of x [tokens, width] (rows may be
+    strided, heads contiguous); cos, sin: [tokens, head_dim] contiguous."""
+    if x.stride(-1) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
+        raise ValueError("rope needs unit-stride rows and contiguous cos/sin")
+    status = _fused().rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads, head_dim,
+                           x.stride(0), DTYPES[x.dtype])
+    if status != 0:
+        raise ValueError(f"rope needs an even head_dim, got {head_dim}")
 
 
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from engine import cpu_kernels
+from engine.cpu_layers import fuse_decoder_layers, use_onednn_linears
 from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeGroup, PagedDecodes, PrefillSegment
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVLayout
@@ -29,7 +30,9 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.model = load_model(model_dir, config.torch_dtype, self.device, ATTN_IMPLEMENTATION)
+        self.fused_layers = 0  # decoder layers running on engine/cpu_layers.py's fused path
         if self.device.type == "cpu" and config.torch_dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
+            self.fused_layers = fuse_decoder_layers(self.model)
             use_onednn_linears(self.model)
         hf = self.model.config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -150,27 +153,3 @@ class ModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
-
-
-class OneDNNLinear(torch.nn.Module):
-    """An nn.Linear computed by oneDNN with its weight packed once at load time, as vLLM's CPU backend
-    does. For fp32 torch calls MKL, which on the dev box's AMD EPYC ran the model's GEMMs 1.15-1.9x
-    slower than this (bench/RESULTS.md, "Offline engine"); in bf16 on AMX cores the packed weights made a
-    256-token SmolLM2 prefill 1.4-1.8x and a lone decode step 1.5x faster than torch's own bf16 linear."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-
-def use_onednn_linears(model: torch.nn.Module) -> None:
-    """Swap every nn.Linear of a CPU fp32 or bf16 model for a OneDNNLinear holding the same weights."""
-    linears = [(name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear]
-    for name, linear in linears:
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, OneDNNLinear(linear))

@@ -13,7 +13,7 @@ from engine import Engine, SamplingParams
 from engine import config as engine_config
 from engine.config import CPU_AUTO_DTYPE_ENV, EngineConfig, resolve_dtype
 from engine.model_loader import load_model
-from engine.model_runner import OneDNNLinear
+from engine.cpu_layers import OneDNNLinear
 
 
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
