@@ -105,11 +105,12 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int, buff
 
 
 def _paged_decode(q, k_cache, v_cache, decodes: PagedDecodes, scaling: float) -> torch.Tensor:
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, decodes.block_tables, decodes.context_lens,
+    """The C kernel computes in fp32 (a bf16 cache is widened as it is read); q and out follow."""
+    q32 = q.to(torch.float32).contiguous()
+    out = torch.empty_like(q32)
+    cpu_kernels.paged_decode_attention(out, q32, k_cache, v_cache, decodes.block_tables, decodes.context_lens,
                                        decodes.max_len, scaling)
-    return out
+    return out.to(q.dtype)
 
 
 def _decode(q, k_cache, v_cache, group: DecodeGroup, workspace, scaling):

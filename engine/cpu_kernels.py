@@ -92,7 +92,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         fn = lib.paged_decode_attention
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -148,16 +148,18 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
                            scale: float) -> None:
     """out[s] = softmax(q[s] K_s^T * scale) V_s for each sequence s, one query token each.
 
-    q and out: contiguous fp32 [num_seqs, num_heads, head_dim]; caches: contiguous fp32
+    q and out: contiguous fp32 [num_seqs, num_heads, head_dim]; caches: contiguous fp32 or bf16
     [num_blocks, block_size, num_kv_heads, head_dim]; block_tables: contiguous int64
     [num_seqs, width] (padding is never read); context_lens: int64 [num_seqs], each in [1, max_len].
     """
+    if k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype or q.dtype != torch.float32:
+        raise TypeError(f"paged_decode_attention takes fp32 or bf16 caches and fp32 q, got {k_cache.dtype}, {q.dtype}")
     lib = _library()
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     status = lib.paged_decode_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-        max_len, scale, torch.get_num_threads())
+        max_len, scale, torch.get_num_threads(), int(k_cache.dtype == torch.bfloat16))
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its scratch memory or threads")

@@ -45,8 +45,8 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
         self.max_position_embeddings = getattr(hf, "max_position_embeddings", 2048)
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-        # On CPU fp32 decodes are attended in place by the C kernel; elsewhere by gather + SDPA.
-        self.paged_kernel = (self.device.type == "cpu" and config.torch_dtype == torch.float32
+        # On CPU fp32 and bf16 decodes are attended in place by the C kernel; elsewhere by gather + SDPA.
+        self.paged_kernel = (self.device.type == "cpu" and config.torch_dtype in (torch.float32, torch.bfloat16)
                              and cpu_kernels.available())
 
     @torch.inference_mode()

@@ -27,12 +27,14 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 2, 24)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_sdpa_on_scattered_blocks_of_mixed_lengths(num_heads, num_kv_heads, head_dim, threads):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_sdpa_on_scattered_blocks_of_mixed_lengths(num_heads, num_kv_heads, head_dim, threads,
+                                                                   cache_dtype):
     assert cpu_kernels.available()
     torch.manual_seed(0)
     block_size, num_blocks = 16, 64
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
     lens = torch.tensor([100, 1, 15, 16, 17, 64, 33])
     width = -(-int(lens.max()) // block_size)
     tables = torch.randperm(num_blocks)[:len(lens) * width].view(len(lens), width).contiguous()
@@ -44,17 +46,27 @@ def test_kernel_matches_sdpa_on_scattered_blocks_of_mixed_lengths(num_heads, num
         cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, int(lens.max()), head_dim ** -0.5)
     finally:
         torch.set_num_threads(previous)
-    torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, head_dim ** -0.5),
-                               rtol=1e-5, atol=1e-5)
+    # A bf16 cache is read as the fp32 values it holds: the reference attends those same values in fp32.
+    expected = reference(q, k_cache.float(), v_cache.float(), tables, lens, head_dim ** -0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_engine_gives_the_same_tokens_with_the_kernel_and_with_the_sdpa_fallback(tiny_llama_dir):
+def test_kernel_refuses_caches_it_cannot_read():
+    q = torch.randn(1, 2, 16)
+    cache = torch.zeros(4, 16, 2, 16, dtype=torch.float16)
+    with pytest.raises(TypeError, match="fp32 or bf16"):
+        cpu_kernels.paged_decode_attention(torch.empty_like(q), q, cache, cache, torch.zeros(1, 1, dtype=torch.long),
+                                           torch.tensor([1]), 1, 0.25)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_gives_the_same_tokens_with_the_kernel_and_with_the_sdpa_fallback(tiny_llama_dir, dtype):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (3, 17, 40, 90)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    with_kernel = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128))
+    with_kernel = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, dtype=dtype))
     assert with_kernel.runner.paged_kernel
-    fallback = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128))
+    fallback = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, dtype=dtype))
     fallback.runner.paged_kernel = False
     assert ([o.token_ids for o in with_kernel.generate(prompts, params)]
             == [o.token_ids for o in fallback.generate(prompts, params)])

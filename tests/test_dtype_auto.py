@@ -37,13 +37,14 @@ def test_auto_on_cpu_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monke
 def test_an_engine_runs_bfloat16_on_cpu(tiny_llama_dir):
     engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, dtype="bfloat16", device="cpu"))
     assert engine.runner.layout.dtype == "bfloat16" and engine.kv_cache.k[0].dtype == torch.bfloat16
-    assert not engine.runner.paged_kernel  # the C decode kernel is fp32 only: gather + SDPA
+    assert engine.runner.paged_kernel  # the C decode kernel reads the bf16 cache in place
     # Its linears are oneDNN's with prepacked bf16 weights, computing what torch's own bf16 linear does.
-    packed = engine.runner.model.model.layers[0].mlp.down_proj
+    packed = engine.runner.model.model.layers[0].down_proj
     assert isinstance(packed, OneDNNLinear)
     hf = load_model(Path(tiny_llama_dir), torch.bfloat16, torch.device("cpu"), "sdpa")
     x = torch.randn(5, packed.in_features, dtype=torch.bfloat16)
     reference = hf.model.layers[0].mlp.down_proj(x)
+    assert engine.runner.fused_layers == len(hf.model.layers)
     assert packed(x).dtype == torch.bfloat16
     assert torch.allclose(packed(x).float(), reference.float(), rtol=0.02, atol=0.02)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

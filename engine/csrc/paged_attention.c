@@ -1,4 +1,4 @@
-/* Decode attention for CPU fp32 straight from the paged KV cache.
+/* Decode attention for CPU straight from the paged KV cache (fp32 or bf16 K/V; q and out fp32).
  *
  * One query token per sequence attends its whole context, read in place from the blocks its
  * block table names: no gather into a padded copy, no mask, no per-group calls. Work items are
@@ -15,8 +15,8 @@
 typedef struct {
     float *out;              /* [num_seqs, num_heads, head_dim] */
     const float *q;          /* [num_seqs, num_heads, head_dim] */
-    const float *k_cache;    /* [num_blocks, block_size, num_kv_heads, head_dim] */
-    const float *v_cache;
+    const void *k_cache;     /* [num_blocks, block_size, num_kv_heads, head_dim], fp32 or bf16 */
+    const void *v_cache;
     const int64_t *tables;   /* [num_seqs, table_width] block ids */
     const int64_t *lens;     /* [num_seqs] context lengths, the new token included */
     int num_seqs, num_heads, num_kv_heads, head_dim, block_size, table_width, max_len;
@@ -25,6 +25,19 @@ typedef struct {
 } Job;
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  /* unaligned loads through v8 pointers */
+typedef uint16_t h8 __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t u8x32 __attribute__((vector_size(32)));
+
+/* Eight K/V values from row `row` starting at element 8j, as fp32: bf16 is fp32's top half. */
+#define ROW_F32(row, j) (((const v8 *)(row))[j])
+#define ROW_BF16(row, j) ((v8)(__builtin_convertvector(((const h8 *)(row))[j], u8x32) << 16))
+#define ELEM_F32(row, d) (((const float *)(row))[d])
+#define ELEM_BF16(row, d) bf16_to_f32(((const uint16_t *)(row))[d])
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } x = {(uint32_t)h << 16};
+    return x.f;
+}
 
 static inline float hsum(v8 x) {
     return (x[0] + x[4]) + (x[1] + x[5]) + (x[2] + x[6]) + (x[3] + x[7]);
@@ -32,12 +45,12 @@ static inline float hsum(v8 x) {
 
 /* The body of one work item for a head size known at compile time (a multiple of 16), so that
  * each K/V row is held in vector registers and reused by every query head of the group. */
-#define ATTEND_ITEM(DIM)                                                                               \
+#define ATTEND_ITEM(DIM, T, ROW)                                                                       \
     for (int t = 0; t < len; t++) {                                                                    \
-        const v8 *k = (const v8 *)(job->k_cache + table[t / bs] * block_stride + (t % bs) * token_stride \
-                                   + head_offset);                                                     \
+        const T *k = (const T *)job->k_cache + table[t / bs] * block_stride + (t % bs) * token_stride     \
+                     + head_offset;                                                                    \
         v8 kv[(DIM) / 8];                                                                              \
-        for (int j = 0; j < (DIM) / 8; j++) kv[j] = k[j];                                              \
+        for (int j = 0; j < (DIM) / 8; j++) kv[j] = ROW(k, j);                                         \
         for (int g = 0; g < group; g++) {                                                              \
             const v8 *qg = (const v8 *)(q + (size_t)g * (DIM));                                        \
             v8 a0 = {0}, a1 = {0};                                                                     \
@@ -48,10 +61,10 @@ static inline float hsum(v8 x) {
     softmax_rows(scores, group, len);                                                                  \
     for (int i = 0; i < group * (DIM); i++) acc[i] = 0.0f;                                             \
     for (int t = 0; t < len; t++) {                                                                    \
-        const v8 *v = (const v8 *)(job->v_cache + table[t / bs] * block_stride + (t % bs) * token_stride \
-                                   + head_offset);                                                     \
+        const T *v = (const T *)job->v_cache + table[t / bs] * block_stride + (t % bs) * token_stride     \
+                     + head_offset;                                                                    \
         v8 vv[(DIM) / 8];                                                                              \
-        for (int j = 0; j < (DIM) / 8; j++) vv[j] = v[j];                                              \
+        for (int j = 0; j < (DIM) / 8; j++) vv[j] = ROW(v, j);                                         \
         for (int g = 0; g < group; g++) {                                                              \
             const float p = scores[(size_t)g * len + t];                                               \
             v8 *a = (v8 *)(acc + (size_t)g * (DIM));                                                   \
@@ -60,22 +73,24 @@ static inline float hsum(v8 x) {
     }
 
 /* Any other head size: plain loops. */
-#define ATTEND_ITEM_GENERIC(DIM)                                                                       \
+#define ATTEND_ITEM_GENERIC(DIM, T, ELEM)                                                               \
     for (int t = 0; t < len; t++) {                                                                    \
-        const float *k = job->k_cache + table[t / bs] * block_stride + (t % bs) * token_stride + head_offset; \
+        const T *k = (const T *)job->k_cache + table[t / bs] * block_stride + (t % bs) * token_stride     \
+                     + head_offset;                                                                    \
         for (int g = 0; g < group; g++) {                                                              \
             float dot = 0.0f;                                                                          \
-            for (int d = 0; d < (DIM); d++) dot += q[(size_t)g * (DIM) + d] * k[d];                    \
+            for (int d = 0; d < (DIM); d++) dot += q[(size_t)g * (DIM) + d] * ELEM(k, d);              \
             scores[(size_t)g * len + t] = dot * job->scale;                                            \
         }                                                                                              \
     }                                                                                                  \
     softmax_rows(scores, group, len);                                                                  \
     for (int i = 0; i < group * (DIM); i++) acc[i] = 0.0f;                                             \
     for (int t = 0; t < len; t++) {                                                                    \
-        const float *v = job->v_cache + table[t / bs] * block_stride + (t % bs) * token_stride + head_offset; \
+        const T *v = (const T *)job->v_cache + table[t / bs] * block_stride + (t % bs) * token_stride     \
+                     + head_offset;                                                                    \
         for (int g = 0; g < group; g++) {                                                              \
             const float p = scores[(size_t)g * len + t];                                               \
-            for (int d = 0; d < (DIM); d++) acc[(size_t)g * (DIM) + d] += p * v[d];                    \
+            for (int d = 0; d < (DIM); d++) acc[(size_t)g * (DIM) + d] += p * ELEM(v, d);              \
         }                                                                                              \
     }
 
@@ -89,7 +104,7 @@ static void softmax_rows(float *scores, int rows, int len) {
     }
 }
 
-static void attend(Job *job, float *restrict scores, float *restrict acc) {
+static void attend(Job *job, int kv_bf16, float *restrict scores, float *restrict acc) {
     const int group = job->num_heads / job->num_kv_heads, dim = job->head_dim, bs = job->block_size;
     const size_t token_stride = (size_t)job->num_kv_heads * dim, block_stride = bs * token_stride;
     for (int item = job->first_item; item < job->last_item; item++) {
@@ -98,9 +113,15 @@ static void attend(Job *job, float *restrict scores, float *restrict acc) {
         const int64_t *table = job->tables + (size_t)seq * job->table_width;
         const float *restrict q = job->q + ((size_t)seq * job->num_heads + (size_t)head * group) * dim;
         const size_t head_offset = (size_t)head * dim;
-        if (dim == 64) { ATTEND_ITEM(64) }
-        else if (dim == 128) { ATTEND_ITEM(128) }
-        else { ATTEND_ITEM_GENERIC(dim) }
+        if (kv_bf16) {
+            if (dim == 64) { ATTEND_ITEM(64, uint16_t, ROW_BF16) }
+            else if (dim == 128) { ATTEND_ITEM(128, uint16_t, ROW_BF16) }
+            else { ATTEND_ITEM_GENERIC(dim, uint16_t, ELEM_BF16) }
+        } else {
+            if (dim == 64) { ATTEND_ITEM(64, float, ROW_F32) }
+            else if (dim == 128) { ATTEND_ITEM(128, float, ROW_F32) }
+            else { ATTEND_ITEM_GENERIC(dim, float, ELEM_F32) }
+        }
         float *out = job->out + ((size_t)seq * job->num_heads + (size_t)head * group) * dim;
         for (int i = 0; i < group * dim; i++) out[i] = acc[i];
     }
@@ -109,10 +130,10 @@ static void attend(Job *job, float *restrict scores, float *restrict acc) {
 /* Returns 0 on success, -1 when scratch memory could not be had. Work is split over OpenMP threads:
  * the library links libgomp.so.1, which resolves to the copy PyTorch already loaded, so this kernel
  * shares torch's thread pool instead of fighting its spinning workers for the cores. */
-int paged_decode_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
+int paged_decode_attention(float *out, const float *q, const void *k_cache, const void *v_cache,
                            const int64_t *tables, const int64_t *lens, int num_seqs, int num_heads,
                            int num_kv_heads, int head_dim, int block_size, int table_width, int max_len,
-                           float scale, int num_threads) {
+                           float scale, int num_threads, int kv_bf16) {
     const int items = num_seqs * num_kv_heads, group = num_heads / num_kv_heads;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > items) num_threads = items > 0 ? items : 1;
@@ -130,7 +151,7 @@ int paged_decode_attention(float *out, const float *q, const float *k_cache, con
         float *scores = malloc(sizeof(float) * (size_t)group * (max_len > 0 ? max_len : 1));
         float *acc = malloc(sizeof(float) * (size_t)group * head_dim);
         if (scores == NULL || acc == NULL) failed = 1;
-        else attend(&job, scores, acc);
+        else attend(&job, kv_bf16, scores, acc);
         free(scores);
         free(acc);
     }
