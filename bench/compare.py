@@ -138,14 +138,17 @@ def running(spec: ServerSpec, log_dir: Path):
 
 
 async def _bench(base_url: str, serve_argv: list[str], rates: list[float], seed: int) -> list[dict]:
-    """Warm the server up with one short request, then one serve.py run per rate (seed + i)."""
+    """Warm the server up with one request shaped like the workload's (as `vllm bench serve`'s initial test
+    run: a 256-token prompt reaches the prefill pool, a 16-token one did not), then one serve.py run per rate
+    (seed + i)."""
     args = serve.build_parser().parse_args(serve_argv)
     model = (await serve_client.fetch_models(base_url))[0]
     endpoint = "/v1/chat/completions" if args.dataset == "multi-turn" else "/v1/completions"
     target = serve_client.Target(base_url, model, endpoint, timeout_s=args.request_timeout,
                                  extra_headers={"X-Tandem-Trace": "1"} if args.tandem_trace else {})
     space = serve.load_token_space(args.tokenizer)
-    warm = [Session([Turn(4, space.sample(random.Random(-1 - seed), 16), prompt_len=16)])]
+    warm_len = args.random_input_len if args.dataset == "random" else 16
+    warm = [Session([Turn(4, space.sample(random.Random(-1 - seed), warm_len), prompt_len=warm_len)])]
     await serve_client.run_workload(target, warm, show_progress=False)
     return [await serve.run_one(args, target, space, rate, seed + i, parse_slos(SLOS)) for i, rate in enumerate(rates)]
 

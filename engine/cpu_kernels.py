@@ -101,9 +101,9 @@ def _fused() -> ctypes.CDLL | None:
     lib = _load("fused_ops")
     if lib is not None:
         ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-        for name, argtypes in (("rms_norm", [ptr] * 4 + [i32, i32, f32, i32]),
-                               ("silu_and_mul", [ptr, ptr, i32, i32, i32]),
-                               ("rope", [ptr] * 3 + [i32, i32, i32, i64, i32])):
+        for name, argtypes in (("rms_norm", [ptr] * 4 + [i32, i32, f32, i32, i32]),
+                               ("silu_and_mul", [ptr, ptr, i32, i32, i32, i32]),
+                               ("rope", [ptr] * 3 + [i32, i32, i32, i64, i32, i32])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib
@@ -123,13 +123,14 @@ def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: floa
     and the sum stored back into `residual` (the layer's residual stream). All contiguous, one dtype."""
     rows, dim = x.numel() // x.shape[-1], x.shape[-1]
     _fused().rms_norm(out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
-                      weight.data_ptr(), rows, dim, eps, DTYPES[x.dtype])
+                      weight.data_ptr(), rows, dim, eps, DTYPES[x.dtype], torch.get_num_threads())
 
 
 def silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
     """out = silu(gate) * up, gate_up = [gate | up] per row (contiguous)."""
     d = out.shape[-1]
-    _fused().silu_and_mul(out.data_ptr(), gate_up.data_ptr(), out.numel() // d, d, DTYPES[out.dtype])
+    _fused().silu_and_mul(out.data_ptr(), gate_up.data_ptr(), out.numel() // d, d, DTYPES[out.dtype],
+                          torch.get_num_threads())
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
@@ -138,7 +139,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head
     if x.stride(-1) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
         raise ValueError("rope needs unit-stride rows and contiguous cos/sin")
     status = _fused().rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads, head_dim,
-                           x.stride(0), DTYPES[x.dtype])
+                           x.stride(0), DTYPES[x.dtype], torch.get_num_threads())
     if status != 0:
         raise ValueError(f"rope needs an even head_dim, got {head_dim}")
 

@@ -92,3 +92,27 @@ def test_without_the_kernels_the_layers_stay_hfs(tiny_llama_dir, monkeypatch):
     engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64))
     assert engine.runner.fused_layers == 0
     assert type(engine.runner.model.model.layers[0]).__name__ == "LlamaDecoderLayer"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernels_give_the_same_bits_on_one_thread_and_two(dtype):
+    """A prefill's rows are split over torch's threads; each row is computed the same way either way."""
+    torch.manual_seed(2)
+    rows, dim, d, heads = 40, 96, 80, 3
+    x, weight, gate_up = torch.randn(rows, dim, dtype=dtype), torch.randn(dim, dtype=dtype), torch.randn(rows, 2 * d, dtype=dtype)
+    qkv, cos, sin = torch.randn(rows, 4 * 32, dtype=dtype), torch.randn(rows, 32, dtype=dtype), torch.randn(rows, 32, dtype=dtype)
+
+    def run(threads):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            norm, stream, act, rotated = torch.empty_like(x), x.clone() * 2, torch.empty(rows, d, dtype=dtype), qkv.clone()
+            cpu_kernels.rms_norm(norm, x, weight, 1e-5, residual=stream)
+            cpu_kernels.silu_and_mul(act, gate_up)
+            cpu_kernels.rope(rotated, cos, sin, heads, 32)
+            return norm, stream, act, rotated
+        finally:
+            torch.set_num_threads(previous)
+
+    for one, two in zip(run(1), run(2)):
+        assert torch.equal(one, two)
