@@ -119,8 +119,9 @@ class FusedDecoderLayer(torch.nn.Module):
 
 
 def fuse_decoder_layers(model: torch.nn.Module) -> int:
-    """Swap each fusable decoder layer of a CPU fp32/bf16 model for a FusedDecoderLayer; how many were.
-    None without the C kernels (no compiler, or TANDEM_CPU_KERNELS=0): the layers stay HF's."""
+    """Swap each fusable decoder layer of a CPU fp32/bf16 model for a FusedDecoderLayer; returns how many
+    were. Without the C kernels (no compiler, or TANDEM_CPU_KERNELS=0) none is: the layers stay HF's.
+    Runs before anything hooks the layers (engine/layer_progress.py hooks whatever `layers` holds)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not cpu_kernels.fused_available():
         return 0
