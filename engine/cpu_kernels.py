@@ -40,14 +40,18 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _arch_flags() -> list[str]:
-    """AVX2/FMA where the CPU has them (x86-64-v3); otherwise the compiler's portable default."""
+    """AVX-512 (F, BW, VL, DQ: x86-64-v4) or AVX2/FMA (x86-64-v3) where the CPU has them; otherwise the
+    compiler's portable default. AVX-512 doubles the lanes and narrows fp32 to bf16 in one instruction."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
     try:
         cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return []
-    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags else []
+    if not {"avx2", "fma"} <= cpu_flags:
+        return []
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    return ["-mavx2", "-mfma"] + ([f"-m{flag}" for flag in sorted(avx512)] if avx512 <= cpu_flags else [])
 
 
 def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:

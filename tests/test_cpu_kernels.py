@@ -70,3 +70,15 @@ def test_engine_gives_the_same_tokens_with_the_kernel_and_with_the_sdpa_fallback
     fallback.runner.paged_kernel = False
     assert ([o.token_ids for o in with_kernel.generate(prompts, params)]
             == [o.token_ids for o in fallback.generate(prompts, params)])
+
+
+@pytest.mark.parametrize("cpu_flags, expected", [
+    ("fpu sse2 avx2 fma avx512f avx512bw avx512vl avx512dq", ["-mavx2", "-mfma", "-mavx512bw", "-mavx512dq",
+                                                              "-mavx512f", "-mavx512vl"]),
+    ("fpu sse2 avx2 fma avx512f", ["-mavx2", "-mfma"]),  # AVX-512 without BW/VL/DQ: not x86-64-v4
+    ("fpu sse2 sse4_2", []),
+])
+def test_kernels_build_for_the_widest_vectors_the_cpu_has(monkeypatch, cpu_flags, expected):
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_kernels.Path, "read_text", lambda self, *a, **k: f"flags\t\t: {cpu_flags}\n")
+    assert cpu_kernels._arch_flags() == expected

@@ -67,7 +67,11 @@ static inline float vexp(float x) {
 /* A value as the model's dtype holds it: identity in fp32, rounded to bf16 and back in bf16. */
 static inline float as_dtype(float f, int bf16) {
     if (!bf16) return f;
-    uint32_t u = (uint32_t)bf16_round(f) << 16;
+    /* bf16_round(f) << 16, kept in 32-bit lanes: no narrowing and widening between the vector ops */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u, quiet_nan = (u & 0xffff0000u) | 0x400000u;
+    u = (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
     memcpy(&f, &u, sizeof f);
     return f;
 }
