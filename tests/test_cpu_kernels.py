@@ -1,6 +1,9 @@
 """The C paged decode attention equals gather + SDPA, and the engine gives the same tokens with or without it."""
 import random
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +28,10 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 2, 24)])
+# Compiled head and group sizes (64 or 128; 1, 2, 3, 4 or 8 queries per KV head), a runtime group (5) and
+# plain loops (head sizes 32 and 24).
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (2, 2, 128), (4, 2, 64),
+                                                            (8, 1, 64), (10, 2, 64), (4, 4, 32), (6, 2, 24)])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_sdpa_on_scattered_blocks_of_mixed_lengths(num_heads, num_kv_heads, head_dim, threads,
@@ -35,7 +41,7 @@ def test_kernel_matches_sdpa_on_scattered_blocks_of_mixed_lengths(num_heads, num
     block_size, num_blocks = 16, 64
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
-    lens = torch.tensor([100, 1, 15, 16, 17, 64, 33])
+    lens = torch.tensor([100, 1, 15, 16, 17, 64, 33, 8, 9])  # whole and partial runs of 8 and 16 tokens
     width = -(-int(lens.max()) // block_size)
     tables = torch.randperm(num_blocks)[:len(lens) * width].view(len(lens), width).contiguous()
     q = torch.randn(len(lens), num_heads, head_dim)
@@ -82,3 +88,17 @@ def test_kernels_build_for_the_widest_vectors_the_cpu_has(monkeypatch, cpu_flags
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cpu_kernels.Path, "read_text", lambda self, *a, **k: f"flags\t\t: {cpu_flags}\n")
     assert cpu_kernels._arch_flags() == expected
+
+
+def test_the_8_lane_build_matches_sdpa_too():
+    """CPUs without AVX-512 get 8-lane vectors (another reduction tree, other tails): same results."""
+    if not any(flag.startswith("-mavx512") for flag in cpu_kernels._arch_flags()):
+        pytest.skip("this CPU builds the 8-lane kernels already: the test above covered them")
+    code = ("import sys, pytest; from engine import cpu_kernels; "
+            "cpu_kernels._arch_flags = lambda: ['-mavx2', '-mfma']; "
+            "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', "
+            f"{str(Path(__file__))!r}, '-k', 'matches_sdpa']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout
