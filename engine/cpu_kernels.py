@@ -78,7 +78,8 @@ def _load(name: str) -> ctypes.CDLL | None:
         return None
     source = CSRC / f"{name}.c"
     flags = BASE_FLAGS + EXTRA_FLAGS.get(name, []) + _arch_flags()
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + platform.machine().encode())
+    headers = b"".join(header.read_bytes() for header in sorted(CSRC.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + platform.machine().encode())
     target = cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():

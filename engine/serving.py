@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -49,6 +50,12 @@ class EngineServer:
         self.draining = False
         self.in_flight: set[str] = set()
         self.loop = EngineLoop(self.engine, on_step=self._after_step, cores=self.cores)
+        # The model, tokenizer and libraries are now allocated and live as long as the worker: out of the
+        # collector's sight, so that the collections the engine loop's garbage triggers do not walk them
+        # (perf: ~3% of a bare CPU decode step's samples were in the cyclic collector). vLLM's engine core
+        # does the same.
+        gc.collect()
+        gc.freeze()
 
     # ---- requests -------------------------------------------------------------------------------
 

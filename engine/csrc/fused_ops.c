@@ -18,6 +18,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "vexp.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -39,29 +41,6 @@ static inline uint16_t bf16_round(float f) {  /* branch-free, so that loops over
     memcpy(&u, &f, sizeof u);
     const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet_nan = (u >> 16) | 0x40u;
     return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
-}
-
-/* e^x to about 1 ulp, written so that loops over it vectorize (libm's expf does not without
- * -ffast-math): x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial, 2^n by the exponent bits. */
-static inline float vexp(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    x = x > 88.3f ? 88.3f : x;
-    /* n = round(x / ln2) by the 1.5 * 2^23 trick: the sum's low mantissa bits hold n */
-    const float shifted = x * 1.44269504088896341f + 12582912.0f, n = shifted - 12582912.0f;
-    uint32_t n_bits;
-    memcpy(&n_bits, &shifted, sizeof n_bits);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const uint32_t bits = ((n_bits - 0x4b400000u) + 127u) << 23;  /* 2^n */
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 /* A value as the model's dtype holds it: identity in fp32, rounded to bf16 and back in bf16. */

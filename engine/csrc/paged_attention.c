@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "vexp.h"
+
 typedef struct {
     float *out;              /* [num_seqs, num_heads, head_dim] */
     const float *q;          /* [num_seqs, num_heads, head_dim] */
@@ -181,7 +183,8 @@ static void softmax_rows(float *scores, int rows, int len) {
     for (int g = 0; g < rows; g++) {
         float *s = scores + (size_t)g * len, max = s[0], sum = 0.0f;
         for (int t = 1; t < len; t++) max = s[t] > max ? s[t] : max;
-        for (int t = 0; t < len; t++) { s[t] = expf(s[t] - max); sum += s[t]; }
+        for (int t = 0; t < len; t++) s[t] = vexp(s[t] - max);  /* vectorizes; expf does not */
+        for (int t = 0; t < len; t++) sum += s[t];
         const float inv = 1.0f / sum;
         for (int t = 0; t < len; t++) s[t] *= inv;
     }
