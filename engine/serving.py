@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -49,6 +50,8 @@ class EngineServer:
         self.events = KVEventLog(worker_id)
         self.draining = False
         self.in_flight: set[str] = set()
+        self.event_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()
+        self.event_waiters_lock = threading.Lock()  # added on event loops, woken from the engine thread
         self.loop = EngineLoop(self.engine, on_step=self._after_step, cores=self.cores)
         # The model, tokenizer and libraries are now allocated and live as long as the worker: out of the
         # collector's sight, so that the collections the engine loop's garbage triggers do not walk them
@@ -141,7 +144,25 @@ class EngineServer:
             remaining = deadline - time.monotonic()
             if batches or remaining <= 0:
                 return KVEventsReply(self.worker_id, batches, None, self.events.seq)
-            await asyncio.sleep(min(remaining, 0.02))
+            await self._next_publish(after_seq, remaining)
+
+    async def _next_publish(self, after_seq: int, timeout_s: float) -> None:
+        """Return once a batch after `after_seq` is published, or after `timeout_s`. The engine thread wakes
+        the waiter when it publishes: a long poll that sleeps instead of polling every 20 ms (each router
+        polls each worker, and the wake-ups preempted the prefill forwards on the worker's core)."""
+        loop = asyncio.get_running_loop()
+        waiter = (loop, loop.create_future())
+        with self.event_waiters_lock:
+            self.event_waiters.add(waiter)
+        try:
+            if self.events.seq > after_seq:  # published before the waiter was registered
+                return
+            await asyncio.wait_for(waiter[1], timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self.event_waiters_lock:
+                self.event_waiters.discard(waiter)
 
     def ping(self, stall_timeout_s: float | None = None) -> str:
         """The worker id; raises WorkerStalled when the engine loop has been stuck in one step or command
@@ -167,7 +188,21 @@ class EngineServer:
 
     def _after_step(self, outputs: list[RequestOutput]) -> None:
         # Runs on the loop thread right after a step: events leave in the order they happened.
+        seq = self.events.seq
         self.events.publish(self.engine.block_manager.take_events())
+        if self.events.seq != seq:
+            with self.event_waiters_lock:
+                waiters = list(self.event_waiters)
+            for loop, future in waiters:
+                try:
+                    loop.call_soon_threadsafe(_wake, future)
+                except RuntimeError:  # that event loop has closed: nobody waits on it any more
+                    pass
+
+
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
