@@ -7,7 +7,10 @@ A step runs its decode tokens and prefill chunks in one forward, so its time is 
 
 `decode_step_s` (per batch-size bucket) carries the fixed cost of a forward; `prefill_tokens_per_s` (per
 context-length bucket, the context a chunk ends at) is the marginal speed of prompt tokens. Buckets are
-powers of two; each holds an EWMA of its measurements. Before any measurement the priors below stand;
+powers of two. A prefill bucket holds an EWMA of its measurements; a decode bucket holds the median of its
+last DECODE_WINDOW steps, since one slow step (a collection, a neighbour's wake-up on the core) moved an EWMA
+by a fifth and the router compared workers by it: two identical decode workers read 34 and 47 ms at batch 1
+seconds apart, and the difference, times a request's output, outweighed a 512-token prefix hit. Before any measurement the priors below stand;
 a worker replaces them with a warm-up forward at start (Engine.warm_up). Workers report these costs in
 their stats, the router places prefills with them, and a decode worker sizes its stall-free prefill
 chunks with them (`prefill_budget`).
@@ -15,6 +18,8 @@ chunks with them (`prefill_budget`).
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 # Priors for a worker that has measured nothing yet: a small model on one CPU core.
@@ -30,6 +35,7 @@ LARGE_PULL_BYTES = 4 << 20  # pulls at least this big measure bandwidth; smaller
 # Until a worker has measured a forward on borrowed cores: the speed-up per thread it adds, of a perfect
 # one. Measured on the dev box: a 256-token SmolLM2 prefill on 2 threads ran 1.77x its 1-thread speed.
 PRIOR_BORROW_EFFICIENCY = 0.85
+DECODE_WINDOW = 64  # plain decode steps per batch-size bucket whose median is the bucket's step time
 
 
 def bucket(n: float) -> int:
@@ -52,7 +58,8 @@ def _nearest(table: dict[int, float], key: int, within: int | None = None) -> fl
 
 @dataclass(slots=True)
 class StepCosts:
-    """Measured step costs of one engine (EWMA per bucket, weight `alpha` for the newest measurement)."""
+    """Measured step costs of one engine: per bucket, the median of the last DECODE_WINDOW decode steps,
+    and an EWMA of prefill speeds (weight `alpha` for the newest measurement)."""
     prefill_tokens_per_s: dict[int, float] = field(default_factory=dict)  # context bucket -> tokens/s
     decode_step_s: dict[int, float] = field(default_factory=dict)  # batch-size bucket -> seconds
     alpha: float = 0.2
@@ -69,6 +76,8 @@ class StepCosts:
     cpu_node: str = ""
     lend_threads: int = 0
     borrows: bool = False
+    # The last DECODE_WINDOW plain decode steps of each bucket (the measuring engine's own; not copied).
+    _decode_samples: dict[int, deque] = field(default_factory=dict, repr=False, compare=False)
 
     def observe(self, num_decodes: int, prefill_tokens: int, prefill_context: int, seconds: float,
                 borrowed: bool = False) -> None:
@@ -78,7 +87,10 @@ class StepCosts:
             return
         if not prefill_tokens:
             if num_decodes and not borrowed:
-                self._update(self.decode_step_s, bucket(num_decodes), seconds)
+                key = bucket(num_decodes)
+                samples = self._decode_samples.setdefault(key, deque(maxlen=DECODE_WINDOW))
+                samples.append(seconds)
+                self.decode_step_s[key] = statistics.median(samples)
             return
         fixed = self.decode_time(max(num_decodes, 1))
         # The decode part is an estimate; a prefill never gets less than half the step.

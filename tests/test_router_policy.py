@@ -8,11 +8,11 @@ import pytest
 from engine.hashing import block_hashes
 from engine.kv_events import KVEvent, KVEventBatch
 from router.index import PrefixIndex
-from engine.step_costs import (PRIOR_BORROW_EFFICIENCY, PRIOR_DECODE_BATCH_SLOPE, PRIOR_DECODE_STEP_S, PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S,
-                               PRIOR_PREFILL_TOKENS_PER_S,
+from engine.step_costs import (DECODE_WINDOW, PRIOR_BORROW_EFFICIENCY, PRIOR_DECODE_BATCH_SLOPE, PRIOR_DECODE_STEP_S,
+                               PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, PRIOR_PREFILL_TOKENS_PER_S,
                                StepCosts, TransferSpeed)
 from router.policy import (EXPECTED_OUTPUT_TOKENS, CostWeights, DisaggConfig, NoDecodeWorker, PoolPolicy, PrefillDecision,
-                           Router, WorkerLoad, decode_seconds,
+                           Router, WorkerLoad, decode_seconds, displaced_seconds,
                            decide_prefill, decide_prefill_by_cost, lent_threads, local_prefill_cost,
                            remote_prefill_ttft)
 
@@ -203,13 +203,20 @@ def by_cost(prompt_tokens, decode, prefill, decode_cached=0, prefill_cached=0, e
     return decide_prefill_by_cost(prompt_tokens, decode_cached, prefill_cached, decode, prefill, config, elapsed_s)
 
 
-def test_step_costs_keep_an_ewma_per_power_of_two_bucket():
+def test_step_costs_keep_a_median_of_decode_steps_per_power_of_two_bucket():
     costs = StepCosts(alpha=0.5)
     assert costs.decode_time(3) == PRIOR_DECODE_STEP_S and costs.prefill_speed(256) == PRIOR_PREFILL_TOKENS_PER_S
     costs.observe(3, 0, 0, 0.04)
     costs.observe(4, 0, 0, 0.06)  # the same bucket (up to 4 sequences)
     assert costs.decode_step_s == {4: pytest.approx(0.05)}
     assert costs.decode_time(1) == costs.decode_time(16) == pytest.approx(0.05)  # the nearest bucket stands in
+    costs.observe(4, 0, 0, 0.05)
+    costs.observe(4, 0, 0, 0.50)  # one slow step (a collection, a neighbour on the core) moves nothing
+    assert costs.decode_time(4) == pytest.approx(0.055)
+    for _ in range(DECODE_WINDOW):  # a lasting change is taken within the window
+        costs.observe(4, 0, 0, 0.08)
+    assert costs.decode_time(4) == pytest.approx(0.08)
+    assert costs.copy().decode_step_s == {4: pytest.approx(0.08)}
 
 
 def test_a_prefill_step_charges_its_prompt_tokens_what_the_decodes_beside_them_did_not_take():
@@ -536,6 +543,62 @@ def test_decode_seconds_add_the_ttft_own_steps_stalls_and_the_slowdown_of_the_ba
     remote = PrefillDecision(True, "remote_within_ttft_slo", predicted_ttft_s=0.4)
     load.num_running = 4  # 60 ms with 4, 62.5 ms with 5
     assert decode_seconds(256, 0, load, remote, 10, SLO, BLOCK) == pytest.approx(0.4 + 10 * 0.0625 + 4 * 5 * 0.0025)
+
+
+def fast_colocated(worker_id: str, num_running: int = 0, **fields) -> WorkerLoad:
+    """A colocated decode worker of the bf16 dev box, with the KV cache of bench/compare.py's case c (217
+    blocks: 60% of eight 512-token prefixes and room for the requests in flight)."""
+    return WorkerLoad(worker_id, num_running=num_running, num_total_blocks=217,
+                      **{"num_active_blocks": 40 * num_running,
+                         "step_costs": measured(2500.0, {1: 0.035, 2: 0.038, 4: 0.044, 8: 0.056}), **fields})
+
+
+OTHER = list(range(90000, 90000 + 217 * BLOCK))  # other prompts' cached blocks, filling the caches
+
+
+def test_a_miss_on_a_full_cache_costs_the_hits_it_evicts_and_the_prefix_stays_where_it_is():
+    """Case c in bf16: a 512-token miss costs ~0.2 s, about what two more streams add to the holder's
+    steps, so the myopic cost spread every prefix over both workers. The miss's blocks also evict what the
+    lighter worker's own traffic reuses (hit share 0.8): counted, the prefix stays with its holder at two
+    streams more, and still goes to the lighter worker at three."""
+    tokens = prompt(1, prefix=DOC[:512])
+    hashes = block_hashes(tokens, BLOCK)
+    chosen = {}
+    for share in (0.0, 0.8):
+        for running in (2, 3):
+            index = index_with({"d0": DOC[:512] + OTHER[:185 * BLOCK], "d1": OTHER})
+            router = Router(index, BLOCK, rng=random.Random(0))
+            router.hit_share.update({"d0": share, "d1": share})
+            loads = [fast_colocated("d0", running), fast_colocated("d1")]
+            chosen[share, running] = router.route(hashes, len(tokens), [], loads, output_tokens=32).decode.worker_id
+    assert chosen == {(0.0, 2): "d1", (0.0, 3): "d1", (0.8, 2): "d0", (0.8, 3): "d1"}
+
+
+def test_displaced_seconds_price_the_evicted_blocks_at_the_hit_share_once_empty_blocks_run_out():
+    load = fast_colocated("d0")  # 217 blocks, none active; 2,500 prompt tokens/s
+    # 576 prompt + 64 output tokens, nothing cached: 40 blocks. 200 indexed leave 17 empty: 23 evicted.
+    assert displaced_seconds(576, 0, 64, load, 200, 0.5, BLOCK) == pytest.approx(0.5 * 23 * BLOCK / 2500)
+    assert displaced_seconds(576, 512, 64, load, 200, 0.5, BLOCK) == 0.0  # 8 new blocks fit the empty ones
+    assert displaced_seconds(576, 0, 64, load, 100, 0.5, BLOCK) == 0.0  # room to spare: nothing evicted
+    assert displaced_seconds(576, 0, 64, load, 217, 0.0, BLOCK) == 0.0  # nothing it caches was ever reused
+    busy = fast_colocated("d0", num_active_blocks=217)  # the active blocks fill it whatever the index says
+    assert displaced_seconds(576, 0, 64, busy, 0, 1.0, BLOCK) == pytest.approx(40 * BLOCK / 2500)
+
+
+def test_the_router_measures_each_decode_workers_hit_share_from_its_placements():
+    index = index_with({"d0": DOC[:512]})
+    router = Router(index, BLOCK, rng=random.Random(0))
+    loads = [colocated("d0"), colocated("d1", num_running=8)]
+    hit = prompt(1, prefix=DOC[:512])  # 512 of 576 tokens cached on d0
+    router.route(block_hashes(hit, BLOCK), len(hit), [], loads)
+    assert router.hit_share == {"d0": pytest.approx(512 / 576)}
+    cold = prompt(2, prefix=[])
+    router.route(block_hashes(cold, BLOCK), len(cold), [], loads)
+    assert router.hit_share == {"d0": pytest.approx(512 / 576 / 2)}  # the mean of its first placements
+    for seed in range(3, 40):
+        cold = prompt(seed, prefix=[])
+        router.route(block_hashes(cold, BLOCK), len(cold), [], loads)
+    assert router.hit_share["d0"] < 0.01  # then an EWMA: old hits fade
 
 
 def test_decode_steps_between_measured_batch_sizes_are_interpolated():
