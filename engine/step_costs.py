@@ -10,8 +10,8 @@ context-length bucket, the context a chunk ends at) is the marginal speed of pro
 powers of two. A prefill bucket holds an EWMA of its measurements; a decode bucket holds the median of its
 last DECODE_WINDOW steps, since one slow step (a collection, a neighbour's wake-up on the core) moved an EWMA
 by a fifth and the router compared workers by it: two identical decode workers read 34 and 47 ms at batch 1
-seconds apart, and the difference, times a request's output, outweighed a 512-token prefix hit. Before any measurement the priors below stand;
-a worker replaces them with a warm-up forward at start (Engine.warm_up). Workers report these costs in
+seconds apart, and the difference, times a request's output, outweighed a 512-token prefix hit. Before any
+measurement the priors below stand; a worker replaces them with a warm-up forward at start (Engine.warm_up). Workers report these costs in
 their stats, the router places prefills with them, and a decode worker sizes its stall-free prefill
 chunks with them (`prefill_budget`).
 """

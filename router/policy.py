@@ -287,7 +287,7 @@ def decode_seconds(prompt_tokens: int, decode_cached_tokens: int, decode: Worker
     step, step_with = costs.decode_time_between(max(batch, 1)), costs.decode_time_between(batch + 1)
     seconds = (ttft + decode.num_running * stall + output_tokens * step_with
                + batch * output_tokens / 2 * max(0.0, step_with - step) + displaced_s)
-    needed = -(-(prompt_tokens + output_tokens - decode_cached_tokens) // block_size)
+    needed = _blocks_needed(prompt_tokens, decode_cached_tokens, output_tokens, block_size)
     if decode.num_total_blocks and decode.num_active_blocks + needed > decode.num_total_blocks:
         seconds += KV_FULL_PENALTY_S
     return seconds
@@ -304,10 +304,15 @@ def displaced_seconds(prompt_tokens: int, decode_cached_tokens: int, output_toke
     to ~63%)."""
     if hit_share <= 0 or not decode.num_total_blocks:
         return 0.0
-    needed = -(-(prompt_tokens + output_tokens - decode_cached_tokens) // block_size)
+    needed = _blocks_needed(prompt_tokens, decode_cached_tokens, output_tokens, block_size)
     empty = decode.num_total_blocks - max(decode.num_active_blocks, indexed_blocks)
     evicted = max(0, needed - max(0, empty))
     return hit_share * evicted * block_size / decode.step_costs.prefill_speed(prompt_tokens) if evicted else 0.0
+
+
+def _blocks_needed(prompt_tokens: int, cached_tokens: int, output_tokens: int, block_size: int) -> int:
+    """New KV blocks the request takes on a worker that caches `cached_tokens` of its prompt."""
+    return -(-(prompt_tokens + output_tokens - cached_tokens) // block_size)
 
 
 class NoDecodeWorker(RuntimeError):
