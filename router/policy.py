@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -224,7 +224,9 @@ def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefil
     prefill queue).
 
     A full prefill queue means waiting for a slot while the remote path still meets the TTFT SLO,
-    counted from arrival (`elapsed_s` ago), and a local prefill once it would not."""
+    counted from arrival (`elapsed_s` ago), then a local prefill if that meets it; when neither would, the
+    request goes on waiting, as the running streams are spared when both paths miss (the deep-queue test
+    above still sends it local when that gains more than its chunks cost the streams)."""
     if prefill is None or not prefill.schedulable:
         return PrefillDecision(False, "no_prefill_worker")
     remote = elapsed_s + remote_prefill_ttft(prompt_tokens, prefill_cached_tokens, decode_cached_tokens,
@@ -250,7 +252,11 @@ def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefil
     if prefill.num_waiting >= config.max_prefill_queue_size:
         if remote <= config.ttft_slo_s:
             return PrefillDecision(True, "prefill_queue_full", wait=True, predicted_ttft_s=remote)
-        return PrefillDecision(False, "prefill_queue_full", predicted_ttft_s=local)
+        if local <= config.ttft_slo_s:
+            return PrefillDecision(False, "prefill_queue_full", predicted_ttft_s=local)
+        # Lost either way: a local prefill queued behind the decode worker's own would come no sooner than
+        # the remote path beyond the deep-queue test above, and would stall its streams; keep waiting.
+        return PrefillDecision(True, "ttft_slo_missed_either_way", wait=True, predicted_ttft_s=remote)
     if remote <= config.ttft_slo_s:
         return PrefillDecision(True, "remote_within_ttft_slo", predicted_ttft_s=remote)
     if local <= config.ttft_slo_s:
@@ -349,10 +355,15 @@ class Router:
 
     def route(self, block_hashes: Sequence[int], prompt_tokens: int, prefill_loads: Sequence[WorkerLoad],
               decode_loads: Sequence[WorkerLoad], elapsed_s: float = 0.0,
-              output_tokens: int = EXPECTED_OUTPUT_TOKENS) -> RouteDecision:
+              output_tokens: int = EXPECTED_OUTPUT_TOKENS,
+              prefill_backlog: Mapping[str, tuple[int, int]] | None = None) -> RouteDecision:
         """Pick the decode worker and decide whether a prefill worker computes the prompt. `elapsed_s`:
         how long ago the request arrived (its TTFT runs from then); `output_tokens`: what it will likely
-        generate (its remaining max_tokens, at most EXPECTED_OUTPUT_TOKENS)."""
+        generate (its remaining max_tokens, at most EXPECTED_OUTPUT_TOKENS); `prefill_backlog`: per prefill
+        worker, the (requests, prompt tokens) waiting at the ingress for a slot there ahead of this one,
+        which it would queue behind (`with_backlog`)."""
+        if prefill_backlog:
+            prefill_loads = [with_backlog(load, prefill_backlog.get(load.worker_id)) for load in prefill_loads]
         prefill = self.prefill_policy.place(block_hashes, prompt_tokens, prefill_loads)
         prefill_load = None if prefill is None else lent_threads(_load_of(prefill, prefill_loads), decode_loads)
         prefill_cached = prefill.cached_tokens if prefill else 0
@@ -407,6 +418,17 @@ class Router:
         tied = [option for option in near if option[1] == fewest]
         seconds, _, worker_id, cached, decision = tied[0] if len(tied) == 1 else self.rng.choice(tied)
         return Placement(worker_id, cached, seconds), decision
+
+
+def with_backlog(prefill: WorkerLoad, backlog: tuple[int, int] | None) -> WorkerLoad:
+    """`prefill` as a request sees it behind `backlog`, the (requests, prompt tokens) that wait at the
+    ingress for a slot on it and will take the next ones: they count as queued there, so a request
+    routed behind them predicts the remote path's wait (and its queue as full) as it will be."""
+    if not backlog or not backlog[0]:
+        return prefill
+    requests, tokens = backlog
+    return dataclasses.replace(prefill, num_waiting=prefill.num_waiting + requests,
+                               queued_prefill_tokens=prefill.queued_prefill_tokens + tokens)
 
 
 def lent_threads(prefill: WorkerLoad, decode_loads: Sequence[WorkerLoad]) -> WorkerLoad:

@@ -57,6 +57,8 @@ class RequestRouter:
         self.max_attempts = max_attempts  # placements before the first token
         self.migration_limit = migration_limit  # placements after it
         self.decode_wait_s = decode_wait_s  # for a decode worker, while none is schedulable and the pool can heal
+        # Requests waiting for a prefill slot, in the order they began to: id -> (prefill worker, prompt tokens).
+        self.slot_waiters: dict[str, tuple[str, int]] = {}
 
     async def stream(self, request: GenerateRequest, block_hashes: Sequence[int]) -> AsyncIterator[TokenDelta]:
         """Yield the request's token deltas (each of its n candidates' under its `index`, all run on one
@@ -185,29 +187,35 @@ class RequestRouter:
     async def _route(self, request: GenerateRequest, block_hashes: Sequence[int], excluded: set[str]) -> RouteDecision:
         """Place the request. While the prefill queue is full and the remote path still meets the TTFT SLO,
         wait for a slot and route again; the policy turns to local prefill once waiting longer would miss
-        the SLO, so the wait ends within ttft_slo_s of the request's arrival."""
+        the SLO and a local prefill would not. Waiters wake in arrival order on each load change."""
         waited_since = decode_wait = None
-        while True:
-            try:
-                # A migrated request prefills on its decode worker: a prefill worker hands over prompt KV only.
-                # So does a beam search: its beams need the prompt's logits where they run.
-                decision = self.view.route(block_hashes, request.num_context_tokens, excluded,
-                                           remote_prefill=not (request.output_token_ids or
-                                                               request.sampling_params.use_beam_search),
-                                           elapsed_s=max(0.0, time.time() - request.times["arrival"]),
-                                           output_tokens=expected_output_tokens(request))
-            except NoDecodeWorker:
-                decode_wait = decode_wait or _DecodeWait(request, self.decode_wait_s, self.metrics)
-                if await decode_wait.wait(self.view):
-                    continue
-                self.metrics.rejected.labels("no_decode_worker").inc()
-                raise NoDecodeWorker(decode_wait.reason) from None
-            if decode_wait is not None:
-                decode_wait.found()
-            if not decision.wait:
-                break
-            waited_since = waited_since or time.monotonic()
-            await self.view.wait_for_loads(PREFILL_SLOT_POLL_S)
+        try:
+            while True:
+                try:
+                    # A migrated request prefills on its decode worker: a prefill worker hands over prompt KV
+                    # only. So does a beam search: its beams need the prompt's logits where they run.
+                    decision = self.view.route(block_hashes, request.num_context_tokens, excluded,
+                                               remote_prefill=not (request.output_token_ids or
+                                                                   request.sampling_params.use_beam_search),
+                                               elapsed_s=max(0.0, time.time() - request.times["arrival"]),
+                                               output_tokens=expected_output_tokens(request),
+                                               prefill_backlog=self._backlog_ahead_of(request.request_id))
+                except NoDecodeWorker:
+                    decode_wait = decode_wait or _DecodeWait(request, self.decode_wait_s, self.metrics)
+                    if await decode_wait.wait(self.view):
+                        continue
+                    self.metrics.rejected.labels("no_decode_worker").inc()
+                    raise NoDecodeWorker(decode_wait.reason) from None
+                if decode_wait is not None:
+                    decode_wait.found()
+                if not decision.wait:
+                    break
+                waited_since = waited_since or time.monotonic()
+                self.slot_waiters[request.request_id] = (
+                    decision.prefill.worker_id, request.num_context_tokens - decision.prefill.cached_tokens)
+                await self.view.wait_for_loads(PREFILL_SLOT_POLL_S)
+        finally:
+            self.slot_waiters.pop(request.request_id, None)
         if waited_since is not None:
             self.metrics.prefill_queue_wait.labels("remote" if decision.prefill else "local").observe(
                 time.monotonic() - waited_since)
@@ -217,6 +225,17 @@ class RequestRouter:
         _record(request.timeline, decision, self.view.block_size)
         self.view.begin(decision, request.request_id, request.num_context_tokens)
         return decision
+
+    def _backlog_ahead_of(self, request_id: str) -> dict[str, tuple[int, int]]:
+        """Per prefill worker, the (requests, prompt tokens) waiting here for a slot there that began to wait
+        before `request_id` (all of them for a request not waiting yet): the slots they take first."""
+        backlog: dict[str, tuple[int, int]] = {}
+        for waiter, (worker_id, tokens) in self.slot_waiters.items():
+            if waiter == request_id:
+                break
+            requests, queued = backlog.get(worker_id, (0, 0))
+            backlog[worker_id] = (requests + 1, queued + tokens)
+        return backlog
 
     def _observe(self, worker: str, timeline: RequestTimeline, token_times: list[float],
                  finish_reason: str | None) -> None:

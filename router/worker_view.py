@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import ray
@@ -120,7 +120,8 @@ class WorkerView:
 
     def route(self, block_hashes: Sequence[int], prompt_tokens: int, exclude: Collection[str] = (),
               remote_prefill: bool = True, elapsed_s: float = 0.0,
-              output_tokens: int = EXPECTED_OUTPUT_TOKENS) -> RouteDecision:
+              output_tokens: int = EXPECTED_OUTPUT_TOKENS,
+              prefill_backlog: Mapping[str, tuple[int, int]] | None = None) -> RouteDecision:
         """Place a request that arrived `elapsed_s` ago and will generate about `output_tokens`; raises NoDecodeWorker when no decode worker is
         schedulable. Without `remote_prefill` the decode worker prefills, whatever the policy says. A
         decision to wait for a prefill slot (`wait`) is not counted: the caller routes again."""
@@ -130,7 +131,7 @@ class WorkerView:
             if w.worker_id not in exclude and not (local_only and w.pool == "prefill"):
                 loads[w.pool].append(w.load())
         decision = self.router.route(block_hashes, prompt_tokens, loads["prefill"], loads["decode"], elapsed_s,
-                                     output_tokens)
+                                     output_tokens, prefill_backlog)
         if local_only:
             decision.reason = "colocated" if self.colocated else "migration"
         if decision.wait:

@@ -14,7 +14,7 @@ from engine.step_costs import (DECODE_WINDOW, PRIOR_BORROW_EFFICIENCY, PRIOR_DEC
 from router.policy import (EXPECTED_OUTPUT_TOKENS, CostWeights, DisaggConfig, NoDecodeWorker, PoolPolicy, PrefillDecision,
                            Router, WorkerLoad, decode_seconds, displaced_seconds,
                            decide_prefill, decide_prefill_by_cost, lent_threads, local_prefill_cost,
-                           remote_prefill_ttft)
+                           remote_prefill_ttft, with_backlog)
 
 BLOCK = 16
 DOC = list(range(5000, 5000 + 128 * BLOCK))  # a 2048-token shared document
@@ -441,7 +441,49 @@ def test_the_wait_for_a_prefill_slot_ends_in_a_local_prefill_once_the_ttft_slo_w
     remote = remote_prefill_ttft(256, 0, 0, full, decode)
     assert by_cost(256, decode, full, elapsed_s=SLO.ttft_slo_s - remote - 0.01).wait
     late = by_cost(256, decode, full, elapsed_s=SLO.ttft_slo_s - remote + 0.01)
+    local, _ = local_prefill_cost(256, 0, decode, SLO.itl_slo_s, BLOCK, SLO.stall_ratio)
+    assert SLO.ttft_slo_s - remote + 0.01 + local <= SLO.ttft_slo_s
     assert late == PrefillDecision(False, "prefill_queue_full")
+
+
+def test_a_full_prefill_queue_is_waited_out_when_a_local_prefill_would_miss_the_ttft_slo_as_well():
+    """Seen at 1.5 req/s on a slow box: once waiting for a slot would miss the SLO, requests went local
+    behind the decode worker's own queued prefills, predicted (and took) 3.6-8.7 s against ~2.5 s remote.
+    A local prefill is taken only if it meets the SLO; otherwise the streams are spared and it waits on."""
+    full = prefill_worker(num_waiting=2, queued_prefill_tokens=512)
+    decode = decode_worker(num_running=4, queued_prefill_tokens=768)  # three local prompts ahead
+    remote = remote_prefill_ttft(256, 0, 0, full, decode)
+    local, stall = local_prefill_cost(256, 0, decode, SLO.itl_slo_s, BLOCK, SLO.stall_ratio)
+    elapsed = SLO.ttft_slo_s - remote + 0.5
+    assert elapsed + local > SLO.ttft_slo_s and local + 4 * stall >= remote
+    decision = by_cost(256, decode, full, elapsed_s=elapsed)
+    assert decision.remote and decision.wait and decision.reason == "ttft_slo_missed_either_way"
+    # The decode worker's queue drained: local meets the SLO again and takes the request at once.
+    assert by_cost(256, decode_worker(num_running=4), full, elapsed_s=SLO.ttft_slo_s - remote + 0.01) == \
+        PrefillDecision(False, "prefill_queue_full")
+
+
+def test_requests_waiting_at_the_ingress_for_a_prefill_slot_count_as_queued_there():
+    """A prefill worker with a free slot, but two requests already waiting for slots at the ingress: the
+    next request queues behind them. The first waiter fills the slot, so the newcomer waits; behind four
+    waiters the remote path would miss the TTFT SLO while a local prefill on an idle-enough decode worker
+    meets it, so it goes local at once instead of waiting until the SLO is nearly gone."""
+    tokens = prompt(1, prefix=[], suffix_blocks=16)  # 256 cold tokens
+    hashes = block_hashes(tokens, BLOCK)
+    one_slot = prefill_worker(num_waiting=1, queued_prefill_tokens=256)
+    decode = [decode_worker(num_running=6)]
+    router = Router(PrefixIndex(), BLOCK, disagg=SLO, rng=random.Random(0))
+    assert router.route(hashes, 256, [one_slot], decode).reason == "remote_within_ttft_slo"
+    behind_one = router.route(hashes, 256, [one_slot], decode, prefill_backlog={"p0": (1, 256)})
+    assert behind_one.wait and behind_one.reason == "prefill_queue_full"
+    assert behind_one.predicted_ttft_s > router.route(hashes, 256, [one_slot], decode).predicted_ttft_s
+    behind_four = router.route(hashes, 256, [one_slot], decode, prefill_backlog={"p0": (4, 1024)})
+    assert behind_four.prefill is None and not behind_four.wait and behind_four.reason == "prefill_queue_full"
+    # Waiters for another prefill worker are not ahead of this one.
+    assert router.route(hashes, 256, [one_slot], decode, prefill_backlog={"p1": (4, 1024)}).prefill is not None
+    assert with_backlog(one_slot, None) is one_slot and with_backlog(one_slot, (0, 0)) is one_slot
+    assert (with_backlog(one_slot, (2, 300)).num_waiting, with_backlog(one_slot, (2, 300)).queued_prefill_tokens) \
+        == (3, 556)
 
 
 def test_without_a_schedulable_prefill_worker_the_decode_worker_prefills():

@@ -1,0 +1,101 @@
+"""Requests waiting at the ingress for a prefill slot count against it: each one routed after them sees them
+queued ahead (so its remote path's predicted wait, and the queue's fullness, are as they will be), and the
+slots go to them in the order they began to wait."""
+import asyncio
+
+from engine import SamplingParams
+from engine.protocol import GenerateRequest
+from router.latency_report import LatencyReporter
+from router.metrics import Metrics
+from router.policy import Placement, RouteDecision
+from router.request_router import RequestRouter
+
+LENGTHS = {"first": 40, "second": 41, "third": 42, "gone": 43}  # the view tells requests apart by length
+CACHED = 8
+
+
+class QueueView:
+    """A WorkerView whose one prefill worker has `free` slots; a request seeing waiters ahead of it, or no
+    free slot, is told to wait (as `Router.route` does with the backlog counted as queued)."""
+    block_size = 16
+
+    def __init__(self):
+        self.free = 0
+        self.backlogs: dict[str, list[dict]] = {}
+        self.order: list[str] = []
+        self.names = {length: name for name, length in LENGTHS.items()}
+        self.changed = asyncio.Event()
+
+    def route(self, block_hashes, num_tokens, excluded, prefill_backlog=None, **options):
+        self.backlogs.setdefault(self.names[num_tokens], []).append(dict(prefill_backlog or {}))
+        ahead = (prefill_backlog or {}).get("p0", (0, 0))[0]
+        full = ahead >= self.free
+        return RouteDecision(Placement("d0", 0, 0.0), Placement("p0", CACHED, 0.0), "slot", wait=full)
+
+    async def wait_for_loads(self, timeout_s):
+        try:
+            await asyncio.wait_for(self.changed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def open_slot(self):
+        self.free += 1
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def begin(self, decision, request_id, num_tokens):
+        self.order.append(request_id)
+        self.free -= 1
+
+
+def request(name: str) -> GenerateRequest:
+    r = GenerateRequest(name, list(range(LENGTHS[name])), SamplingParams(max_tokens=4))
+    r.stamp("arrival")
+    return r
+
+
+def test_waiters_count_as_queued_for_those_behind_them_and_take_slots_in_order():
+    view = QueueView()
+    router = RequestRouter(view, Metrics(), LatencyReporter(controller=None))
+
+    async def route(name):
+        return await router._route(request(name), [], set())
+
+    async def main():
+        tasks = []
+        for name in ("first", "second", "third"):
+            tasks.append(asyncio.create_task(route(name)))
+            await asyncio.sleep(0.01)
+        assert list(router.slot_waiters) == ["first", "second", "third"]
+        assert router.slot_waiters["first"] == ("p0", 40 - CACHED)
+        for _ in range(3):
+            view.open_slot()
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert view.order == ["first", "second", "third"]
+    assert view.backlogs["first"][0] == {}
+    assert view.backlogs["second"][0] == {"p0": (1, 40 - CACHED)}
+    assert view.backlogs["third"][0] == {"p0": (2, 40 + 41 - 2 * CACHED)}
+    # The last waiter, once the two ahead were placed, saw none ahead; nothing stays registered.
+    assert view.backlogs["third"][-1] == {}
+    assert router.slot_waiters == {}
+
+
+def test_a_request_that_stops_waiting_by_error_leaves_no_backlog_behind():
+    view = QueueView()
+    router = RequestRouter(view, Metrics(), LatencyReporter(controller=None))
+
+    async def main():
+        task = asyncio.create_task(router._route(request("gone"), [], set()))
+        await asyncio.sleep(0.02)
+        assert "gone" in router.slot_waiters
+        task.cancel()  # the client went away while it waited
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    asyncio.run(main())
+    assert router.slot_waiters == {}
