@@ -224,9 +224,8 @@ def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefil
     prefill queue).
 
     A full prefill queue means waiting for a slot while the remote path still meets the TTFT SLO,
-    counted from arrival (`elapsed_s` ago), then a local prefill if that meets it; when neither would, the
-    request goes on waiting, as the running streams are spared when both paths miss (the deep-queue test
-    above still sends it local when that gains more than its chunks cost the streams)."""
+    counted from arrival (`elapsed_s` ago), then a local prefill if that meets it or comes sooner (under
+    overload both paths then share the prompts, each at its predicted wait); otherwise it waits on."""
     if prefill is None or not prefill.schedulable:
         return PrefillDecision(False, "no_prefill_worker")
     remote = elapsed_s + remote_prefill_ttft(prompt_tokens, prefill_cached_tokens, decode_cached_tokens,
@@ -252,10 +251,9 @@ def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefil
     if prefill.num_waiting >= config.max_prefill_queue_size:
         if remote <= config.ttft_slo_s:
             return PrefillDecision(True, "prefill_queue_full", wait=True, predicted_ttft_s=remote)
-        if local <= config.ttft_slo_s:
+        if local <= config.ttft_slo_s or local < remote:
             return PrefillDecision(False, "prefill_queue_full", predicted_ttft_s=local)
-        # Lost either way: a local prefill queued behind the decode worker's own would come no sooner than
-        # the remote path beyond the deep-queue test above, and would stall its streams; keep waiting.
+        # Lost either way, and a local prefill (behind the decode worker's own) would come no sooner: wait on.
         return PrefillDecision(True, "ttft_slo_missed_either_way", wait=True, predicted_ttft_s=remote)
     if remote <= config.ttft_slo_s:
         return PrefillDecision(True, "remote_within_ttft_slo", predicted_ttft_s=remote)

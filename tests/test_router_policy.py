@@ -446,18 +446,22 @@ def test_the_wait_for_a_prefill_slot_ends_in_a_local_prefill_once_the_ttft_slo_w
     assert late == PrefillDecision(False, "prefill_queue_full")
 
 
-def test_a_full_prefill_queue_is_waited_out_when_a_local_prefill_would_miss_the_ttft_slo_as_well():
+def test_a_full_prefill_queue_is_waited_out_when_a_local_prefill_would_come_later_and_miss_the_slo_too():
     """Seen at 1.5 req/s on a slow box: once waiting for a slot would miss the SLO, requests went local
     behind the decode worker's own queued prefills, predicted (and took) 3.6-8.7 s against ~2.5 s remote.
-    A local prefill is taken only if it meets the SLO; otherwise the streams are spared and it waits on."""
+    When both paths miss, the sooner one wins: here the remote one, so it waits on; once the prefill queue
+    is the longer wait, local (both paths then share an overload); once local meets the SLO, local."""
     full = prefill_worker(num_waiting=2, queued_prefill_tokens=512)
     decode = decode_worker(num_running=4, queued_prefill_tokens=768)  # three local prompts ahead
     remote = remote_prefill_ttft(256, 0, 0, full, decode)
     local, stall = local_prefill_cost(256, 0, decode, SLO.itl_slo_s, BLOCK, SLO.stall_ratio)
     elapsed = SLO.ttft_slo_s - remote + 0.5
-    assert elapsed + local > SLO.ttft_slo_s and local + 4 * stall >= remote
+    assert elapsed + local > SLO.ttft_slo_s and remote < local
     decision = by_cost(256, decode, full, elapsed_s=elapsed)
     assert decision.remote and decision.wait and decision.reason == "ttft_slo_missed_either_way"
+    deeper = prefill_worker(num_waiting=9, queued_prefill_tokens=9 * 256)
+    assert local < remote_prefill_ttft(256, 0, 0, deeper, decode) < local + 4 * stall
+    assert by_cost(256, decode, deeper, elapsed_s=elapsed) == PrefillDecision(False, "prefill_queue_full")
     # The decode worker's queue drained: local meets the SLO again and takes the request at once.
     assert by_cost(256, decode_worker(num_running=4), full, elapsed_s=SLO.ttft_slo_s - remote + 0.01) == \
         PrefillDecision(False, "prefill_queue_full")
