@@ -186,8 +186,9 @@ class RequestRouter:
 
     async def _route(self, request: GenerateRequest, block_hashes: Sequence[int], excluded: set[str]) -> RouteDecision:
         """Place the request. While the prefill queue is full and the remote path still meets the TTFT SLO,
-        wait for a slot and route again; the policy turns to local prefill once waiting longer would miss
-        the SLO and a local prefill would not. Waiters wake in arrival order on each load change."""
+        wait for a slot and route again; once waiting would miss the SLO, the policy turns to local prefill
+        if that meets it or comes sooner. Waiters count as queued for those behind them (`slot_waiters`) and
+        wake in the order they began to wait."""
         waited_since = decode_wait = None
         try:
             while True:

@@ -468,8 +468,8 @@ def test_a_full_prefill_queue_is_waited_out_when_a_local_prefill_would_come_late
 
 
 def test_requests_waiting_at_the_ingress_for_a_prefill_slot_count_as_queued_there():
-    """A prefill worker with a free slot, but two requests already waiting for slots at the ingress: the
-    next request queues behind them. The first waiter fills the slot, so the newcomer waits; behind four
+    """A prefill worker with a free slot, but a request already waiting for it at the ingress: the next
+    request queues behind it. That waiter fills the slot, so the newcomer waits; behind four
     waiters the remote path would miss the TTFT SLO while a local prefill on an idle-enough decode worker
     meets it, so it goes local at once instead of waiting until the SLO is nearly gone."""
     tokens = prompt(1, prefix=[], suffix_blocks=16)  # 256 cold tokens
