@@ -245,10 +245,16 @@ class CpuOptions(_Strict):
     serving processes, their wakeups then stall a decode step on two cores, and it ran slower than on one
     (bench/RESULTS.md, "Decode steps on borrowed prefill cores"). A forward on borrowed cores carries at most the prompt
     tokens that take `borrow_slice_ms` at the borrowed speed (default: the ITL SLO; 0: no cap), since a
-    lender that turns busy shares its core until that forward ends. Ignored by workers on GPUs."""
+    lender that turns busy shares its core until that forward ends. `isolate_prefill` (with `pin`; off by
+    default) moves a local `tandem serve`'s own Ray and Serve processes off the prefill workers' cores once
+    it serves: on the 2-core box their wakeups took a fifth of a served prefill's time, and at 0.5 req/s
+    isolation cut TTFT by a fifth, but near saturation the decode core cannot spare their CPU and request
+    throughput fell by a tenth (bench/RESULTS.md, "Serving processes off the prefill core"). Ignored by
+    workers on GPUs."""
     pin: bool = True
     borrow: bool = True
     decode_borrows: bool = False
+    isolate_prefill: bool = False
     borrow_slice_ms: float | None = Field(None, ge=0)
 
     def binding(self, role: str, pool: PoolConfig) -> CpuBinding | None:
@@ -258,7 +264,7 @@ class CpuOptions(_Strict):
         both_ways = self.borrow and self.decode_borrows
         if role == "prefill":
             return CpuBinding(cores, lend=both_ways, borrow=self.borrow)
-        return CpuBinding(cores, lend=self.borrow, borrow=both_ways)
+        return CpuBinding(cores, lend=self.borrow, borrow=both_ways, top=True)
 
 
 class ClusterConfig(_Strict):

@@ -30,11 +30,13 @@ def serve_until_stopped(config: ClusterConfig, address: str | None, say: Callabl
     STOP_DEADLINE_S."""
     stop = _StopOnSignal(say)
     started = time.monotonic()
+    serving_cpus: set[int] = set()
     try:
         if address is None:
             wait_for_port(config.host, config.port, say)
             prepare_model(config, say)
             config = fit_pools_to_node(config, say)
+            serving_cpus = isolate_prefill(config, say)
             stop.marker = start_watchdog()
         import ray
 
@@ -49,6 +51,8 @@ def serve_until_stopped(config: ClusterConfig, address: str | None, say: Callabl
         stop.install()  # again: ray.init puts in its own SIGTERM handler, which exits without stopping
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         _run_app(config, say)
+        if serving_cpus:
+            confine_local_ray(serving_cpus, stop.marker, say)
         say(f"ready in {time.monotonic() - started:.0f} s: OpenAI API at http://{config.host}:{config.port}/v1, "
             f"metrics at /metrics, admin API at /admin ({'on' if config.admin_key else 'off: no admin key'}); "
             f"Ctrl-C stops")
@@ -228,6 +232,49 @@ def fit_pools_to_cores(config: ClusterConfig, cores: int) -> ClusterConfig:
         taken = prefill * int(update["prefill"].num_cpus if "prefill" in update else config.prefill.num_cpus)
         update["decode"] = config.decode.model_copy(update={"num_cpus": float(max(1, (usable - taken) // decode))})
     return config.model_copy(update=update) if update else config
+
+
+def isolate_prefill(config: ClusterConfig, say: Callable[[str], None]) -> set[int]:
+    """The CPUs a local Ray's own processes are to run on once it serves (`confine_local_ray`): those the
+    starting prefill workers will not take (they take the lowest cores, decode workers the highest:
+    engine/cpu_cores.py); empty when nothing is to be isolated. Sets TANDEM_NODE_CPUS for Ray's processes
+    to inherit, so an engine worker started from a confined one still claims, or runs unpinned, on the
+    whole node."""
+    from engine.config import resolve_device
+    from engine.cpu_cores import NODE_CPUS_ENV, cpu_quota, format_cpu_list, node_cores, pinning_is_safe
+
+    cores = node_cores()
+    serving = serving_cores(config, cores)
+    if resolve_device(config.device).type != "cpu" or not serving or not pinning_is_safe(cores, cpu_quota()):
+        return set()
+    os.environ[NODE_CPUS_ENV] = format_cpu_list({cpu for core in cores for cpu in core})
+    return {cpu for core in serving for cpu in core}
+
+
+def confine_local_ray(cpus: set[int], marker: str, say: Callable[[str], None]) -> None:
+    """Move this process and every process of its local Ray instance but the engine workers (GCS, the
+    raylet, Ray's agents and idle workers, the Serve controller and proxy, the ingress, the cluster
+    controller) to `cpus`, so their wakeups never take a prefill worker's core: they took a fifth of a
+    served prefill's time (bench/RESULTS.md, "Who takes the prefill core"). Done once the application
+    serves, since Ray and the workers start up faster with the whole machine; processes Ray starts later
+    inherit the raylet's affinity."""
+    from cluster.local_ray_watchdog import family
+    from engine.cpu_cores import confine, format_cpu_list, pin_threads
+
+    pin_threads(cpus)
+    moved = confine(family(marker, root=os.getpid()), cpus)
+    say(f"Ray's and Serve's processes ({moved}) now run on CPUs {format_cpu_list(cpus)}, off the prefill "
+        f"workers' cores")
+
+
+def serving_cores(config: ClusterConfig, cores: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The cores the starting prefill workers leave (they take the lowest); none when nothing is to be
+    isolated: no pinning, no prefill pool, fractional prefill workers, or no core left over."""
+    prefill = config.prefill
+    if not (config.cpu.pin and config.cpu.isolate_prefill) or config.mode != "disaggregated" or \
+            prefill.replicas < 1 or int(prefill.num_cpus) < 1:
+        return []
+    return cores[prefill.replicas * int(prefill.num_cpus):]
 
 
 class _Ticker:

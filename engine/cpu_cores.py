@@ -7,6 +7,11 @@ replaced worker frees its cores with nobody cleaning up, and the next worker tak
 Every worker of a node sees the same directory, simulated Ray nodes on one host included (they share
 the host's cores too).
 
+Decode workers take the highest free cores and prefill workers the lowest, so on a local `tandem serve`
+the launcher knows before any worker starts which cores prefill will hold, and confines Ray's and Serve's
+own processes to the others once it serves (cluster/launcher.py). Those processes carry the node's full
+CPU list in `TANDEM_NODE_CPUS`: workers started from them claim from it, and unpinned ones run on it.
+
 Lending: the first byte of an owner's lock file says whether it lends its cores now (b"1": its engine
 is idle). A borrower holds `core<N>.borrow` while it runs threads on a lent core, so two borrowers
 never share one; it looks before every forward and gives the core back as soon as the owner is busy.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +28,7 @@ from pathlib import Path
 import torch
 
 Core = tuple[int, ...]  # the logical CPUs (hyperthreads) of one physical core, lowest first
+NODE_CPUS_ENV = "TANDEM_NODE_CPUS"
 
 
 @dataclass(slots=True)
@@ -31,11 +38,34 @@ class CpuBinding:
     cores: int
     lend: bool = False
     borrow: bool = False
+    top: bool = False  # take the highest free cores (decode), leaving the lowest to prefill
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """CPUs written as taskset and cpuset do: "0-3,6"."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
+        if not match or int(match[2] or match[1]) < int(match[1]):
+            raise ValueError(f"{NODE_CPUS_ENV}={text!r} is not a CPU list such as 0-3,6")
+        cpus.update(range(int(match[1]), int(match[2] or match[1]) + 1))
+    return cpus
+
+
+def format_cpu_list(cpus: set[int]) -> str:
+    return ",".join(str(cpu) for cpu in sorted(cpus))
+
+
+def node_cpus() -> set[int]:
+    """The CPUs this node's workers share: `TANDEM_NODE_CPUS` where the launcher set it (this process may
+    have inherited a confined affinity from Ray's processes), else the CPUs this process may run on."""
+    listed = os.environ.get(NODE_CPUS_ENV)
+    return parse_cpu_list(listed) if listed else os.sched_getaffinity(0)
 
 
 def node_cores(cpus: set[int] | None = None) -> list[Core]:
-    """The physical cores among `cpus` (default: the CPUs this process may run on), hyperthreads grouped."""
-    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    """The physical cores among `cpus` (default: the node's CPUs, `node_cpus()`), hyperthreads grouped."""
+    cpus = sorted(node_cpus() if cpus is None else cpus)
     groups: dict[tuple[str, str], list[int]] = {}
     for cpu in cpus:
         topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
@@ -47,14 +77,16 @@ def node_cores(cpus: set[int] | None = None) -> list[Core]:
     return sorted(tuple(g) for g in groups.values())
 
 
-def assign_cores(cores: list[Core], taken: set[int], want: int) -> list[Core]:
+def assign_cores(cores: list[Core], taken: set[int], want: int, top: bool = False) -> list[Core]:
     """The cores a new worker takes: `want` adjacent free cores if there is such a run, else the lowest
-    free ones (fewer when fewer are free). `taken` holds the first CPU of each core in use."""
-    free = [i for i, core in enumerate(cores) if core[0] not in taken]
+    free ones (fewer when fewer are free); with `top`, the same from the highest core down. `taken` holds
+    the first CPU of each core in use."""
+    order = cores[::-1] if top else cores
+    free = [i for i, core in enumerate(order) if core[0] not in taken]
     for start in range(len(free) - want + 1):
         if free[start + want - 1] - free[start] == want - 1:
-            return [cores[i] for i in free[start:start + want]]
-    return [cores[i] for i in free[:want]]
+            return sorted(order[i] for i in free[start:start + want])
+    return sorted(order[i] for i in free[:want])
 
 
 def cpu_quota() -> float | None:
@@ -88,6 +120,42 @@ def pin_threads(cpus: set[int]) -> None:
             pass  # the thread exited meanwhile
 
 
+def unpin() -> None:
+    """Let every thread of this process run on all the node's CPUs: an unpinned worker must not keep the
+    affinity it inherited from Ray's confined processes."""
+    pin_threads(node_cpus())
+
+
+def confine(pids, cpus: set[int], directory: Path | None = None) -> int:
+    """Restrict every thread of the processes `pids` to `cpus`, but those of engine workers (a process with
+    a file of the core-lock directory open keeps its own cores); returns how many processes moved."""
+    prefix = os.path.realpath(directory or lock_dir()) + "/"
+    moved = 0
+    for pid in pids:
+        try:
+            if any(path.startswith(prefix) for path in _open_files(pid)):
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    os.sched_setaffinity(int(tid), cpus)
+                except OSError:
+                    pass  # the thread exited meanwhile
+        except OSError:
+            continue  # the process exited meanwhile
+        moved += 1
+    return moved
+
+
+def _open_files(pid: int) -> list[str]:
+    paths = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass  # closed meanwhile
+    return paths
+
+
 def lock_dir() -> Path:
     default = "/dev/shm/tandem-cpu" if os.path.isdir("/dev/shm") else "/tmp/tandem-cpu"
     path = Path(os.environ.get("TANDEM_CPU_DIR", default))
@@ -105,7 +173,8 @@ def _try_lock(path: Path) -> int | None:
     return fd
 
 
-def claim_cores(want: int, directory: Path | None = None, cores: list[Core] | None = None) -> dict[Core, int]:
+def claim_cores(want: int, directory: Path | None = None, cores: list[Core] | None = None,
+                top: bool = False) -> dict[Core, int]:
     """Lock `want` free cores of this node (fewer if the node has fewer free); returns core -> lock fd.
     Workers starting at once may race for a core: the loser learns it is taken and picks again."""
     directory = directory or lock_dir()
@@ -113,7 +182,7 @@ def claim_cores(want: int, directory: Path | None = None, cores: list[Core] | No
     taken: set[int] = set()
     while True:
         held: dict[Core, int] = {}
-        for core in assign_cores(cores, taken, want):
+        for core in assign_cores(cores, taken, want, top):
             fd = _try_lock(directory / f"core{core[0]}.lock")
             if fd is None:
                 taken.add(core[0])
@@ -137,7 +206,7 @@ class PinnedCores:
         self.binding = binding
         self.directory = directory or lock_dir()
         self.node = node_cores()
-        self.owned = claim_cores(binding.cores, self.directory, self.node)
+        self.owned = claim_cores(binding.cores, self.directory, self.node, binding.top)
         self.own_threads = threads or len(self.owned) or binding.cores
         self.borrowed: dict[Core, int] = {}
         self.lending: bool | None = None

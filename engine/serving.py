@@ -14,7 +14,7 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.cpu_cores import PinnedCores, cpu_quota, node_cores, pinning_is_safe
+from engine.cpu_cores import PinnedCores, cpu_quota, node_cores, pinning_is_safe, unpin
 from engine.engine import Engine
 from engine.engine_loop import EngineLoop
 from engine.forking import output_ids
@@ -221,15 +221,18 @@ def pin_cores(config: EngineConfig) -> tuple[PinnedCores | None, EngineConfig]:
     threads default to the cores taken. A node without free cores leaves the worker unpinned."""
     binding = config.cpu_binding
     if binding is None or binding.cores < 1 or config.torch_device.type != "cpu":
+        unpin()
         return None, config
     if not pinning_is_safe(node_cores(), cpu_quota()):
         logger.warning("a CPU quota below the CPUs this container sees: its cores are shared, running unpinned")
+        unpin()
         return None, dataclasses.replace(config, num_threads=config.num_threads or binding.cores)
     cores = PinnedCores(binding, config.num_threads)
     if not cores.owned:
         logger.warning("no free cores on this node: running unpinned with %d threads",
                                             config.num_threads or binding.cores)
         cores.close()
+        unpin()
         return None, dataclasses.replace(config, num_threads=config.num_threads or binding.cores)
     if len(cores.owned) < binding.cores:
         logger.warning("this node had %d free cores of the %d asked for",

@@ -20,6 +20,7 @@ from cluster.admin_api import build_admin_router
 from cluster.cli import main
 from cluster.config import ClusterConfig
 from cluster.controller import get_controller, start_controller
+from engine.cpu_cores import node_cores
 
 ADMIN_KEY = "admin-secret"
 
@@ -277,11 +278,13 @@ def test_serve_status_scale_drain_under_load_then_sigterm(tmp_path, tiny_llama_d
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "TANDEM_ADMIN_KEY": ADMIN_KEY, "TANDEM_URL": url}
+    env = {**os.environ, "TANDEM_ADMIN_KEY": ADMIN_KEY, "TANDEM_URL": url, "TANDEM_CPU_DIR": str(tmp_path / "cpu")}
     env.pop("RAY_ADDRESS", None)
     log = open(tmp_path / "serve.log", "w+")
+    (tmp_path / "cluster.yaml").write_text("cpu: {isolate_prefill: true}\n")
     server = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", tiny_llama_dir,
-                               "--port", str(port), "--api-key", "test-key:tenant-a"],
+                               "--port", str(port), "--api-key", "test-key:tenant-a",
+                               "--config", str(tmp_path / "cluster.yaml")],
                               stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def tandem(*argv):
@@ -302,6 +305,9 @@ def test_serve_status_scale_drain_under_load_then_sigterm(tmp_path, tiny_llama_d
                 pass
             assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
             time.sleep(1)
+        isolation = ServingIsolation(server.pid, tmp_path) if len(node_cores()) >= 2 else None
+        if isolation:
+            isolation.check_serving_processes_are_off_the_prefill_cores()
 
         client = OpenAI(base_url=url + "/v1", api_key="test-key", max_retries=0, timeout=120)
         results, stop = [], threading.Event()
@@ -324,6 +330,8 @@ def test_serve_status_scale_drain_under_load_then_sigterm(tmp_path, tiny_llama_d
         assert "decode-0" in tandem("status")
         assert tandem("scale", "--decode", "2").strip() == "decode: 1 -> 2 workers (added decode-1)"
         assert "decode-1" in tandem("status")
+        if isolation:  # started from the confined raylet, it still claims a core or runs on the whole node
+            isolation.check_decode_workers(2)
         marks.append(time.time())
         assert tandem("drain", "prefill-0").strip().startswith("prefill-0 drained")  # decode prefills alone now
         marks.append(time.time())
@@ -353,3 +361,61 @@ def test_serve_status_scale_drain_under_load_then_sigterm(tmp_path, tiny_llama_d
         output = log.read()
     assert code == 0, output
     assert "tandem: stopped" in output and "Traceback" not in output
+
+
+class ServingIsolation:
+    """What `tandem serve` on CPU does with cores: once it serves, Ray's and Serve's own processes run on
+    the CPUs it names, the prefill worker on others; each engine worker owns its cores or, unpinned, runs
+    on the whole node."""
+
+    def __init__(self, server_pid: int, tmp_path):
+        self.server_pid, self.lock_dir = server_pid, str(tmp_path / "cpu")
+        self.node = {cpu for core in node_cores() for cpu in core}
+        log = tmp_path / "serve.log"
+        deadline = time.monotonic() + 30
+        while "now run on CPUs" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        listed = log.read_text().split("now run on CPUs ")[1].split(", off")[0]
+        self.serving = {int(cpu) for cpu in listed.split(",")}
+        assert self.serving and self.serving < self.node
+
+    def processes(self) -> dict[int, str]:
+        from cluster.local_ray_watchdog import family
+        found = {}
+        for pid in family("no-marker", root=self.server_pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    found[pid] = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                pass
+        return found
+
+    def affinity(self, pid: int) -> set[int]:
+        """Every thread's; they must agree."""
+        sets = {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+        assert len(sets) == 1, (pid, sets)
+        return set(sets.pop())
+
+    def owns_cores(self, pid: int) -> bool:
+        fds = os.listdir(f"/proc/{pid}/fd")
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(self.lock_dir) for fd in fds)
+
+    def check_serving_processes_are_off_the_prefill_cores(self) -> None:
+        processes = self.processes()
+        assert self.affinity(self.server_pid) == self.serving
+        for name in ("gcs_server", "raylet", "ray::ServeController", "ray::ProxyActor", "ingress",
+                     "ray::ClusterController"):
+            pids = [pid for pid, cmd in processes.items() if name in cmd]
+            assert pids, (name, processes)
+            assert all(self.affinity(pid) == self.serving for pid in pids), name
+        prefill, = [pid for pid, cmd in processes.items() if "ray::PrefillWorker" in cmd]
+        assert self.owns_cores(prefill) and not self.affinity(prefill) & self.serving
+        decode, = [pid for pid, cmd in processes.items() if "ray::DecodeWorker" in cmd]
+        assert self.owns_cores(decode) and self.affinity(decode) <= self.serving
+
+    def check_decode_workers(self, count: int) -> None:
+        decode = [pid for pid, cmd in self.processes().items() if "ray::DecodeWorker" in cmd]
+        assert len(decode) == count
+        for pid in decode:
+            assert self.affinity(pid) <= self.serving if self.owns_cores(pid) else self.affinity(pid) == self.node

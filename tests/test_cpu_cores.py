@@ -10,11 +10,12 @@ import textwrap
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.launcher import fit_pools_to_cores
+from cluster.launcher import fit_pools_to_cores, serving_cores
 from engine import cpu_cores
 from engine.cpu_cores import CpuBinding, PinnedCores, assign_cores, claim_cores, node_cores, pinning_is_safe
 
 CORES = [(0,), (1,), (2,), (3,), (4,), (5,)]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_workers_on_one_node_get_disjoint_cores():
@@ -42,6 +43,100 @@ def test_hyperthreads_of_one_core_go_to_one_worker():
     smt = [(0, 2), (1, 3)]
     assert assign_cores(smt, set(), 1) == [(0, 2)]
     assert assign_cores(smt, {0}, 1) == [(1, 3)]
+
+
+def test_decode_takes_the_highest_free_cores_and_prefill_the_lowest():
+    assert assign_cores(CORES, set(), 2, top=True) == [(4,), (5,)]
+    assert assign_cores(CORES, {5}, 2, top=True) == [(3,), (4,)]
+    assert assign_cores(CORES, {1, 3, 5}, 2, top=True) == [(2,), (4,)]  # no adjacent pair: the highest free
+    assert assign_cores(CORES, set(), 2) == [(0,), (1,)]
+
+
+def test_claims_from_both_ends_meet_without_overlap(tmp_path):
+    decode = claim_cores(2, tmp_path, CORES, top=True)
+    prefill = claim_cores(3, tmp_path, CORES)
+    assert set(decode) == {(4,), (5,)} and set(prefill) == {(0,), (1,), (2,)}
+    assert set(claim_cores(2, tmp_path, CORES, top=True)) == {(3,)}
+
+
+def test_node_cpus_come_from_the_launcher_when_it_set_them(monkeypatch):
+    monkeypatch.setenv(cpu_cores.NODE_CPUS_ENV, "0-2,5")
+    assert cpu_cores.node_cpus() == {0, 1, 2, 5}
+    assert cpu_cores.format_cpu_list({5, 0, 2, 1}) == "0,1,2,5"
+    monkeypatch.delenv(cpu_cores.NODE_CPUS_ENV)
+    assert cpu_cores.node_cpus() == os.sched_getaffinity(0)
+
+
+@pytest.mark.parametrize("text", ["", "a", "1-", "-1", "3,,4", "0-x", "3-1", "0,3-1"])
+def test_a_bad_node_cpu_list_is_an_error_naming_the_variable(text):
+    with pytest.raises(ValueError, match="TANDEM_NODE_CPUS"):
+        cpu_cores.parse_cpu_list(text)
+
+
+def test_serving_processes_get_the_cores_the_starting_prefill_workers_leave():
+    cores = [(0, 4), (1, 5), (2, 6), (3, 7)]
+    on = {"isolate_prefill": True}
+    config = fit_pools_to_cores(ClusterConfig(cpu=on), 4)
+    assert (config.prefill.num_cpus, config.decode.num_cpus) == (2, 2)
+    assert serving_cores(config, cores) == [(2, 6), (3, 7)]
+    two = ClusterConfig(cpu=on, prefill={"replicas": 2, "num_cpus": 1}, decode={"num_cpus": 2})
+    assert serving_cores(two, cores) == [(2, 6), (3, 7)]
+    # Nothing to isolate: isolation off (the default), no prefill pool, no pinning, fractional prefill
+    # workers, or a prefill pool that takes every core.
+    assert serving_cores(fit_pools_to_cores(ClusterConfig(), 4), cores) == []
+    for nothing in (ClusterConfig(cpu=on, mode="colocated"), ClusterConfig(cpu=on, prefill={"replicas": 0}),
+                    ClusterConfig(cpu={**on, "pin": False}), ClusterConfig(cpu=on, prefill={"num_cpus": 0.5}),
+                    ClusterConfig(cpu=on, prefill={"num_cpus": 4})):
+        assert serving_cores(nothing, cores) == []
+
+
+def _sleeper(script: str = "") -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, "-c", script + "\nimport sys; print('up', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert child.stdout.readline().strip() == "up"
+    return child
+
+
+def _affinities(pid: int) -> set[frozenset[int]]:
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="confining needs two CPUs")
+def test_confine_moves_every_thread_but_leaves_engine_workers_on_their_cores(tmp_path):
+    one = {min(os.sched_getaffinity(0))}
+    # A process with threads, and an engine worker: it holds a core lock of the directory.
+    threaded = _sleeper("import threading, time\n"
+                        "[threading.Thread(target=time.sleep, args=(60,), daemon=True).start() for _ in range(3)]")
+    worker = _sleeper(f"from pathlib import Path\nfrom engine.cpu_cores import claim_cores\n"
+                      f"held = claim_cores(1, Path({str(tmp_path)!r}), {CORES!r})")
+    try:
+        before = _affinities(worker.pid)
+        assert cpu_cores.confine([threaded.pid, worker.pid, 2 ** 22 + 1], one, tmp_path) == 1  # a gone pid is skipped
+        assert _affinities(threaded.pid) == {frozenset(one)}
+        assert len(os.listdir(f"/proc/{threaded.pid}/task")) >= 4
+        assert _affinities(worker.pid) == before
+    finally:
+        for child in (threaded, worker):
+            child.kill()
+            child.wait()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="widening needs two CPUs")
+def test_an_unpinned_worker_started_from_a_confined_process_widens_to_the_node(tmp_path):
+    node = os.sched_getaffinity(0)
+    one = min(node)
+    script = textwrap.dedent(f"""
+        import os
+        from engine.cpu_cores import unpin
+        assert os.sched_getaffinity(0) == {{{one}}}
+        unpin()
+        print(sorted(os.sched_getaffinity(0)))
+    """)
+    env = {**os.environ, cpu_cores.NODE_CPUS_ENV: cpu_cores.format_cpu_list(node)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, preexec_fn=lambda: os.sched_setaffinity(0, {one}))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(sorted(node))
 
 
 def test_a_container_sharing_its_cores_under_a_quota_is_not_pinned():
@@ -96,12 +191,15 @@ def test_pinned_workers_take_their_threads_from_their_cores():
     config = ClusterConfig(prefill={"num_cpus": 2}, decode={"num_cpus": 1, "num_threads": 3})
     prefill, decode = config.engine_config(config.prefill, "prefill"), config.engine_config(config.decode, "decode")
     assert prefill.cpu_binding == CpuBinding(2, lend=False, borrow=True) and prefill.num_threads is None
-    assert decode.cpu_binding == CpuBinding(1, lend=True, borrow=False) and decode.num_threads == 3
+    # Decode takes the highest free cores, prefill the lowest.
+    assert decode.cpu_binding == CpuBinding(1, lend=True, borrow=False, top=True) and decode.num_threads == 3
     both_ways = ClusterConfig(cpu={"decode_borrows": True})
     assert both_ways.engine_config(both_ways.prefill, "prefill").cpu_binding == CpuBinding(1, lend=True, borrow=True)
-    assert both_ways.engine_config(both_ways.decode, "decode").cpu_binding == CpuBinding(1, lend=True, borrow=True)
+    assert both_ways.engine_config(both_ways.decode, "decode").cpu_binding == CpuBinding(1, lend=True, borrow=True,
+                                                                                       top=True)
     neither = ClusterConfig(cpu={"borrow": False})
-    assert neither.engine_config(neither.decode, "decode").cpu_binding == CpuBinding(1, lend=False, borrow=False)
+    assert neither.engine_config(neither.decode, "decode").cpu_binding == CpuBinding(1, lend=False, borrow=False,
+                                                                                    top=True)
     unpinned = ClusterConfig(cpu={"pin": False}, prefill={"num_cpus": 2})
     assert unpinned.engine_config(unpinned.prefill, "prefill").cpu_binding is None
     assert unpinned.engine_config(unpinned.prefill, "prefill").num_threads == 2
