@@ -241,13 +241,13 @@ def isolate_prefill(config: ClusterConfig, say: Callable[[str], None]) -> set[in
     to inherit, so an engine worker started from a confined one still claims, or runs unpinned, on the
     whole node."""
     from engine.config import resolve_device
-    from engine.cpu_cores import NODE_CPUS_ENV, cpu_quota, format_cpu_list, node_cores, pinning_is_safe
+    from engine.cpu_cores import NODE_CPUS_ENV, cpu_quota, format_cpu_list, node_cores, node_cpus, pinning_is_safe
 
     cores = node_cores()
     serving = serving_cores(config, cores)
     if resolve_device(config.device).type != "cpu" or not serving or not pinning_is_safe(cores, cpu_quota()):
         return set()
-    os.environ[NODE_CPUS_ENV] = format_cpu_list({cpu for core in cores for cpu in core})
+    os.environ[NODE_CPUS_ENV] = format_cpu_list(node_cpus())
     return {cpu for core in serving for cpu in core}
 
 

@@ -111,9 +111,10 @@ def pinning_is_safe(cores: list[Core], quota: float | None) -> bool:
     return quota is None or quota >= len(cores)
 
 
-def pin_threads(cpus: set[int]) -> None:
-    """Restrict every thread of this process to `cpus`; threads started later inherit it from their creator."""
-    for tid in os.listdir("/proc/self/task"):
+def pin_threads(cpus: set[int], pid: int | str = "self") -> None:
+    """Restrict every thread of process `pid` (default: this one) to `cpus`; threads started later inherit it
+    from their creator."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             os.sched_setaffinity(int(tid), cpus)
         except OSError:
@@ -135,11 +136,7 @@ def confine(pids, cpus: set[int], directory: Path | None = None) -> int:
         try:
             if any(path.startswith(prefix) for path in _open_files(pid)):
                 continue
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                try:
-                    os.sched_setaffinity(int(tid), cpus)
-                except OSError:
-                    pass  # the thread exited meanwhile
+            pin_threads(cpus, pid)
         except OSError:
             continue  # the process exited meanwhile
         moved += 1
