@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import ray
 
 from cluster.config import ClusterConfig, PoolConfig
-from engine.serving import WorkerStalled
+from engine.errors import WorkerStalled
 from engine.tracing import tracing_env
 from engine.transfer_config import TransferConfig
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.cpu_cores import CpuBinding
 from engine.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:  # torch loads where a model runs, not in the control plane that only reads configs
+    import torch
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -16,6 +18,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 def resolve_device(device: str) -> torch.device:
     """`auto` is CUDA when present, else CPU."""
+    import torch
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -31,6 +34,7 @@ def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AMX tiles or AVX512-BF16): there oneDNN runs bf16
     linears several times faster than fp32 (a 256-token SmolLM2 prefill 2.5x, a 16-sequence decode step
     1.7x on the dev box's Sapphire Rapids cores); elsewhere bf16 is emulated and slower than fp32."""
+    import torch
     cpu = getattr(torch, "cpu", None)
     checks = [getattr(cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
     return any(check is not None and check() for check in checks)
@@ -42,7 +46,7 @@ def resolve_dtype(dtype: str, device: str | torch.device) -> str:
     backend runs bf16 by default."""
     if dtype != "auto":
         return dtype
-    device = device if isinstance(device, torch.device) else resolve_device(device)
+    device = resolve_device(device) if isinstance(device, str) else device
     if device.type == "cuda":
         return "bfloat16"
     pinned = os.environ.get(CPU_AUTO_DTYPE_ENV)
@@ -104,6 +108,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
         return getattr(torch, self.resolved_dtype)
 
     @property
@@ -115,5 +120,6 @@ class EngineConfig:
         return self.model or DEFAULT_MODEL
 
     def apply_threads(self) -> None:
+        import torch
         threads = self.num_threads or int(os.environ.get("TANDEM_NUM_THREADS", 0)) or os.cpu_count() or 1
         torch.set_num_threads(threads)

@@ -25,8 +25,6 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 Core = tuple[int, ...]  # the logical CPUs (hyperthreads) of one physical core, lowest first
 NODE_CPUS_ENV = "TANDEM_NODE_CPUS"
 
@@ -295,5 +293,6 @@ class PinnedCores:
 
     def _apply(self) -> None:
         # Pin first: OpenMP threads the resize starts inherit the engine loop thread's affinity.
+        import torch  # here, not at the top: the control plane reads bindings without loading torch
         pin_threads(self.cpus())
         torch.set_num_threads(self.threads)

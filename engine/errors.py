@@ -17,6 +17,11 @@ class InvalidRequestError(EngineError, ValueError):
         self.field = field
 
 
+
+class WorkerStalled(RuntimeError):
+    """The worker answers calls but its engine loop has made no progress for too long: it is stuck."""
+
+
 @dataclass(frozen=True)
 class FieldError:
     """One problem pydantic found: where (`loc`, each part a string), what (`message`), its `type`."""

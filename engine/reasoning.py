@@ -9,8 +9,10 @@ spells with other tokens than the tokenizer's own encoding is not seen.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 BEFORE, THINKING, DONE = "before", "thinking", "done"
 

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.cpu_cores import PinnedCores, cpu_quota, node_cores, pinning_is_safe, unpin
 from engine.engine import Engine
 from engine.engine_loop import EngineLoop
+from engine.errors import WorkerStalled
 from engine.forking import output_ids
 from engine.kv_events import KVEventLog
 from engine.outputs import RequestOutput
@@ -29,10 +30,6 @@ logger = logging.getLogger(__name__)
 
 class WorkerDraining(RuntimeError):
     """The worker is draining and takes no new requests; route elsewhere."""
-
-
-class WorkerStalled(RuntimeError):
-    """The worker answers calls but its engine loop has made no progress for too long: it is stuck."""
 
 
 class EngineServer:

@@ -13,14 +13,15 @@ import functools
 import json
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
-import torch
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import StructuredOutputs
+
+if TYPE_CHECKING:  # the ingress validates constraints without torch; the engine's step loads these
+    import torch
 
 CACHE_SIZE = 256  # compiled constraints kept; a copy of one costs microseconds, a compile milliseconds
 # JSON as `json.dumps` writes it, as vLLM's guidance backend does: flexible whitespace lets a model spend its
@@ -122,7 +123,8 @@ class StructuredOutputManager:
         if template is None:
             validate_structured(structured)
             if self._ll_tokenizer is None:
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+                from llguidance.hf import from_tokenizer
+                self._ll_tokenizer = from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
             template = llguidance.LLMatcher(self._ll_tokenizer, grammar_spec(structured))
             if template.is_error():
                 raise InvalidRequestError(f"invalid {structured.kind}: {template.get_error()}",
@@ -138,24 +140,26 @@ class StructuredOutputManager:
         """The allowed-token bitmask of each request, one int32 row per request (bit t of a row: token t
         is allowed), filled in parallel by llguidance. The tensor is reused by the next call, so only
         the engine's step loop calls this."""
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
         if self._bitmask is None or self._bitmask.shape[0] < len(reqs):
             rows = max(self.max_num_seqs, len(reqs))
-            self._bitmask = llguidance.torch.allocate_token_bitmask(rows, self.vocab_size)
+            self._bitmask = allocate_token_bitmask(rows, self.vocab_size)
             self._executor = self._executor or llguidance.LLExecutor()
         bitmask = self._bitmask[: len(reqs)]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(r.matcher, i) for i, r in enumerate(reqs)],
-                                                     bitmask)
+        fill_next_token_bitmask_par(self._executor, [(r.matcher, i) for i, r in enumerate(reqs)], bitmask)
         return bitmask
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set the logits of disallowed tokens to -inf, in place, on `rows` of the batch (row i of `bitmask`
     belongs to `rows[i]`), with llguidance's kernel."""
+    import torch
+    from llguidance.torch import apply_token_bitmask_inplace
     bitmask = bitmask.to(logits.device, non_blocking=True)
     if len(rows) == logits.shape[0]:
-        llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
+        apply_token_bitmask_inplace(logits, bitmask)
         return
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     constrained = logits.index_select(0, index)
-    llguidance.torch.apply_token_bitmask_inplace(constrained, bitmask)
+    apply_token_bitmask_inplace(constrained, bitmask)
     logits.index_copy_(0, index, constrained)

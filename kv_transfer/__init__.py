@@ -5,10 +5,26 @@ a `KVHandle`. Decode side: the engine's `reserve_for_import` decides which
 blocks to pull (those its prefix cache lacks), a `GrpcKVClient` or `DistKVClient` (as
 `handle.transport` says) pulls them into the local cache, and
 `client.release(handle)` lets the prefill worker free them.
-"""
-from kv_transfer.handle import (KVAuthError, KVChecksumError, KVHandle, KVLayoutMismatchError,
-                                KVLeaseNotFoundError, KVTransferError, PullStats)
-from kv_transfer.server import KVServerConfig, KVTransferServer
 
-__all__ = ["KVAuthError", "KVChecksumError", "KVHandle", "KVLayoutMismatchError", "KVLeaseNotFoundError",
-           "KVServerConfig", "KVTransferError", "KVTransferServer", "PullStats"]
+The names below load on first use (PEP 562): config validation imports `kv_transfer.addresses` and
+`kv_transfer.tls` without loading torch.
+"""
+import importlib
+
+_EXPORTS = {**dict.fromkeys(("KVAuthError", "KVChecksumError", "KVHandle", "KVLayoutMismatchError",
+                             "KVLeaseNotFoundError", "KVTransferError", "PullStats"), "kv_transfer.handle"),
+            **dict.fromkeys(("KVServerConfig", "KVTransferServer"), "kv_transfer.server")}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kv_transfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,6 +1,8 @@
 """The assembly point, without Ray: which config changes a running cluster can take, what the ingress is
 given, and the direction of imports between the rooms (DESIGN.md §2)."""
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,29 @@ def test_no_room_but_cluster_imports_cluster(folder):
 def test_engine_imports_none_of_the_rooms_above_it():
     above = {"router", "cluster", "prefill_workers", "decode_workers"}
     assert not {m for m in imported_modules("engine") if m.split(".")[0] in above}
+
+
+def test_the_control_plane_loads_without_torch():
+    """The cluster controller's module, config validation, the metrics hub and constraint validation load
+    no torch: every `tandem serve`, Serve deploy and controller restart starts faster for it (each torch
+    import costs seconds of CPU on a small box, next to the workers loading theirs)."""
+    light = ["cluster.controller", "cluster.config", "cluster.autoscaler", "router.metrics", "engine.structured",
+             "kv_transfer.addresses", "kv_transfer.tls"]
+    code = f"import sys; [__import__(m) for m in {light!r}]; print(sorted(m for m in sys.modules if m == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_engine_package_still_exports_its_names_on_first_use():
+    import engine
+    import kv_transfer
+    from engine import Engine, SamplingParams
+    from engine.engine import Engine as engine_class
+    assert Engine is engine_class and SamplingParams.__module__ == "engine.sampling_params"
+    assert set(engine.__all__) <= set(dir(engine)) and kv_transfer.KVHandle.__module__ == "kv_transfer.handle"
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        engine.Nope
 
 
 def test_a_running_cluster_refuses_a_config_for_other_workers_naming_the_fields():

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from cluster.config import ClusterConfig
 from cluster.launcher import fit_pools_to_cores, serving_cores
@@ -226,7 +227,7 @@ def test_two_workers_lend_each_other_their_idle_cores_and_take_them_back_when_bu
     # The protocol alone, in this process: pinning and thread counts are recorded, not applied.
     applied = []
     monkeypatch.setattr(cpu_cores, "pin_threads", lambda cpus: applied.append(sorted(cpus)))
-    monkeypatch.setattr(cpu_cores.torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     both = CpuBinding(1, lend=True, borrow=True)
     prefill, decode = PinnedCores(both, directory=tmp_path), PinnedCores(both, directory=tmp_path)
     try:
