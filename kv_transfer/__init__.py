@@ -6,25 +6,14 @@ blocks to pull (those its prefix cache lacks), a `GrpcKVClient` or `DistKVClient
 `handle.transport` says) pulls them into the local cache, and
 `client.release(handle)` lets the prefill worker free them.
 
-The names below load on first use (PEP 562): config validation imports `kv_transfer.addresses` and
+The names below load on first use: config validation imports `kv_transfer.addresses` and
 `kv_transfer.tls` without loading torch.
 """
-import importlib
+from engine.lazy_exports import lazy_exports
 
 _EXPORTS = {**dict.fromkeys(("KVAuthError", "KVChecksumError", "KVHandle", "KVLayoutMismatchError",
                              "KVLeaseNotFoundError", "KVTransferError", "PullStats"), "kv_transfer.handle"),
             **dict.fromkeys(("KVServerConfig", "KVTransferServer"), "kv_transfer.server")}
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'kv_transfer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
