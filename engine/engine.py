@@ -12,12 +12,12 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
-from engine.forking import Forking, output_ids
+from engine.forking import Forking
 from engine.model_loader import load_tokenizer, resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.reasoning import ReasoningBudget, ReasoningMarkers, force_reasoning_end
-from engine.request import Request
+from engine.request import Request, output_ids
 from engine.sampler import Sampler, skip_draws
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler

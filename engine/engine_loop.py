@@ -13,11 +13,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from engine.cpu_cores import PinnedCores
-from engine.engine import Engine
 from engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

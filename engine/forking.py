@@ -128,10 +128,3 @@ class Forking:
                                          seq.finish_reason, None, [], root.num_prompt_tokens, root.num_cached_tokens,
                                          index=i, cumulative_logprob=seq.cum_logprob))
         return outputs
-
-
-def output_ids(req: Request) -> list[str]:
-    """The request ids `req`'s outputs come under: its own and its pending candidates', or a search's n."""
-    if req.beam_search is not None:
-        return [candidate_id(req.beam_search.request_id, i) for i in range(req.beam_search.n)]
-    return [req.request_id, *(c.request_id for c in req.pending_forks)]

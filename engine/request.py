@@ -6,12 +6,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.reasoning import ReasoningBudget
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, candidate_id
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.spec_decode.speculator import SpecState
     from engine.structured import StructuredOutputRequest
 
@@ -100,3 +100,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+def output_ids(req: Request) -> list[str]:
+    """The request ids `req`'s outputs come under: its own and its pending candidates', or a search's n."""
+    if req.beam_search is not None:
+        return [candidate_id(req.beam_search.request_id, i) for i in range(req.beam_search.n)]
+    return [req.request_id, *(c.request_id for c in req.pending_forks)]

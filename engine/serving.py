@@ -11,18 +11,14 @@ import os
 import threading
 import time
 
-import torch
-
 from engine.config import EngineConfig
 from engine.cpu_cores import PinnedCores, cpu_quota, node_cores, pinning_is_safe, unpin
-from engine.engine import Engine
 from engine.engine_loop import EngineLoop
 from engine.errors import WorkerStalled
-from engine.forking import output_ids
 from engine.kv_events import KVEventLog
 from engine.outputs import RequestOutput
 from engine.protocol import GenerateRequest, KVEventsReply, TokenDelta, WorkerStats
-from engine.request import Request
+from engine.request import Request, output_ids
 from engine.request_log import install_request_log_records
 from engine.tracing import configure_worker_tracing
 
@@ -41,6 +37,10 @@ class EngineServer:
         self.worker_id = worker_id
         install_request_log_records()
         configure_worker_tracing(self.pool)
+        # The model code (torch, transformers) loads here, in the worker's own process: the modules of the
+        # worker classes stay light, so the controller that creates workers does not load it.
+        from engine.engine import Engine
+
         self.cores, engine_config = pin_cores(engine_config)
         self.engine = Engine(engine_config)
         self.engine.warm_up()  # the router places by measured step costs from the first request on
@@ -171,6 +171,8 @@ class EngineServer:
 
     async def cpu_placement(self) -> dict:
         """The cores this worker owns and borrows now, its affinity, and the torch threads its forwards use."""
+        import torch
+
         placement = self.cores.describe() if self.cores is not None else {"cores": [], "borrowed": [],
                                                                           "affinity": sorted(os.sched_getaffinity(0))}
         placement["torch_threads"] = await self.loop.run(torch.get_num_threads)

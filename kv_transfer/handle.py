@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from engine.kv_cache import KVLayout
+if TYPE_CHECKING:
+    from engine.kv_cache import KVLayout
 
 Transport = Literal["grpc", "torch_dist"]
 

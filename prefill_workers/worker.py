@@ -17,7 +17,6 @@ import ray
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.layer_progress import LayerProgress
 from engine.protocol import GenerateRequest, PrefillResult, TokenDelta
 from engine.request import Request
 from engine.sampling_params import candidate_seed
@@ -27,7 +26,6 @@ from engine.tracing import emit_spans
 from engine.transfer_config import TransferConfig
 from kv_transfer.addresses import KVAddresses, hosts_that_cannot_reach, is_loopback, resolve_kv_addresses
 from kv_transfer.handle import KVHandle
-from kv_transfer.server import KVServerConfig, KVTransferServer
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +38,9 @@ class PrefillWorker(EngineServer):
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig):
         super().__init__(worker_id, engine_config)
+        from engine.layer_progress import LayerProgress  # here, with the model (see EngineServer.__init__)
+        from kv_transfer.server import KVServerConfig, KVTransferServer
+
         addresses = node_kv_addresses(transfer)
         server_config = KVServerConfig(advertise_host=addresses.advertise_host, bind_host=addresses.bind_host,
                                        lease_ttl_s=transfer.lease_ttl_s, max_workers=transfer.max_workers,

@@ -35,11 +35,13 @@ def test_engine_imports_none_of_the_rooms_above_it():
 
 
 def test_the_control_plane_loads_without_torch():
-    """The cluster controller's module, config validation, the metrics hub and constraint validation load
-    no torch: every `tandem serve`, Serve deploy and controller restart starts faster for it (each torch
-    import costs seconds of CPU on a small box, next to the workers loading theirs)."""
+    """The cluster controller's module, config validation, the metrics hub, constraint validation and the
+    worker actor classes load no torch: the controller, which imports the worker classes to create workers,
+    starts them without first loading the model code itself (seconds of CPU on a small box, on the path of
+    every `tandem serve`, Serve deploy, scale-up and controller restart); each worker loads it in its own
+    process."""
     light = ["cluster.controller", "cluster.config", "cluster.autoscaler", "router.metrics", "engine.structured",
-             "kv_transfer.addresses", "kv_transfer.tls"]
+             "kv_transfer.addresses", "kv_transfer.tls", "decode_workers.worker", "prefill_workers.worker"]
     code = f"import sys; [__import__(m) for m in {light!r}]; print(sorted(m for m in sys.modules if m == 'torch'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
