@@ -116,13 +116,16 @@ def _run_app(config: ClusterConfig, say: Callable[[str], None]) -> None:
 
     from cluster.app import build_app
 
-    serve.start(http_options={"host": config.host, "port": config.port}, proxy_location="HeadOnly",
-                logging_config={"log_level": "WARNING"})
     pools = f"{config.decode.replicas} decode" if config.mode == "colocated" else \
         f"{config.prefill.replicas} prefill + {config.decode.replicas} decode"
     say(f"starting the API and {pools} worker(s) on {config.model_name} (device {config.device})")
     with _Ticker("still starting: loading the model in the workers", say):
-        serve.run(build_app(config), name=config.name, route_prefix="/",
+        # The cluster controller (and with it the workers, which take longest) starts first; Serve's
+        # controller and proxy start while the workers load.
+        app = build_app(config)
+        serve.start(http_options={"host": config.host, "port": config.port}, proxy_location="HeadOnly",
+                    logging_config={"log_level": "WARNING"})
+        serve.run(app, name=config.name, route_prefix="/",
                   logging_config={"log_level": "WARNING", "enable_access_log": False})
     if config.autoscaler.enabled:
         say(f"autoscaler on: prefill {config.prefill.min_replicas}..{config.prefill.max_replicas}, "
