@@ -19,9 +19,11 @@ def serve_app(config: ClusterConfig) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app(config), name="bench", route_prefix="/")
+        # The apps first: their cluster controllers start the workers, which load while Serve starts.
+        app = build_app(config)
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app, name="bench", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

@@ -50,10 +50,12 @@ def apps(ray_cluster, tiny_agent_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run_many([RunTarget(build_app(c.model_dump()), name=name, route_prefix=f"/{name}")
-                        for name, c in configs.items()])
+        # The apps first: their cluster controllers start the workers, which load while Serve starts.
+        targets = [RunTarget(build_app(c.model_dump()), name=name, route_prefix=f"/{name}")
+                   for name, c in configs.items()]
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run_many(targets)
         yield {name: f"http://127.0.0.1:{port}/{name}" for name in configs}
     finally:
         serve.shutdown()

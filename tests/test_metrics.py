@@ -31,9 +31,11 @@ def app_url(ray_cluster, tiny_llama_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app(config), name="metrics", route_prefix="/metrics-app")
+        # The apps first: their cluster controllers start the workers, which load while Serve starts.
+        app = build_app(config)
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app, name="metrics", route_prefix="/metrics-app")
         yield f"http://127.0.0.1:{port}/metrics-app"
     finally:
         serve.shutdown()

@@ -115,10 +115,12 @@ def apps(ray_cluster, tiny_llama_dir, otlp_collector, tmp_path_factory):
                          audit={"sink": f"file:{audit_dir / 'pair.jsonl'}", "log_inputs": True})
     configs = {"main": main, "aux": aux, "pair": pair}
     port = free_port()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run_many([RunTarget(build_app(config.model_dump()), name=name, route_prefix=f"/{name}")
-                        for name, config in configs.items()])
+        # The apps first: their cluster controllers start the workers, which load while Serve starts.
+        targets = [RunTarget(build_app(config.model_dump()), name=name, route_prefix=f"/{name}")
+                   for name, config in configs.items()]
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run_many(targets)
         yield {name: App(name, f"http://127.0.0.1:{port}/{name}", config) for name, config in configs.items()}
     finally:
         serve.shutdown()
