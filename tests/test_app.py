@@ -48,6 +48,17 @@ def test_the_control_plane_loads_without_torch():
     assert out.stdout.strip() == "[]"
 
 
+def test_a_stopping_ingress_replica_checks_its_requests_often_and_still_waits_for_them():
+    # Serve's default sleeps 2 s before its first check, so an idle replica took 2 s to stop; the bound on
+    # waiting for requests in flight stays Serve's (20 s).
+    from router.ingress import Ingress
+
+    # As build_app deploys it: its options keep the drain settings.
+    deployment = Ingress.options(num_replicas=2, max_ongoing_requests=64, max_queued_requests=64)._deployment_config
+    assert deployment.graceful_shutdown_wait_loop_s <= 0.2
+    assert deployment.graceful_shutdown_timeout_s >= 20
+
+
 def test_the_engine_package_still_exports_its_names_on_first_use():
     import engine
     import kv_transfer
