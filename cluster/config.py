@@ -53,6 +53,9 @@ class EngineOptions(_Strict):
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
+    # On CPU in fp32, linears whose weights are exactly the 4- or 8-bit blocks the model shipped as (the
+    # default SmolLM2's GGUF) compute decode steps from those blocks (engine/weight_blocks.py).
+    weight_blocks: bool = True
 
 
 class SpeculativeOptions(_Strict):

@@ -71,6 +71,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # CPU fp32: decode-sized linears read the weights' shipped Q4_1/Q8_0 blocks where the weights are exactly
+    # those (engine/weight_blocks.py); the same weights, a fifth of the bytes per decode step.
+    weight_blocks: bool = True
     num_threads: int | None = None
     cpu_binding: CpuBinding | None = None  # a worker's own cores on CPU (engine/cpu_cores.py); None: unpinned
     # A decode worker caps the prompt tokens of a step beside running decodes so that the step's predicted

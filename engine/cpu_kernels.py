@@ -169,3 +169,29 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
         max_len, scale, torch.get_num_threads(), int(k_cache.dtype == torch.bfloat16))
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its scratch memory or threads")
+
+
+@functools.cache
+def _blocks() -> ctypes.CDLL | None:
+    lib = _load("block_linear")
+    if lib is None or not lib.block_linear_supported():
+        return None
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.block_linear.restype = i32
+    lib.block_linear.argtypes = [ptr] * 3 + [i32] * 3 + [i64] * 2 + [i32] * 2
+    return lib
+
+
+def blocks_available() -> bool:
+    """Whether `block_linear` runs here (an AVX-512 CPU and a C compiler)."""
+    return _blocks() is not None
+
+
+def block_linear(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, kind: int) -> None:
+    """out = x W^T with W packed by engine/weight_blocks.py (kind 0 = Q4_1, 1 = Q8_0); x and out fp32
+    [rows, in] and [rows, out_features], unit stride in the last dimension."""
+    rows, n = out.shape
+    status = _blocks().block_linear(out.data_ptr(), x.data_ptr(), packed.data_ptr(), rows, n, x.shape[1],
+                                    x.stride(0), out.stride(0), kind, torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"block_linear cannot compute {tuple(x.shape)} x {n} (kind {kind})")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import cpu_kernels
+from engine import cpu_kernels, weight_blocks
 from engine.attention import paged_attention
 
 # Decoder layers with Llama's structure: pre-norm RMSNorm, attention with q/k/v/o projections (bias allowed,
@@ -36,15 +36,57 @@ class OneDNNLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def use_onednn_linears(model: torch.nn.Module) -> None:
-    """Swap every nn.Linear of a CPU fp32 or bf16 model for a OneDNNLinear holding the same weights."""
+class BlockLinear(torch.nn.Module):
+    """A linear whose fp32 weights are exactly 4- or 8-bit blocks (engine/weight_blocks.py): up to
+    BLOCK_ROWS rows (a decode step's) are computed from the packed blocks, decoded in registers
+    (engine/csrc/block_linear.c), reading a fifth of the fp32 bytes; longer inputs (prefills) run on
+    oneDNN's fp32 GEMM, which is faster when every weight serves many rows."""
+
+    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor, kind: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed, self.kind = packed, kind
+        self.dense = OneDNNLinear(linear)
+        self.bias = self.dense.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > BLOCK_ROWS:
+            return self.dense(x)
+        flat = x.reshape(rows, self.in_features)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        out = torch.empty(rows, self.out_features, dtype=x.dtype)
+        cpu_kernels.block_linear(out, flat, self.packed, self.kind)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+# Rows up to which BlockLinear beats oneDNN's fp32 GEMM (bench/RESULTS.md, "Weights as shipped").
+BLOCK_ROWS = 32
+
+
+def _linear(linear: torch.nn.Linear, blocks: bool) -> torch.nn.Module:
+    """A BlockLinear where `blocks` is asked for, the kernel runs here and the weight is blocks; else a
+    OneDNNLinear."""
+    if blocks and cpu_kernels.blocks_available():
+        packed = weight_blocks.pack(linear.weight)
+        if packed is not None:
+            return BlockLinear(linear, *packed)
+    return OneDNNLinear(linear)
+
+
+def use_onednn_linears(model: torch.nn.Module, blocks: bool = False) -> None:
+    """Swap every nn.Linear of a CPU fp32 or bf16 model for a OneDNNLinear holding the same weights (with
+    `blocks`, a BlockLinear where the weight is 4- or 8-bit blocks)."""
     linears = [(name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear]
     for name, linear in linears:
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, OneDNNLinear(linear))
+        setattr(model.get_submodule(parent_name), attr, _linear(linear, blocks))
 
 
-def _packed(*linears: torch.nn.Linear) -> OneDNNLinear:
+def _packed(*linears: torch.nn.Linear, blocks: bool = False) -> torch.nn.Module:
     """One OneDNNLinear computing the given linears side by side (their outputs concatenated)."""
     weight = torch.cat([lin.weight.detach() for lin in linears])
     biases = [lin.bias for lin in linears]
@@ -54,7 +96,7 @@ def _packed(*linears: torch.nn.Linear) -> OneDNNLinear:
         fused.weight.copy_(weight)
         if biases[0] is not None:
             fused.bias.copy_(torch.cat([b.detach() for b in biases]))
-    return OneDNNLinear(fused)
+    return _linear(fused, blocks)
 
 
 def _fusable(layer: torch.nn.Module) -> bool:
@@ -76,7 +118,7 @@ def _fusable(layer: torch.nn.Module) -> bool:
 class FusedDecoderLayer(torch.nn.Module):
     """A Llama-family decoder layer on the fused CPU kernels (see the module docstring)."""
 
-    def __init__(self, layer: torch.nn.Module):
+    def __init__(self, layer: torch.nn.Module, blocks: bool = False):
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.layer_idx = attn.layer_idx  # what paged_attention reads from its module
@@ -84,10 +126,10 @@ class FusedDecoderLayer(torch.nn.Module):
         self.num_heads = attn.q_proj.out_features // self.head_dim
         self.num_kv_heads = attn.k_proj.out_features // self.head_dim
         self.scaling = attn.scaling
-        self.qkv_proj = _packed(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o_proj = OneDNNLinear(attn.o_proj)
-        self.gate_up_proj = _packed(mlp.gate_proj, mlp.up_proj)
-        self.down_proj = OneDNNLinear(mlp.down_proj)
+        self.qkv_proj = _packed(attn.q_proj, attn.k_proj, attn.v_proj, blocks=blocks)
+        self.o_proj = _linear(attn.o_proj, blocks)
+        self.gate_up_proj = _packed(mlp.gate_proj, mlp.up_proj, blocks=blocks)
+        self.down_proj = _linear(mlp.down_proj, blocks)
         self.intermediate_size = mlp.gate_proj.out_features
         self.input_norm_weight = layer.input_layernorm.weight.detach()
         self.input_norm_eps = layer.input_layernorm.variance_epsilon
@@ -118,7 +160,7 @@ class FusedDecoderLayer(torch.nn.Module):
         return residual.view(hidden_states.shape)
 
 
-def fuse_decoder_layers(model: torch.nn.Module) -> int:
+def fuse_decoder_layers(model: torch.nn.Module, blocks: bool = False) -> int:
     """Swap each fusable decoder layer of a CPU fp32/bf16 model for a FusedDecoderLayer; returns how many
     were. Without the C kernels (no compiler, or TANDEM_CPU_KERNELS=0) none is: the layers stay HF's.
     Runs before anything hooks the layers (engine/layer_progress.py hooks whatever `layers` holds)."""
@@ -128,6 +170,6 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
     fused = 0
     for i, layer in enumerate(layers):
         if _fusable(layer):
-            layers[i] = FusedDecoderLayer(layer)
+            layers[i] = FusedDecoderLayer(layer, blocks)
             fused += 1
     return fused

@@ -32,8 +32,9 @@ class ModelRunner:
         self.model = load_model(model_dir, config.torch_dtype, self.device, ATTN_IMPLEMENTATION)
         self.fused_layers = 0  # decoder layers running on engine/cpu_layers.py's fused path
         if self.device.type == "cpu" and config.torch_dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
-            self.fused_layers = fuse_decoder_layers(self.model)
-            use_onednn_linears(self.model)
+            blocks = config.weight_blocks and config.torch_dtype == torch.float32
+            self.fused_layers = fuse_decoder_layers(self.model, blocks)
+            use_onednn_linears(self.model, blocks)
         hf = self.model.config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.layout = KVLayout(model_id=config.model_id, dtype=config.resolved_dtype, block_size=config.block_size,

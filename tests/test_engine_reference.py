@@ -4,7 +4,8 @@ import random
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams, cpu_kernels
+from engine.cpu_layers import BlockLinear
 from tests.hf_reference import hf_greedy, hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -70,6 +71,9 @@ def test_requests_added_between_steps_join_the_running_batch(tiny_llama_dir):
 
 def test_smollm2_greedy_batch_matches_hf(smollm2_dir):
     engine = Engine(EngineConfig(model=smollm2_dir, num_kv_blocks=256))
+    if engine.config.resolved_dtype == "float32" and cpu_kernels.blocks_available():
+        # Its decode steps run on the Q4_1/Q8_0 blocks it shipped as: every linear of 30 layers and the LM head.
+        assert sum(isinstance(m, BlockLinear) for m in engine.runner.model.modules()) == 4 * 30 + 1
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
              "1, 2, 3, 4,", "Water boils at", "The three primary colors are red, yellow and",
              "Translate to German: good morning", "A haiku about the sea:\n"]
