@@ -179,12 +179,20 @@ def _blocks() -> ctypes.CDLL | None:
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.block_linear.restype = i32
     lib.block_linear.argtypes = [ptr] * 3 + [i32] * 3 + [i64] * 2 + [i32] * 2
+    lib.pack_blocks.restype = i32
+    lib.pack_blocks.argtypes = [ptr, ptr, i32, i32, i32]
     return lib
 
 
 def blocks_available() -> bool:
     """Whether `block_linear` runs here (an AVX-512 CPU and a C compiler)."""
     return _blocks() is not None
+
+
+def pack_blocks(out: torch.Tensor, weight: torch.Tensor, kind: int) -> bool:
+    """Writes weight [n, k] (contiguous fp32) into `out` as kind's records; False if it is not exactly
+    blocks of that kind (engine/weight_blocks.py)."""
+    return _blocks().pack_blocks(out.data_ptr(), weight.data_ptr(), weight.shape[0], weight.shape[1], kind) == 0
 
 
 def block_linear(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, kind: int) -> None:

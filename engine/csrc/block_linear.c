@@ -17,8 +17,11 @@
  * Each call computes two tiles (32 outputs) for up to 8 rows at a time, accumulators in registers; the
  * pairs of tiles are split over `num_threads` OpenMP threads.
  *
+ * `pack_blocks` finds the blocks in fp32 weights and writes the records (engine/weight_blocks.py).
+ *
  * Built with AVX-512 only: `block_linear_supported()` is 0 otherwise and the caller keeps oneDNN.
  */
+#include <math.h>
 #include <stdint.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -120,12 +123,96 @@ DISPATCH(q8_pass, q8_record)
 
 int block_linear_supported(void) { return 1; }
 
+/* fp16 <-> fp32 with AVX-512F's conversions (the scalar ones need F16C, which the build does not ask for). */
+static inline uint16_t to_half(float f) {
+    const __m256i h = _mm512_cvtps_ph(_mm512_set1_ps(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return (uint16_t)_mm256_extract_epi16(h, 0);
+}
+
+static inline float from_half(uint16_t h) { return _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16((short)h))); }
+
+/* Solves one block of 32 weights x as d * q + m (Q4_1, q in 0..15) or d * q (Q8_0, q in -128..127) with
+ * fp16 d and m, trying the estimated d and its two fp16 neighbours; 0 and d, m, q[32] if exact, else -1.
+ * q * d is exact in fp32 (at most 8 + 11 significant bits), so the sum rounds once, as the decoder did. */
+static int solve_block(const float *x, int kind, uint16_t *d_out, uint16_t *m_out, int *q) {
+    float lo = x[0], hi = x[0], amax = 0.0f;
+    for (int i = 0; i < 32; i++) {
+        lo = x[i] < lo ? x[i] : lo;
+        hi = x[i] > hi ? x[i] : hi;
+        amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    }
+    float m = 0.0f;
+    int qmin = -128, qmax = 127;
+    uint16_t estimate;
+    if (kind == 0) {
+        *m_out = to_half(lo);
+        m = from_half(*m_out);
+        if (m != lo)
+            return -1;
+        qmin = 0, qmax = 15;
+        estimate = to_half((hi - lo) / 15.0f);
+    } else {
+        estimate = to_half(amax / 127.0f);
+    }
+    const uint16_t candidates[3] = {estimate, (uint16_t)(estimate + 1), estimate ? (uint16_t)(estimate - 1) : 0};
+    for (int c = 0; c < 3; c++) {
+        const float d = from_half(candidates[c]);
+        if (!(d >= 0.0f) || isinf(d))
+            continue;
+        int exact = 1;
+        for (int i = 0; i < 32 && exact; i++) {
+            float v = d > 0.0f ? nearbyintf((x[i] - m) / d) : 0.0f;
+            v = v < qmin ? qmin : (v > qmax ? qmax : v);
+            q[i] = (int)v;
+            exact = (float)q[i] * d + m == x[i];
+        }
+        if (exact) {
+            *d_out = candidates[c];
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* Packs w [n, k] (fp32, rows contiguous) into the records described at the top; 0 if every block is
+ * exactly `kind`, else -1 (out is then garbage). n % 16 == 0, k % 32 == 0. */
+int pack_blocks(uint8_t *out, const float *w, int n, int k, int kind) {
+    if (n % 16 != 0 || k % 32 != 0 || (kind != 0 && kind != 1))
+        return -1;
+    const int blocks = k / 32;
+    for (int t = 0; t < n / 16; t++) {
+        for (int b = 0; b < blocks; b++) {
+            const long index = (long)t * blocks + b;
+            q4_record *r4 = (q4_record *)out + index;
+            q8_record *r8 = (q8_record *)out + index;
+            for (int lane = 0; lane < 16; lane++) {
+                int q[32];
+                uint16_t d, m = 0;
+                if (solve_block(w + (long)(16 * t + lane) * k + 32L * b, kind, &d, &m, q) != 0)
+                    return -1;
+                if (kind == 0) {
+                    r4->d[lane] = d, r4->m[lane] = m;
+                    for (int j = 0; j < 16; j++)
+                        r4->q[j][lane] = (uint8_t)(q[2 * j] | (q[2 * j + 1] << 4));
+                } else {
+                    r8->d[lane] = d;
+                    for (int i = 0; i < 32; i++)
+                        r8->q[i][lane] = (int8_t)q[i];
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 /* y[m, n] = sum_k x[m, k] w[n, k]; x rows ldx apart, y rows ldy apart (elements); n % 32 == 0,
  * k % 32 == 0. kind: 0 = Q4_1, 1 = Q8_0. Returns 0, or -1 for a shape or kind it cannot compute. */
 int block_linear(float *y, const float *x, const void *w, int m, int n, int k, long ldx, long ldy, int kind,
                  int num_threads) {
-    if (m <= 0 || n % 32 != 0 || k % 32 != 0 || (kind != 0 && kind != 1))
+    if (m < 0 || n % 32 != 0 || k % 32 != 0 || (kind != 0 && kind != 1))
         return -1;
+    if (m == 0)
+        return 0;
     const int blocks = k / 32, pairs = n / 32;
     const long tile = (long)blocks * (kind == 0 ? sizeof(q4_record) : sizeof(q8_record));
     if (num_threads < 1)
@@ -147,6 +234,11 @@ int block_linear(float *y, const float *x, const void *w, int m, int n, int k, l
 #else
 
 int block_linear_supported(void) { return 0; }
+
+int pack_blocks(uint8_t *out, const float *w, int n, int k, int kind) {
+    (void)out, (void)w, (void)n, (void)k, (void)kind;
+    return -1;
+}
 
 int block_linear(float *y, const float *x, const void *w, int m, int n, int k, long ldx, long ldy, int kind,
                  int num_threads) {
