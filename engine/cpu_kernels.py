@@ -35,7 +35,7 @@ CSRC = Path(__file__).parent / "csrc"
 BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
 # fused_ops.c rounds like torch's separate ops: no contraction of a * b + c into one FMA; without FP traps
 # its clamps and selects vectorize.
-EXTRA_FLAGS = {"fused_ops": ["-ffp-contract=off", "-fno-trapping-math"]}
+EXTRA_FLAGS = {"fused_ops": ["-ffp-contract=off", "-fno-trapping-math"], "block_linear": ["-fno-trapping-math"]}
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 

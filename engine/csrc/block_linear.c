@@ -159,12 +159,14 @@ static int solve_block(const float *x, int kind, uint16_t *d_out, uint16_t *m_ou
         const float d = from_half(candidates[c]);
         if (!(d >= 0.0f) || isinf(d))
             continue;
+        /* q from the reciprocal, rounded half away from zero: any q it gets wrong fails the check below. */
+        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
         int exact = 1;
-        for (int i = 0; i < 32 && exact; i++) {
-            float v = d > 0.0f ? nearbyintf((x[i] - m) / d) : 0.0f;
+        for (int i = 0; i < 32; i++) {  /* no early exit: the loop vectorizes */
+            float v = (x[i] - m) * inv;
             v = v < qmin ? qmin : (v > qmax ? qmax : v);
-            q[i] = (int)v;
-            exact = (float)q[i] * d + m == x[i];
+            q[i] = (int)(v + (v >= 0.0f ? 0.5f : -0.5f));
+            exact &= (float)q[i] * d + m == x[i];
         }
         if (exact) {
             *d_out = candidates[c];
