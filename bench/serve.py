@@ -152,6 +152,11 @@ def write_outputs(out: dict, result_dir: Path, label: str, plots: bool = True) -
     paths[0].write_text(json.dumps(out, indent=1, default=str))
     if not plots:
         return paths
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("no plots: matplotlib is missing (pip install -e '.[bench]')")
+        return paths
     from bench.serve_plots import plot_latency_cdfs, plot_rate_sweep
 
     runs = {f"{r['request_rate']:g} req/s": [RequestResult(**{k: v for k, v in q.items() if k != "tpot"})

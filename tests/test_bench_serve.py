@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 
 import pytest
 from aiohttp import web
@@ -354,3 +355,14 @@ def test_results_json_and_plots_are_written(tmp_path):
     assert [p.name for p in paths] == ["x.json", "x_cdf.png", "x_rates.png"]
     assert json.loads(paths[0].read_text())["runs"][1]["request_rate"] == 1.0
     assert all(p.stat().st_size > 1000 for p in paths[1:])
+
+
+def test_without_matplotlib_the_json_is_written_and_plots_are_skipped(tmp_path, monkeypatch, capsys):
+    from bench.serve import write_outputs
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    runs = [{"request_rate": 1.0, "summary": summarize([_result(0.1, [0.05])], 1.0),
+             "requests": [_result(0.1, [0.05] * 3).to_dict()]}]
+    paths = write_outputs({"runs": runs}, tmp_path, "x")
+    assert [p.name for p in paths] == ["x.json"] and paths[0].exists()
+    assert "no plots" in capsys.readouterr().out
