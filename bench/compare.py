@@ -101,9 +101,11 @@ async def _wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 90.0) -> None:
-    """SIGTERM to the server's process group (tandem shuts Ray down on it), SIGKILL after the grace."""
+    """SIGTERM to the server (tandem shuts its Ray down on it), then SIGKILL to its process group after
+    the grace. Not SIGTERM to the group: Ray's own processes would die under tandem's clean stop, which
+    then waited out its 30 s deadline every time (bench/RESULTS.md, eighteenth session)."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(grace_s)
         except subprocess.TimeoutExpired:

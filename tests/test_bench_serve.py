@@ -366,3 +366,33 @@ def test_without_matplotlib_the_json_is_written_and_plots_are_skipped(tmp_path, 
     paths = write_outputs({"runs": runs}, tmp_path, "x")
     assert [p.name for p in paths] == ["x.json"] and paths[0].exists()
     assert "no plots" in capsys.readouterr().out
+
+
+def test_compare_stops_the_server_alone_then_kills_what_it_left(tmp_path):
+    """SIGTERM reaches the server process only (tandem stops its own Ray on it); its process group is
+    killed after it exits."""
+    import os
+    import subprocess
+    import time
+
+    from bench.compare import stop
+
+    marker = tmp_path / "child_got_sigterm"
+    child = ("import signal, sys, time; "
+             f"signal.signal(signal.SIGTERM, lambda *a: (open({str(marker)!r}, 'w').close(), sys.exit(0))); "
+             "time.sleep(60)")
+    parent = (f"import signal, subprocess, sys; c = subprocess.Popen([sys.executable, '-c', {child!r}]); "
+              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); print(c.pid, flush=True); c.wait()")
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child_pid = int(proc.stdout.readline())
+    time.sleep(0.5)  # the child's handler is installed
+    stop(proc, grace_s=10)
+    assert proc.returncode == 0 and not marker.exists()  # the child was not sent SIGTERM ...
+    for _ in range(50):  # ... but did not outlive the stop either
+        try:
+            os.kill(child_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the server's child outlived stop()")
