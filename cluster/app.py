@@ -71,7 +71,8 @@ def ingress_config(config: ClusterConfig) -> IngressConfig:
                                              config.slo.itl_ms / 1000, config.slo.stall_ratio),
                          max_queued_requests=r.max_queued_requests, migration_limit=r.migration_limit,
                          api_keys=dict(config.api_keys), colocated=config.mode == "colocated", limits=config.limits,
-                         routing=r.routing, decode_wait_s=r.decode_wait_s, reasoning=config.reasoning,
+                         routing=r.routing, decode_wait_s=r.decode_wait_s, layerwise=config.transfer.layerwise,
+                         reasoning=config.reasoning,
                          tool_call_parser=config.tool_call_parser, otlp_endpoint=config.tracing.otlp_endpoint,
                          service_name=config.tracing.service_name, recent_requests=config.tracing.recent_requests,
                          audit=audit_config(config))

@@ -48,8 +48,14 @@ class DecodeWorker(EngineServer):
                 self.engine.step_costs.prefill_budget, step_s=config.itl_slo_ms / 1000, min_tokens=config.block_size,
                 stall_ratio=config.stall_ratio)
 
-    async def generate(self, request: GenerateRequest, prefill: PrefillResult | None = None):
+    async def generate(self, request: GenerateRequest, prefill: PrefillResult | None = None,
+                       pending: list | None = None):
         """Yield TokenDelta items until the request finishes; cancel the stream to abort it.
+
+        With `pending` (a list holding the ObjectRef of the prefill worker's PrefillResult, so that Ray hands
+        it over unresolved) decode starts alongside the prefill: the prompt's blocks are reserved while the
+        prefill worker computes it, and the pull starts the moment its result arrives. If the prefill fails,
+        the reservation is freed and its error ends this stream too.
 
         Layer-wise, `prefill.first` is None: the pull starts at once, while the prefill worker still
         writes the KV, and the request joins the batch once the first token (`prefill.first_ref`) arrives;
@@ -58,18 +64,23 @@ class DecodeWorker(EngineServer):
         if self.draining:
             raise WorkerDraining(f"decode worker {self.worker_id} is draining")
         engine_req = self.build_request(request)
-        if prefill is not None and prefill.first is not None and prefill.first.finished:
-            # The first candidate of several finished on the prefill worker's token: no KV to pull, the
-            # others prefill here.
-            engine_req = engine_req.pending_forks[0].take_pending(engine_req)
-        # In flight from here on, so a drain waits for the KV pull too, not only for decoding.
+        # In flight from here on, so a drain waits for the prefill and the KV pull too, not only for decoding.
         self.in_flight.add(request.request_id)
         try:
+            reserved = None
+            if pending is not None:
+                prefill, reserved = await self._reserve_during_prefill(engine_req, pending[0])
+                if prefill is None:
+                    return
+            if prefill is not None and prefill.first is not None and prefill.first.finished:
+                # The first candidate of several finished on the prefill worker's token: no KV to pull, the
+                # others prefill here.
+                engine_req = engine_req.pending_forks[0].take_pending(engine_req)
             add = self.engine.add
             if prefill is not None and prefill.kv_handle is not None:
                 if prefill.first is not None:
                     engine_req.all_token_ids.extend(prefill.first.token_ids)
-                add = await self._import(engine_req, prefill, request)
+                add = await self._import(engine_req, prefill, request, reserved)
                 if add is None:
                     return
             else:
@@ -88,15 +99,40 @@ class DecodeWorker(EngineServer):
         finally:
             self.in_flight.discard(request.request_id)
 
-    async def _import(self, req: Request, prefill: PrefillResult, request: GenerateRequest):
-        """Pull the missing prompt blocks into freshly reserved ones; returns how to queue the request
-        (None when its first token finished it)."""
-        handle = prefill.kv_handle
+    async def _reserve_during_prefill(self, req: Request, result_ref) -> tuple[PrefillResult | None, list | None]:
+        """Reserve the prompt's blocks, then wait for the prefill worker's result. Returns the result and
+        the reserved block indices (None when the pool was short: the import tries again), or (None, None)
+        when the prefill's first token finished the request (nothing to pull)."""
+        indices = await self._reserve(req)
         try:
-            indices = await self.loop.run(self.engine.reserve_for_import, req)
+            prefill: PrefillResult = await result_ref
+        except BaseException:  # the prefill failed (its caller handles that) or this stream was cancelled
+            self.loop.submit(self.engine.release_import, req)
+            raise
+        if prefill.kv_handle is not None and not prefill.first.finished:
+            return prefill, indices
+        self.loop.submit(self.engine.release_import, req)  # generate goes on as if called after the prefill
+        if not prefill.first.finished or req.pending_forks:
+            return prefill, None
+        if prefill.kv_handle is not None:
+            await self._release_lease(prefill.kv_handle)
+        return None, None
+
+    async def _reserve(self, req: Request) -> list[int] | None:
+        """`Engine.reserve_for_import` on the loop thread."""
+        try:
+            return await self.loop.run(self.engine.reserve_for_import, req)
         except asyncio.CancelledError:  # the reservation still happens (EngineLoop.run): undo it after
             self.loop.submit(self.engine.release_import, req)
             raise
+
+    async def _import(self, req: Request, prefill: PrefillResult, request: GenerateRequest,
+                      indices: list[int] | None = None):
+        """Pull the missing prompt blocks into reserved ones (`indices`, made during the prefill, or reserved
+        now); returns how to queue the request (None when its first token finished it)."""
+        handle = prefill.kv_handle
+        if indices is None:
+            indices = await self._reserve(req)
         if indices is None:
             self.failures.record("no_free_blocks", handle.address, f"no free KV blocks for {req.request_id}")
             await self._release_lease(handle)

@@ -64,13 +64,14 @@ class BlockManager:
             return None
         return block_id
 
-    def get_computed_blocks(self, req: Request) -> list[int]:
-        """Leading blocks of `req` already in the cache; at least one token is always left to compute."""
+    def get_computed_blocks(self, req: Request, num_tokens: int | None = None) -> list[int]:
+        """Leading blocks of `req` already in the cache; at least one token of its first `num_tokens`
+        (default: all of them) is always left to compute."""
         if not self.enable_prefix_caching:
             return []
         self.update_block_hashes(req)
         bs = self.block_size
-        max_blocks = (req.num_tokens - 1) // bs
+        max_blocks = ((req.num_tokens if num_tokens is None else num_tokens) - 1) // bs
         hits = []
         for i, h in enumerate(req.block_hashes[:max_blocks]):
             block_id = self.lookup(h, req.all_token_ids[i * bs:(i + 1) * bs])

@@ -224,9 +224,12 @@ class Engine(Forking):
         """Give `req` blocks for its whole prompt, reusing locally cached prefix blocks.
 
         Returns the indices (into `req.block_table`) of the blocks whose KV must be imported, or None when
-        the pool is short. The caller writes them, then calls `add_imported` (or `release_import`)."""
-        computed = self.block_manager.get_computed_blocks(req)
+        the pool is short. The caller writes them, then calls `add_imported` (or `release_import`).
+
+        The whole prompt's KV comes with the import, so every full prompt block may be reused, whether or
+        not the first token sampled elsewhere is already in `req` (decode may reserve before it exists)."""
         num_prompt = req.num_prompt_tokens
+        computed = self.block_manager.get_computed_blocks(req, num_prompt + 1)
         num_cached = len(computed) * self.config.block_size
         if not self.block_manager.allocate_slots(req, num_prompt - num_cached, computed):
             return None

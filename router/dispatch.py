@@ -12,13 +12,18 @@ from engine.protocol import GenerateRequest, PrefillResult, TokenDelta
 logger = logging.getLogger(__name__)
 
 
-async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIterator[TokenDelta]:
-    """Yield the request's token deltas. With a prefill worker, its first token is yielded before decode
-    starts. Closing the iterator (client gone) cancels the decode stream, which aborts the request and
-    frees its blocks on both workers.
+async def run_request(request: GenerateRequest, decode, prefill=None, *,
+                      layerwise: bool = False) -> AsyncIterator[TokenDelta]:
+    """Yield the request's token deltas. With a prefill worker, its first token is yielded before decode's.
+    Closing the iterator (client gone) cancels the decode stream, which aborts the request and frees its
+    blocks on both workers.
 
-    A layer-wise prefill worker answers before the first token exists: decode then starts pulling at
-    once, and both this function and decode await the first token's ObjectRef.
+    Decode starts with the prefill: it reserves the prompt's blocks meanwhile and receives the prefill's
+    result (the first token and the KV handle) straight from the prefill worker, so neither a hop through
+    this process nor a wait for a decode step boundary lies between the first token and the pull.
+
+    A layer-wise prefill worker (`layerwise`) answers before the first token exists: decode then starts
+    from that answer, pulling at once, and both this function and decode await the first token's ObjectRef.
 
     A request with n candidates (or n best beams) yields each one's deltas under its `index`; the prefill
     worker's first token is the first candidate's, and decode forks the others."""
@@ -29,7 +34,10 @@ async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIt
     try:
         if prefill is not None:
             request.stamp("prefill_dispatched")
-            result = await _prefill(prefill, request)
+            result_ref = prefill.prefill.remote(request)
+            if not layerwise and request.num_outputs == 1 and request.sampling_params.max_tokens != 1:
+                stream = decode.generate.options(num_returns="streaming").remote(request, None, [result_ref])
+            result = await _prefill(result_ref, prefill, request)
             if result.first is None:
                 result.first_ref = [prefill.first_token.remote(request.request_id)]
                 stream = decode.generate.options(num_returns="streaming").remote(request, result)
@@ -70,8 +78,7 @@ async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIt
                 await _release(prefill, request.request_id)
 
 
-async def _prefill(prefill, request: GenerateRequest) -> PrefillResult:
-    ref = prefill.prefill.remote(request)
+async def _prefill(ref, prefill, request: GenerateRequest) -> PrefillResult:
     try:
         return await ref
     except asyncio.CancelledError:  # the client left during prefill: stop it, and drop a lease it made

@@ -67,6 +67,7 @@ class IngressConfig:
     colocated: bool
     routing: str = "prefix_aware"  # or round_robin: the baseline for benchmarks
     decode_wait_s: float = 60.0  # how long a request waits for a decode worker while the pool heals
+    layerwise: bool = False  # transfer.layerwise: prefill workers answer before the first token
     limits: RequestLimits = field(default_factory=RequestLimits)
     model_aliases: tuple[str, ...] = ()  # more names requests may use for the model
     chat_template: str | None = None  # instead of the tokenizer's own
@@ -134,7 +135,7 @@ class Ingress:
                                                self.metrics.rejected.labels("admission_full")),
                                      RequestRouter(self.view, self.metrics, latencies,
                                                    migration_limit=config.migration_limit,
-                                                   decode_wait_s=config.decode_wait_s),
+                                                   decode_wait_s=config.decode_wait_s, layerwise=config.layerwise),
                                      config.block_size, config.limits,
                                      ChatParsing(tokenizer, config.reasoning, config.tool_call_parser),
                                      TraceStore(config.recent_requests),

@@ -50,8 +50,9 @@ class RequestRouter:
     """Places and runs GenerateRequests, and observes each one's latencies when it ends."""
 
     def __init__(self, view: WorkerView, metrics: Metrics, latencies: LatencyReporter, max_attempts: int = 3,
-                 migration_limit: int = 3, decode_wait_s: float = 60.0):
+                 migration_limit: int = 3, decode_wait_s: float = 60.0, layerwise: bool = False):
         self.view = view
+        self.layerwise = layerwise  # the prefill workers lease KV before the first token (transfer.layerwise)
         self.metrics = metrics
         self.latencies = latencies
         self.max_attempts = max_attempts  # placements before the first token
@@ -87,7 +88,7 @@ class RequestRouter:
             migrating = False
             try:
                 actors = self.view.actor(decode), prefill and self.view.actor(prefill)
-                async with aclosing(run_request(request, *actors)) as deltas:
+                async with aclosing(run_request(request, *actors, layerwise=self.layerwise)) as deltas:
                     async for delta in deltas:
                         if delta.token_ids:
                             # A coalesced delta's tokens arrive together: one stamp each, so ITL is

@@ -12,16 +12,16 @@ def only(pool):
     return next(iter(pool.workers.values())).actor
 
 
-async def collect(request, decode, prefill=None):
+async def collect(request, decode, prefill=None, layerwise=False):
     """(all token ids, the deltas) of one request."""
-    deltas = [d async for d in run_request(request, decode, prefill)]
+    deltas = [d async for d in run_request(request, decode, prefill, layerwise=layerwise)]
     return [t for d in deltas for t in d.token_ids], deltas
 
 
-def run_all(reqs, decode, prefill=None):
+def run_all(reqs, decode, prefill=None, layerwise=False):
     """Run requests concurrently to the end; one (tokens, deltas) per request."""
     async def main():
-        return await asyncio.gather(*(collect(r, decode, prefill) for r in reqs))
+        return await asyncio.gather(*(collect(r, decode, prefill, layerwise) for r in reqs))
     return asyncio.run(main())
 
 

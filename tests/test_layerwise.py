@@ -4,6 +4,10 @@ The prefill worker leases a request's blocks when its last prompt chunk is sched
 ready from forward hooks; decode pulls while the prefill forward still runs. Some tests hold that forward
 at its last decoder layer (a forward pre-hook added inside the prefill actor) so that "decode pulls while
 prefill computes" happens on every run instead of depending on how fast the machine is.
+
+Without layer-wise leases (the default), decode still starts alongside the prefill: it reserves the
+prompt's blocks while the prefill runs and takes the prefill's result straight from the prefill worker.
+Those tests hold the whole prefill forward instead.
 """
 import asyncio
 import random
@@ -15,6 +19,7 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.pools import Pools
 from engine import SamplingParams
+from engine.errors import InvalidRequestError
 from engine.layer_progress import decoder_layers
 from engine.protocol import GenerateRequest
 from router.dispatch import run_request
@@ -55,7 +60,7 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def run_on(pools, reqs):
-    return run_all(reqs, only(pools.decode), only(pools.prefill))
+    return run_all(reqs, only(pools.decode), only(pools.prefill), pools.config.transfer.layerwise)
 
 
 def on_worker(actor, fn):
@@ -126,7 +131,7 @@ def test_abort_mid_prefill_frees_blocks_and_leases_on_both_workers(layerwise):
 
     async def main():
         task = asyncio.ensure_future(collect(GenerateRequest("abort-pf", prompt(41, 90), params),
-                                             only(layerwise.decode), prefill))
+                                             only(layerwise.decode), prefill, layerwise=True))
         # Decode is pulling (waiting for the held last layer) while the prefill forward is held.
         opened = await asyncio.to_thread(
             wait_for, lambda: on_worker(prefill, lambda worker: worker.kv_server.leases.num_active_pulls) > 0)
@@ -147,7 +152,7 @@ def test_abort_mid_stream_frees_blocks_and_leases_on_both_workers(layerwise):
 
     async def main():
         stream = run_request(GenerateRequest("abort-ds", prompt(42, 60), params), only(layerwise.decode),
-                             only(layerwise.prefill))
+                             only(layerwise.prefill), layerwise=True)
         got = 0
         async for delta in stream:
             got += len(delta.token_ids)
@@ -202,3 +207,88 @@ def test_prefill_failing_after_its_early_lease_releases_it(layerwise):
     assert tokens == [] and deltas[-1].finish_reason == "error"
     assert ray.get(prefill.transfer_stats.remote())["layerwise_leases"] == before + 1
     assert_nothing_held(layerwise)
+
+
+# ---- the default handoff: decode reserves while the prefill runs --------------------------------------
+
+def hold_whole_forward(actor) -> None:
+    """Inside the prefill actor: hold each forward before its last decoder layer until `worker.test_go`
+    (at most 20 s)."""
+    def install(worker):
+        worker.test_go = False
+
+        def pre_hook(module, args):
+            deadline = time.monotonic() + 20
+            while not worker.test_go and time.monotonic() < deadline:
+                time.sleep(0.002)
+        worker.test_hold = decoder_layers(worker.engine.runner.model)[-1].register_forward_pre_hook(pre_hook)
+    on_worker(actor, install)
+
+
+def let_go(actor) -> None:
+    def go(worker):
+        worker.test_go = True
+        worker.test_hold.remove()
+    on_worker(actor, go)
+
+
+def test_decode_reserves_blocks_while_the_prefill_runs(normal, tiny_llama_dir):
+    prefill, decode = only(normal.prefill), only(normal.decode)
+    p = prompt(50, 70)
+    hold_whole_forward(prefill)
+
+    async def main():
+        task = asyncio.ensure_future(collect(GenerateRequest("alongside-1", p, GREEDY), decode, prefill))
+        reserved = await asyncio.to_thread(wait_for, lambda: ray.get(decode.stats.remote()).num_active_blocks > 0)
+        leases = ray.get(prefill.num_leases.remote())  # the prefill has not answered yet
+        let_go(prefill)
+        return reserved, leases, await task
+
+    try:
+        reserved, leases, (tokens, deltas) = asyncio.run(main())
+    finally:
+        on_worker(prefill, lambda worker: setattr(worker, "test_go", True))
+    assert reserved and leases == 0
+    assert tokens == hf_greedy(tiny_llama_dir, p, GREEDY.max_tokens)
+    # The pull began after the prefill's answer (the prefill worker's stamp, on the first token's delta).
+    times = deltas[-1].times
+    assert deltas[0].times["prefill_done"] <= times["transfer_started"] <= times["transfer_done"]
+    assert ray.get(decode.transfer_stats.remote())["transfer_failures"] == 0
+    assert_nothing_held(normal)
+
+
+def test_abort_during_the_prefill_frees_decodes_reservation(normal):
+    prefill, decode = only(normal.prefill), only(normal.decode)
+    hold_whole_forward(prefill)
+
+    async def main():
+        task = asyncio.ensure_future(collect(GenerateRequest("alongside-abort", prompt(51, 90), GREEDY),
+                                             decode, prefill))
+        reserved = await asyncio.to_thread(wait_for, lambda: ray.get(decode.stats.remote()).num_active_blocks > 0)
+        task.cancel()
+        await asyncio.wait([task])
+        return reserved
+
+    try:
+        assert asyncio.run(main())
+    finally:
+        let_go(prefill)
+    assert_nothing_held(normal)
+
+
+def test_failed_prefill_frees_decodes_reservation(normal):
+    # A prefill worker refuses a request that already has output tokens; decode, started alongside,
+    # hears of it from the same result.
+    request = GenerateRequest("alongside-fail", prompt(52, 40), GREEDY, output_token_ids=[7, 8])
+    with pytest.raises(InvalidRequestError):
+        run_on(normal, [request])
+    assert_nothing_held(normal)
+
+
+def test_first_token_that_finishes_the_request_frees_decodes_reservation(normal, tiny_llama_dir):
+    p = prompt(53, 60)
+    first = hf_greedy(tiny_llama_dir, p, 1)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[first])
+    [(tokens, deltas)] = run_on(normal, [GenerateRequest("alongside-stop", p, params)])
+    assert tokens == [first] and deltas[-1].finish_reason == "stop"
+    assert_nothing_held(normal)
