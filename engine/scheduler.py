@@ -66,8 +66,14 @@ class Scheduler:
                 if num_new > 1:
                     prefill_budget -= num_new
                 i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
+        passed = 0  # waiting prompts this step has no prefill room for
+        while passed < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[passed]
+            if not prefill_budget and not req.num_computed_tokens:
+                # A prompt to compute, and this step's prefill room is spent (a running prompt's chunk took
+                # it): requests behind it whose KV was imported only decode, and need not wait for it.
+                passed += 1
+                continue
             # A request whose prompt KV was imported arrives with blocks and computed tokens.
             computed = [] if req.num_computed_tokens else self.block_manager.get_computed_blocks(req)
             num_cached = req.num_computed_tokens or len(computed) * self.block_manager.block_size
@@ -78,7 +84,7 @@ class Scheduler:
                     break
             if not self.block_manager.allocate_slots(req, num_new, computed):
                 break
-            self.waiting.popleft()
+            del self.waiting[passed]
             req.num_computed_tokens = num_cached
             if req.times.first_scheduled is None:
                 req.num_cached_tokens = num_cached

@@ -112,3 +112,27 @@ def test_a_forward_on_borrowed_cores_carries_only_what_the_borrow_slice_computes
     uncapped.add_request("long", long, GREEDY)
     uncapped.borrowing = True
     assert step_shape(uncapped.scheduler.schedule()) == (0, 300, 300)
+
+
+def test_a_request_with_imported_kv_joins_while_a_prompt_waits_for_prefill_room(tiny_llama_dir):
+    """Decode workers: a request whose prompt KV was pulled only decodes, so a prompt queued before it that
+    this step has no prefill room for (a running prompt's chunk took it) must not hold it back."""
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=512))
+    engine.scheduler.prefill_budget = lambda num_decodes: BUDGET
+    short, first, second, pulled = prompts(engine.runner.vocab_size, (5, 300, 200, 40), seed=2)
+    engine.add_request("stream", short, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    engine.step()  # prefilled: decoding from now on
+    engine.add_request("long-1", first, GREEDY)
+    engine.add_request("long-2", second, GREEDY)
+    engine.step()  # long-1's first chunk; long-2 waits for prefill room
+    req = engine.make_request("imported", pulled, GREEDY)
+    req.all_token_ids.append(7)  # its first token, sampled where the prompt was computed
+    assert engine.reserve_for_import(req) is not None
+    engine.add_imported(req)
+    steps = recorded_steps(engine)
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["stream", "long-1", "imported"]
+    assert steps[-1][:2] == (2, BUDGET)  # two decodes (the stream and the imported request), one chunk
+    assert [r.request_id for r in engine.scheduler.waiting] == ["long-2"]  # prompts keep their order
+    while engine.has_unfinished_requests():
+        engine.step()
