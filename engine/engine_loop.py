@@ -33,10 +33,9 @@ class EngineLoop:
     """Owns the stepping thread; `subscribe` gives a queue of a request's outputs."""
 
     def __init__(self, engine: Engine, on_step: Callable[[list[RequestOutput]], None] | None = None,
-                 cores: PinnedCores | None = None, before_step: Callable[[], None] | None = None):
+                 cores: PinnedCores | None = None):
         self.engine = engine
         self.on_step = on_step
-        self.before_step = before_step  # may wait: runs on the loop thread before each step
         self.cores = cores  # told before each step and before each wait: lends or borrows idle cores
         self.inbox: deque[tuple[Callable, tuple, Future]] = deque()
         self.wakeup = threading.Event()
@@ -92,8 +91,6 @@ class EngineLoop:
                 self.wakeup.wait()
                 self.wakeup.clear()
                 continue
-            if self.before_step is not None:
-                self.before_step()
             if self.cores is not None:
                 self.cores.busy()
                 self.engine.borrowing = bool(self.cores.borrowed)

@@ -32,9 +32,7 @@ class Lease:
     expires_at: float
     layers_ready: int
     active_pulls: int = 0
-    pulls_ended: int = 0
     released: bool = False
-    added_at: float = 0.0  # time.monotonic()
 
 
 class LeaseTable:
@@ -64,9 +62,8 @@ class LeaseTable:
         """Pin `block_ids` for `request_id`; `layers_ready` < num_layers means prefill is still writing."""
         ttl = self.default_ttl if ttl is None else ttl
         ready = self.num_layers if layers_ready is None else layers_ready
-        now = time.monotonic()
         lease = Lease(request_id, list(block_ids), list(block_hashes), num_tokens, on_release,
-                      ttl, now + ttl, ready, added_at=now)
+                      ttl, time.monotonic() + ttl, ready)
         with self._cond:
             if self._closed:
                 raise RuntimeError("lease table is closed")
@@ -96,27 +93,11 @@ class LeaseTable:
         """A pull stopped reading; the TTL restarts so the receiver may retry or release."""
         with self._cond:
             lease.active_pulls -= 1
-            lease.pulls_ended += 1
             lease.expires_at = time.monotonic() + lease.ttl
             finished = lease.released and lease.active_pulls == 0
             self._cond.notify_all()
         if finished:
             self._hand_back(lease)
-
-    def wait_for_handover(self, within_s: float) -> None:
-        """Block, for at most `within_s`, while a lease is being pulled or was made less than `within_s`
-        ago and not pulled yet. The sender's engine calls it before each step: decode pulls a lease right
-        after the prefill that made it (it reserved its blocks meanwhile), and a pull sharing a core
-        with the next forward only slows both, the pull more (bench/RESULTS.md, nineteenth session)."""
-        deadline = time.monotonic() + within_s
-        with self._cond:
-            while True:
-                now = time.monotonic()
-                if now >= deadline or not any(
-                        lease.active_pulls or (not lease.pulls_ended and now - lease.added_at < within_s)
-                        for lease in self._leases.values()):
-                    return
-                self._cond.wait(deadline - now)
 
     def wait_layers(self, lease: Lease, layer_end: int, deadline: float,
                     is_active: Callable[[], bool] = lambda: True) -> bool:

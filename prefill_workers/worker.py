@@ -9,7 +9,6 @@ and `first_token` answers once the token is sampled.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import secrets
 from dataclasses import replace
@@ -29,8 +28,6 @@ from kv_transfer.addresses import KVAddresses, hosts_that_cannot_reach, is_loopb
 from kv_transfer.handle import KVHandle
 
 logger = logging.getLogger(__name__)
-# Before its next step, the engine waits at most this long for decode to pull what it just prefilled.
-HANDOVER_WAIT_S = 0.05
 
 
 class PrefillWorker(EngineServer):
@@ -57,9 +54,6 @@ class PrefillWorker(EngineServer):
         # Layer-wise requests whose `prefill` returned early, until `first_token` claims them.
         self.first_tokens: dict[str, asyncio.Task] = {}
         self.layer_progress = None
-        if not transfer.layerwise:  # layer-wise, decode pulls while the prompt is still computed
-            # Decode pulls a lease right after its prefill: let it, before computing the next prompt.
-            self.loop.before_step = functools.partial(self.kv_server.leases.wait_for_handover, HANDOVER_WAIT_S)
         if transfer.layerwise:
             self.layer_progress = LayerProgress(self.engine.runner.model, self.engine.runner.device,
                                                 self._layers_ready)

@@ -60,29 +60,3 @@ def test_ping_raises_worker_stalled_only_past_the_timeout():
     assert wait_until(lambda: server.loop.stalled_s() == 0.0)
     assert server.ping(stall_timeout_s=0.1) == "decode-7"
     server.loop.stop()
-
-
-class CountingEngine:
-    """Has work for `steps` steps; records what ran in which order."""
-
-    def __init__(self, steps: int, log: list):
-        self.steps, self.log = steps, log
-
-    def has_unfinished_requests(self) -> bool:
-        return self.steps > 0
-
-    def step(self):
-        self.steps -= 1
-        self.log.append("step")
-        return []
-
-
-def test_before_step_runs_on_the_loop_thread_before_every_step():
-    log: list = []
-    threads: set = set()
-    loop = EngineLoop(CountingEngine(3, log),
-                      before_step=lambda: (log.append("before"), threads.add(threading.get_ident())))
-    assert wait_until(lambda: log.count("step") == 3 and loop.idle)
-    assert log == ["before", "step"] * 3
-    assert threads == {loop.thread.ident}
-    loop.stop()

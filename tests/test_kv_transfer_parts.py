@@ -136,47 +136,6 @@ def test_waiting_for_layers_ends_when_they_are_marked_ready_or_the_lease_is_rele
     table.close()
 
 
-def timed_handover(table, within_s):
-    started = time.monotonic()
-    table.wait_for_handover(within_s)
-    return time.monotonic() - started
-
-
-def test_handover_wait_returns_at_once_without_fresh_unpulled_leases():
-    table = LeaseTable(num_layers=2, default_ttl=60)
-    assert timed_handover(table, 5.0) < 1.0  # no lease at all
-    lease = table.add("pulled", [1], [], 16, lambda ids: None)
-    table.end_pull(table.begin_pull("pulled"))  # pulled; the release RPC has not come yet
-    table.add("old", [2], [], 16, lambda ids: None)
-    table._leases["old"].added_at -= 10  # made long ago and never pulled: decode is not coming for it
-    assert lease.pulls_ended == 1 and timed_handover(table, 5.0) < 1.0
-    table.close()
-
-
-def test_handover_wait_lasts_until_a_fresh_lease_is_pulled():
-    table = LeaseTable(num_layers=2, default_ttl=60)
-    table.add("r", [1], [], 16, lambda ids: None)
-
-    def pull():
-        lease = table.begin_pull("r")
-        time.sleep(0.2)  # the pull reads for a while: the wait goes on while it does
-        table.end_pull(lease)
-    threading.Timer(0.1, pull).start()
-    waited = timed_handover(table, 30.0)
-    assert 0.25 <= waited < 10.0
-    table.close()
-
-
-def test_handover_wait_is_bounded():
-    table = LeaseTable(num_layers=2, default_ttl=60)
-    table.add("r", [1], [], 16, lambda ids: None)  # nobody pulls it
-    assert 0.1 <= timed_handover(table, 0.15) < 5.0
-    lease = table.begin_pull("r")  # a pull that never ends: bounded as well
-    assert 0.1 <= timed_handover(table, 0.15) < 5.0
-    table.end_pull(lease)
-    table.close()
-
-
 def test_closing_the_table_releases_every_lease():
     table = LeaseTable(num_layers=2, default_ttl=60)
     released = []

@@ -292,11 +292,3 @@ def test_first_token_that_finishes_the_request_frees_decodes_reservation(normal,
     [(tokens, deltas)] = run_on(normal, [GenerateRequest("alongside-stop", p, params)])
     assert tokens == [first] and deltas[-1].finish_reason == "stop"
     assert_nothing_held(normal)
-
-
-def test_prefill_engine_waits_for_decode_to_pull_before_its_next_step_only_without_layerwise(layerwise, normal):
-    # Layer-wise, decode pulls while the prompt is computed: waiting before a step would stall that.
-    def waits(worker):
-        return getattr(worker.loop.before_step, "func", None) == worker.kv_server.leases.wait_for_handover
-    assert on_worker(only(normal.prefill), waits)
-    assert on_worker(only(layerwise.prefill), lambda worker: worker.loop.before_step is None)
