@@ -31,6 +31,7 @@ if __package__ in (None, ""):
 
 from bench.compare import ROOT, running, tandem  # noqa: E402
 from bench.serve import load_token_space  # noqa: E402
+from bench.ttft_breakdown import traced_stream  # noqa: E402
 
 PARTS = (("handover", "prefill_done", "transfer_started"), ("pull", "transfer_started", "transfer_done"),
          ("admission", "decode_admitted", "decode_started"))
@@ -38,21 +39,7 @@ PARTS = (("handover", "prefill_done", "transfer_started"), ("pull", "transfer_st
 
 def one(base_url: str, model: str, prompt: list[int], output_len: int, out: list) -> None:
     """Stream one completion; append (client token arrival times, the request's timeline) to `out`."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
-                       "temperature": 0, "stream": True}).encode()
-    request = urllib.request.Request(base_url + "/v1/completions", data=body, headers={
-        "Content-Type": "application/json", "X-Tandem-Trace": "1"})
-    arrivals, timeline = [], None
-    with urllib.request.urlopen(request, timeout=300) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if any(c.get("text") for c in chunk.get("choices", [])):
-                arrivals.append(time.time())
-            if "tandem" in chunk:
-                timeline = chunk["tandem"]["timelines"][0]
+    _, arrivals, timeline = traced_stream(base_url, model, prompt, output_len)
     out.append((arrivals, timeline))
 
 

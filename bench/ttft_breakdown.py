@@ -30,24 +30,32 @@ UP_TO_FIRST = ("arrival", "validated", "tokenized", "routed", "prefill_queued", 
                "prefill_done", "first_token")
 
 
-def one(base_url: str, model: str, prompt: list[int], output_len: int) -> tuple[float, dict | None]:
-    """Client TTFT (seconds) and the request's first timeline, from one streamed completion."""
+def traced_stream(base_url: str, model: str, prompt: list[int],
+                  output_len: int) -> tuple[float, list[float], dict | None]:
+    """Stream one completion with X-Tandem-Trace: 1; (its start, each text chunk's arrival, both time.time(),
+    and the request's first timeline)."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
                        "temperature": 0, "stream": True}).encode()
     request = urllib.request.Request(base_url + "/v1/completions", data=body, headers={
         "Content-Type": "application/json", "X-Tandem-Trace": "1"})
-    started, ttft, timeline = time.perf_counter(), None, None
-    with urllib.request.urlopen(request, timeout=120) as response:
+    started, arrivals, timeline = time.time(), [], None
+    with urllib.request.urlopen(request, timeout=300) as response:
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
-                ttft = time.perf_counter() - started
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                arrivals.append(time.time())
             if "tandem" in chunk:
                 timeline = chunk["tandem"]["timelines"][0]
-    return ttft, timeline
+    return started, arrivals, timeline
+
+
+def one(base_url: str, model: str, prompt: list[int], output_len: int) -> tuple[float, dict | None]:
+    """Client TTFT (seconds) and the request's first timeline, from one streamed completion."""
+    started, arrivals, timeline = traced_stream(base_url, model, prompt, output_len)
+    return (arrivals[0] - started if arrivals else None), timeline
 
 
 def measure(name: str, base_url: str, prompts: list[list[int]], output_len: int) -> dict:

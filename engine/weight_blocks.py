@@ -7,7 +7,8 @@ d * q (Q8_0) for one fp16 d (and m) per 32 weights of a row. A weight matrix for
 again from the fp32 values alone (`pack_blocks` in the kernel's C file: 0.39 s for all of SmolLM2), without
 the GGUF file and whatever row order transformers gave the layer, and checked weight by weight: a matrix
 with a single value off is not packed. So a model whose weights were never blocks (every HF checkpoint in
-bf16 or fp32, every test's random model) keeps its dense linears, and a packed one computes with exactly the weights it loaded.
+bf16 or fp32, every test's random model) keeps its dense linears, and a packed one computes with exactly
+the weights it loaded.
 """
 from __future__ import annotations
 
