@@ -9,6 +9,8 @@ it is most of the ITL tail (bench/RESULTS.md, eighteenth and nineteenth sessions
 Prints the ITL median and p99 over all requests, the p99 without each request's first gap, and for the
 remotely prefilled requests the medians and p90s of the first gap and of its parts:
 
+    prefill_wait prefill_queued -> prefill_started (the prefill worker's queue)
+    prefill     prefill_started -> prefill_done (its forward, as served)
     handover    prefill_done -> transfer_started  (the result reaching decode)
     pull        transfer_started -> transfer_done
     admission   decode_admitted -> decode_started (the wait for a step boundary)
@@ -33,14 +35,15 @@ from bench.compare import ROOT, running, tandem  # noqa: E402
 from bench.serve import load_token_space  # noqa: E402
 from bench.ttft_breakdown import traced_stream  # noqa: E402
 
-PARTS = (("handover", "prefill_done", "transfer_started"), ("pull", "transfer_started", "transfer_done"),
+PARTS = (("prefill_wait", "prefill_queued", "prefill_started"), ("prefill", "prefill_started", "prefill_done"),
+         ("handover", "prefill_done", "transfer_started"), ("pull", "transfer_started", "transfer_done"),
          ("admission", "decode_admitted", "decode_started"))
 
 
 def one(base_url: str, model: str, prompt: list[int], output_len: int, out: list) -> None:
     """Stream one completion; append (client token arrival times, the request's timeline) to `out`."""
-    _, arrivals, timeline = traced_stream(base_url, model, prompt, output_len)
-    out.append((arrivals, timeline))
+    start, arrivals, timeline = traced_stream(base_url, model, prompt, output_len)
+    out.append(([start] + arrivals, timeline))
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -51,6 +54,8 @@ def quantile(values: list[float], q: float) -> float:
 def breakdown(results: list[tuple[list[float], dict | None]]) -> dict:
     """Milliseconds: ITL median / p99 (all gaps, and without each request's first), and the first gap's
     parts (median, p90) over the requests prefilled remotely."""
+    ttfts = [arrivals[1] - arrivals[0] for arrivals, _ in results if len(arrivals) > 1]
+    results = [(arrivals[1:], timeline) for arrivals, timeline in results]
     gaps = [[b - a for a, b in zip(arrivals, arrivals[1:])] for arrivals, _ in results]
     every = [g for request in gaps for g in request]
     later = [g for request in gaps for g in request[1:]]
@@ -67,6 +72,7 @@ def breakdown(results: list[tuple[list[float], dict | None]]) -> dict:
             parts.setdefault("step_out", []).append(arrivals[1] - times["decode_started"])
     ms = 1000.0
     return {"requests": len(results), "remote": len(parts["first_gap"]),
+            "ttft_median_ms": round(statistics.median(ttfts) * ms, 1), "ttft_p99_ms": round(quantile(ttfts, 0.99) * ms, 1),
             "itl_median_ms": round(statistics.median(every) * ms, 1), "itl_p99_ms": round(quantile(every, 0.99) * ms, 1),
             "itl_p99_without_first_ms": round(quantile(later, 0.99) * ms, 1),
             "parts_ms": {name: {"median": round(statistics.median(v) * ms, 1), "p90": round(quantile(v, 0.9) * ms, 1)}
@@ -103,6 +109,7 @@ def main(argv=None) -> int:
             thread.join()
     summary = {"rate": args.rate, "seed": args.seed, "flags": args.flags, **breakdown(results)}
     (out / "handoff.json").write_text(json.dumps(summary, indent=1))
+    (out / "requests.json").write_text(json.dumps(results))
     print(json.dumps(summary, indent=1))
     print(f"wrote {out}")
     return 0 if len(results) == args.requests else 1

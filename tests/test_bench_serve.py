@@ -400,15 +400,18 @@ def test_compare_stops_the_server_alone_then_kills_what_it_left(tmp_path):
 
 def test_handoff_breakdown_splits_the_first_gap_of_remote_requests():
     from bench.handoff import breakdown
-    times = {"prefill_done": 10.0, "transfer_started": 10.004, "transfer_done": 10.034, "decode_admitted": 10.035,
+    times = {"prefill_queued": 9.3, "prefill_started": 9.5, "prefill_done": 10.0, "transfer_started": 10.004, "transfer_done": 10.034, "decode_admitted": 10.035,
              "decode_started": 10.055}
-    remote = ([10.002, 10.1, 10.14, 10.18], {"prefill_path": "remote", "times": times})
-    local = ([20.0, 20.04, 20.5], {"prefill_path": "local", "times": {}})
+    # each request's client start, then its tokens' arrivals
+    remote = ([9.202, 10.002, 10.1, 10.14, 10.18], {"prefill_path": "remote", "times": times})
+    local = ([19.6, 20.0, 20.04, 20.5], {"prefill_path": "local", "times": {}})
     out = breakdown([remote, local])
     assert out["requests"] == 2 and out["remote"] == 1
     parts = out["parts_ms"]
     assert parts["first_gap"]["median"] == 98.0 and parts["handover"]["median"] == 4.0
     assert parts["pull"]["median"] == 30.0 and parts["admission"]["median"] == 20.0
     assert parts["step_out"]["median"] == 45.0
+    assert parts["prefill_wait"]["median"] == 200.0 and parts["prefill"]["median"] == 500.0
+    assert out["ttft_median_ms"] == 600.0 and out["ttft_p99_ms"] == 800.0
     # gaps 98, 40, 40 (remote) and 40, 460 (local): the local prefill's stall stays without first gaps
     assert out["itl_median_ms"] == 40.0 and out["itl_p99_without_first_ms"] == 460.0
