@@ -113,6 +113,8 @@ class TransferOptions(_Strict):
     lease_ttl_s: float = Field(30.0, gt=0)
     timeout_s: float = Field(30.0, gt=0)
     layerwise: bool = False
+    # grpc on CPU: a decode worker on its prefill worker's host copies the KV from its shared cache
+    shared_memory: bool = True
     # Per node, TANDEM_KV_ADVERTISE_HOST / TANDEM_KV_BIND_HOST in a worker's environment win over these.
     advertise_host: str | None = None  # None: the node's IP as Ray sees it
     bind_host: str | None = None  # None: the advertised address itself; "0.0.0.0": every interface
@@ -358,10 +360,12 @@ class ClusterConfig(_Strict):
         itl_slo_ms = self.slo.itl_ms if role == "decode" else None
         slice_ms = self.slo.itl_ms if self.cpu.borrow_slice_ms is None else self.cpu.borrow_slice_ms
         speculative = self.speculative_config.engine_config() if role == "decode" and self.speculative_config else None
+        shared_cache = role == "prefill" and self.transfer.backend == "grpc" and self.transfer.shared_memory
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
                             num_threads=threads, cpu_binding=binding, itl_slo_ms=itl_slo_ms,
                             borrow_slice_ms=slice_ms if binding is not None and binding.borrow else None,
                             stall_ratio=self.slo.stall_ratio, speculative_config=speculative,
+                            kv_cache_shared=shared_cache,
                             reasoning_markers=(self.reasoning.start, self.reasoning.end) if self.reasoning else None,
                             **self.engine.model_dump())
 
@@ -369,7 +373,7 @@ class ClusterConfig(_Strict):
         token = self.transfer.token or os.environ.get("TANDEM_KV_TOKEN", "")
         return TransferConfig(backend=self.transfer.backend, token=token, lease_ttl_s=self.transfer.lease_ttl_s,
                               timeout_s=self.transfer.timeout_s, layerwise=self.transfer.layerwise,
-                              advertise_host=self.transfer.advertise_host, bind_host=self.transfer.bind_host,
+                              shared_memory=self.transfer.shared_memory, advertise_host=self.transfer.advertise_host, bind_host=self.transfer.bind_host,
                               tls=self.transfer.tls.files() if self.transfer.tls else None)
 
     def with_env(self) -> ClusterConfig:

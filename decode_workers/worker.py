@@ -24,7 +24,8 @@ def make_kv_client(transfer: TransferConfig, cache):
         from kv_transfer.dist_client import DistKVClient
         return DistKVClient(cache, transfer.token, timeout_s=transfer.timeout_s, tls=transfer.tls)
     from kv_transfer.grpc_client import GrpcKVClient
-    return GrpcKVClient(cache, transfer.token, timeout_s=transfer.timeout_s, tls=transfer.tls)
+    return GrpcKVClient(cache, transfer.token, timeout_s=transfer.timeout_s, tls=transfer.tls,
+                        shared_memory=transfer.shared_memory)
 
 
 class DecodeWorker(EngineServer):
@@ -38,7 +39,7 @@ class DecodeWorker(EngineServer):
         super().__init__(worker_id, engine_config)
         self.kv_client = make_kv_client(transfer, self.engine.kv_cache)
         self.counters = {"remote_prefills": 0, "local_prefills": 0, "blocks_pulled": 0, "blocks_reused": 0,
-                         "bytes_pulled": 0, "transfer_seconds": 0.0, "layerwise_pulls": 0}
+                         "bytes_pulled": 0, "transfer_seconds": 0.0, "layerwise_pulls": 0, "shm_pulls": 0}
         self.failures = TransferFailures(worker_id)
         self.pull_speed = TransferSpeed()
         self._releases: set[asyncio.Task] = set()
@@ -163,10 +164,12 @@ class DecodeWorker(EngineServer):
         timeline = request.timeline
         timeline.blocks_pulled, timeline.blocks_skipped = len(indices), handle.num_blocks - len(indices)
         timeline.bytes_pulled = stats.num_bytes
-        # The blocks are ours now: telling the prefill worker is off the second token's path.
-        release = asyncio.ensure_future(self._release_lease(handle))
-        self._releases.add(release)
-        release.add_done_callback(self._releases.discard)
+        if stats.path == "shm":  # copied from the prefill worker's shared cache; the copy released the lease
+            self.counters["shm_pulls"] += 1
+        else:  # the blocks are ours now: telling the prefill worker is off the second token's path
+            release = asyncio.ensure_future(self._release_lease(handle))
+            self._releases.add(release)
+            release.add_done_callback(self._releases.discard)
         self.counters["remote_prefills"] += 1
         self.counters["blocks_pulled"] += len(indices)
         self.counters["blocks_reused"] += handle.num_blocks - len(indices)
@@ -209,7 +212,8 @@ class DecodeWorker(EngineServer):
         """Transfer counters since start; `transfer_failures_by_reason` counts pulls that fell back to local
         recompute (every reason of kv_transfer.failures.FAILURE_REASONS, zeros included)."""
         failures = self.failures.snapshot()
-        return {**self.counters, "transfer_failures": sum(failures.values()),
+        return {**self.counters, "shm_unavailable": getattr(self.kv_client, "shm_unavailable", 0),
+                "transfer_failures": sum(failures.values()),
                 "transfer_failures_by_reason": failures}
 
     def shutdown(self) -> None:

@@ -67,6 +67,8 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
+    # CPU: the KV cache in a memfd that a decode worker on this host can map (a prefill worker's; kv_transfer/shm.py)
+    kv_cache_shared: bool = False
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None

@@ -6,6 +6,8 @@ range across many layers with one tensor op.
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,13 +36,27 @@ class KVLayout:
 class KVCache:
     """The block pool of one engine; `k[layer]` and `v[layer]` are indexed by block id."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu"):
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu", shared: bool = False):
+        """`shared` (CPU only): the blocks live in a memfd that a decode worker on the same host maps to copy
+        leased blocks out directly (kv_transfer/shm.py); `shm_fd` is its descriptor, else None."""
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        self.kv = torch.zeros(shape, dtype=getattr(torch, layout.dtype), device=device)
+        self.shm_fd: int | None = None
+        shape = self.shape(layout, num_blocks)
+        dtype = getattr(torch, layout.dtype)
+        if shared and torch.device(device).type == "cpu" and hasattr(os, "memfd_create"):
+            numel = math.prod(shape)
+            self.shm_fd = os.memfd_create(f"tandem-kv-{os.getpid()}")
+            os.ftruncate(self.shm_fd, numel * dtype.itemsize)  # zero-filled, like torch.zeros
+            self.kv = torch.from_file(f"/proc/self/fd/{self.shm_fd}", shared=True, size=numel, dtype=dtype).view(shape)
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.k = list(self.kv[:, 0].unbind(0))
         self.v = list(self.kv[:, 1].unbind(0))
+
+    @staticmethod
+    def shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
+        return (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy each (src, dst) block's K and V in every layer (copy on write of a shared block)."""

@@ -42,7 +42,7 @@ class ModelRunner:
                                head_dim=head_dim)
         num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_budget(
             self.layout, config.kv_cache_memory_gb * 2**30)
-        self.kv_cache = KVCache(self.layout, num_blocks, self.device)
+        self.kv_cache = KVCache(self.layout, num_blocks, self.device, shared=config.kv_cache_shared)
         self.vocab_size = hf.vocab_size
         self.max_position_embeddings = getattr(hf, "max_position_embeddings", 2048)
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None

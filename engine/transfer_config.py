@@ -27,7 +27,10 @@ class TransferConfig:
     `advertise_host` is the address a prefill worker's KV server puts into its handles (None: the node's IP
     as Ray sees it); `bind_host` is where it listens (None: the advertised address). Each worker resolves
     them on its own node (kv_transfer/addresses.py), where TANDEM_KV_ADVERTISE_HOST / TANDEM_KV_BIND_HOST
-    override them."""
+    override them.
+
+    `shared_memory` (grpc, CPU): a prefill worker keeps its KV cache in shared memory and a decode worker on
+    the same host copies leased blocks straight out of it (kv_transfer/shm.py); across hosts gRPC as ever."""
     backend: Literal["grpc", "torch_dist"] = "grpc"
     token: str = ""
     advertise_host: str | None = None
@@ -36,4 +39,5 @@ class TransferConfig:
     timeout_s: float = 30.0
     max_workers: int = 8
     layerwise: bool = False
+    shared_memory: bool = True
     tls: TLSFiles | None = None

@@ -14,6 +14,7 @@ and pipeline better (bench/RESULTS.md has the A/B runs).
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
@@ -26,7 +27,9 @@ import xxhash
 from engine.kv_cache import KVCache
 from kv_transfer.chunks import ChunkSpec, plan_chunks, write_chunk
 from kv_transfer.client_base import KVClientBase, LayerProgress, OnLayers, transfer_error
-from kv_transfer.handle import KVChecksumError, KVHandle, KVTransferError, PullStats
+from kv_transfer.handle import (KVChecksumError, KVHandle, KVLayoutMismatchError, KVLeaseNotFoundError, KVTransferError,
+                               PullStats)
+from kv_transfer.shm import SharedCaches
 from kv_transfer.wire import SERVICE, decode_chunk
 from protos import kv_transfer_pb2 as pb
 
@@ -35,6 +38,8 @@ from protos import kv_transfer_pb2 as pb
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torch.frombuffer(b"\0", dtype=torch.uint8)
+
+logger = logging.getLogger(__name__)
 
 MIN_STREAM_BYTES = 8 << 20
 
@@ -50,8 +55,11 @@ class GrpcKVClient(KVClientBase):
 
     default_chunk_bytes = 2 << 20
 
-    def __init__(self, cache: KVCache, token: str, *, num_streams: int | None = None, **options):
+    def __init__(self, cache: KVCache, token: str, *, num_streams: int | None = None, shared_memory: bool = True,
+                 **options):
         super().__init__(cache, token, **options)
+        self.shared = SharedCaches(cache) if shared_memory else None
+        self.shm_unavailable = 0  # same-host pulls that could not map the prefill worker's cache (went by network)
         self.num_streams = num_streams or default_num_streams()
         if self.num_streams < 1:
             raise ValueError("num_streams must be at least 1")
@@ -62,9 +70,14 @@ class GrpcKVClient(KVClientBase):
         """Copy blocks `indices` of the handle's request into our blocks `dst_block_ids` (same order).
 
         Raises a KVTransferError subclass on any failure; the destination
-        blocks then hold partial data and must not be registered.
+        blocks then hold partial data and must not be registered. From a prefill worker on this host (and
+        not layer-wise) the blocks are copied out of its shared cache and the lease is released here.
         """
         request = self.pull_request(handle, dst_block_ids, indices)
+        if on_layers is None and self.shared is not None and self.shared.usable(handle.shm):
+            stats = self._copy_shared(handle, dst_block_ids, indices)
+            if stats is not None:
+                return stats
         start = time.perf_counter()
         layout = self.cache.layout
         progress = LayerProgress(0, layout.num_layers, len(indices), on_layers)
@@ -100,6 +113,30 @@ class GrpcKVClient(KVClientBase):
             raise first
         received = [job.result() for job in jobs]
         return PullStats(sum(b for b, _ in received), sum(c for _, c in received), time.perf_counter() - start)
+
+    def _copy_shared(self, handle: KVHandle, dst_block_ids: list[int], indices: list[int]) -> PullStats | None:
+        """Copy from the prefill worker's shared cache, then release the lease: the copy is good only if the
+        lease still held the blocks when it ended. None (counted) when the cache cannot be mapped."""
+        if handle.layout != self.cache.layout:
+            raise KVLayoutMismatchError(f"KV pull of {handle.request_id!r}: the prefill worker's layout "
+                                        f"{handle.layout} is not ours, {self.cache.layout}")
+        start = time.perf_counter()
+        try:
+            num_bytes = self.shared.copy(handle.shm, indices, dst_block_ids)
+        except OSError as err:  # another pod, /proc hidden, or the worker just died: the network path decides
+            self.shared.forget(handle.shm)
+            self.shm_unavailable += 1
+            logger.warning("KV pull of %r: the prefill worker's shared cache cannot be mapped here (%s); "
+                           "pulling over gRPC", handle.request_id, err)
+            return None
+        try:
+            released = self.release(handle)
+        except KVTransferError:  # the prefill worker is gone (or unreachable): its cache is of no further use
+            self.shared.forget(handle.shm)
+            raise
+        if not released:
+            raise KVLeaseNotFoundError(f"KV pull of {handle.request_id!r}: the lease ended during the copy")
+        return PullStats(num_bytes, 1, time.perf_counter() - start, "shm")
 
     def _pull_method(self, address: str, stream: int):
         return self.channel(address, stream).unary_stream(

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from engine.kv_cache import KVLayout
+    from kv_transfer.shm import ShmSource
 
 Transport = Literal["grpc", "torch_dist"]
 
@@ -23,6 +24,7 @@ class KVHandle:
     num_tokens: int
     block_hashes: tuple[int, ...]
     layout: KVLayout
+    shm: ShmSource | None = None  # a CPU prefill worker's shared cache: same-host pulls copy from it
 
     @property
     def num_blocks(self) -> int:
@@ -31,10 +33,12 @@ class KVHandle:
 
 @dataclass(frozen=True, slots=True)
 class PullStats:
-    """What one pull moved: payload bytes (checksummed data, no framing), chunks and wall time."""
+    """What one pull moved: payload bytes (checksummed data, no framing), chunks and wall time; `path`
+    "shm" when it was copied from the prefill worker's shared cache (its lease is then released too)."""
     num_bytes: int
     num_chunks: int
     seconds: float
+    path: str = "network"
 
     @property
     def gb_per_s(self) -> float:

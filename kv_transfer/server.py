@@ -28,6 +28,7 @@ from kv_transfer.handle import KVHandle
 from kv_transfer.lease import Lease, LeaseTable, OnRelease
 from kv_transfer.tls import server_credentials
 from kv_transfer.malloc import keep_message_buffers_in_heap
+from kv_transfer.shm import source as shm_source
 from kv_transfer.wire import SERVICE, encode_chunk, layout_from_proto, layout_to_proto
 from protos import kv_transfer_pb2 as pb
 
@@ -63,6 +64,10 @@ class KVServerConfig:
     dist_checksums: bool = True
     dist_pair_idle_s: float = 600.0
     tls: TLSFiles | None = None  # serve TLS only (kv_transfer/tls.py)
+    # Handles name the cache's memfd when it has one (a CPU prefill worker's): a decode worker on the same
+    # host copies from it (kv_transfer/shm.py). Off with torch_dist, and while faults are injected, which
+    # act on the network path.
+    shared_memory: bool = True
     faults: FaultInjector | None = field(default_factory=FaultInjector.from_env)
 
 
@@ -152,8 +157,10 @@ class KVTransferServer:
         if len(block_hashes) > len(block_ids):
             raise ValueError("more block hashes than blocks")
         self.leases.add(request_id, block_ids, block_hashes, num_tokens, on_release, ttl, layers_ready)
+        shared = self.config.shared_memory and not self.dist and self.config.faults is None
+        shm = shm_source(self.cache, block_ids) if shared else None
         return KVHandle("torch_dist" if self.dist else "grpc", self.address, request_id, num_tokens,
-                        tuple(block_hashes), self.cache.layout)
+                        tuple(block_hashes), self.cache.layout, shm)
 
     def mark_layers_ready(self, request_id: str, num_layers_ready: int) -> None:
         """Layer-wise prefill: layers [0, num_layers_ready) may be streamed now.

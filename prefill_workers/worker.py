@@ -44,7 +44,8 @@ class PrefillWorker(EngineServer):
         addresses = node_kv_addresses(transfer)
         server_config = KVServerConfig(advertise_host=addresses.advertise_host, bind_host=addresses.bind_host,
                                        lease_ttl_s=transfer.lease_ttl_s, max_workers=transfer.max_workers,
-                                       dist=transfer.backend == "torch_dist", tls=transfer.tls)
+                                       dist=transfer.backend == "torch_dist", tls=transfer.tls,
+                                       shared_memory=transfer.shared_memory)
         self.kv_server = KVTransferServer(self.engine.kv_cache, transfer.token or secrets.token_hex(16),
                                           server_config).start()
         self.lease_ttl_s = transfer.lease_ttl_s

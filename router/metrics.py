@@ -269,6 +269,18 @@ class WorkerStatsCollector:
                 remote.add_metric(["decode", worker_id, "remote"], float(t["remote_prefills"]))
                 remote.add_metric(["decode", worker_id, "local"], float(t["local_prefills"]))
         yield remote
+        paths = CounterMetricFamily("tandem:kv_pulls", "KV pulls by path: shm (copied from a prefill worker's "
+                                    "shared cache on the same host) or network.", labels=labels + ["path"])
+        unavailable = CounterMetricFamily("tandem:kv_shm_unavailable", "Same-host KV pulls that could not map "
+                                          "the prefill worker's shared cache and went over the network.",
+                                          labels=labels)
+        for worker_id, t in self.transfer.items():
+            if "shm_pulls" in t:
+                paths.add_metric(["decode", worker_id, "shm"], float(t["shm_pulls"]))
+                paths.add_metric(["decode", worker_id, "network"], float(t["remote_prefills"] - t["shm_pulls"]))
+                unavailable.add_metric(["decode", worker_id], float(t["shm_unavailable"]))
+        yield paths
+        yield unavailable
         failures = CounterMetricFamily("tandem:kv_transfer_failures",
                                        "KV pulls that failed and fell back to local recompute, by reason.",
                                        labels=labels + ["reason"])

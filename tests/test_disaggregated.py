@@ -57,6 +57,8 @@ def test_disaggregated_equals_colocated_and_hf_for_concurrent_requests(pools, co
     stats = ray.get(only(pools.decode).transfer_stats.remote())
     assert stats["remote_prefills"] >= 6
     assert stats["transfer_failures"] == 0 and not any(stats["transfer_failures_by_reason"].values())
+    # one host: every pull copied from the prefill worker's shared cache, none had to fall back to gRPC
+    assert stats["shm_pulls"] == stats["remote_prefills"] and stats["shm_unavailable"] == 0
 
 
 def test_a_seeded_request_samples_the_same_tokens_disaggregated_and_colocated(pools, colocated):

@@ -173,6 +173,9 @@ def test_long_prompts_are_prefilled_remotely_and_their_kv_crosses_hosts(serve, t
         time.sleep(0.2)
     assert total(metrics["tandem:kv_transfer_bytes_total"]) > 0
     assert total(metrics["tandem:prefills_total"], where="remote") == len(batch)
+    # another host (its own network namespace): over the network, never from a shared cache
+    assert total(metrics["tandem:kv_pulls_total"], path="network") == len(batch)
+    assert total(metrics["tandem:kv_pulls_total"], path="shm") == 0
     assert "tandem:kv_transfer_failures" in metrics, "the transfer failures counter is not exported"
     assert total(metrics.get("tandem:kv_transfer_failures_total", {})) == 0
 

@@ -1,0 +1,102 @@
+"""Same-host KV pulls through shared memory: the decode worker copies a leased request's blocks straight out
+of the prefill worker's cache, instead of receiving them over gRPC.
+
+A prefill worker on CPU keeps its KV cache in a memfd (`KVCache(..., shared=True)`) and puts a `ShmSource`
+into each handle: its host key, its pid, the memfd's descriptor and the leased block ids. A decode worker
+with the same host key (the same kernel boot, network and pid namespaces: one machine, one pod) opens
+`/proc/<pid>/fd/<fd>`, maps it once, and copies the blocks it lacks with one gather per pull: no encoding,
+no checksums, no second copy. Anything else (another host, another pod, a simulated host in its own
+network namespace, a GPU cache) pulls over gRPC as before.
+
+The lease is what makes the copy safe: the prefill worker frees leased blocks only when the lease is
+released or expires. So the decode worker copies first and releases the lease after, over the usual RPC:
+if the prefill worker no longer held it (expired, or the worker restarted), the copy may hold reused blocks
+and the pull fails like any other expired lease.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCache
+from kv_transfer.chunks import _wide
+
+
+def host_key() -> str:
+    """What two processes share when each can map the other's memfd by its /proc path: one kernel boot,
+    one network namespace (simulated hosts in tests have their own) and one pid namespace (one pod)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        net, pid = os.stat("/proc/self/ns/net").st_ino, os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{boot}:{net}:{pid}"
+
+
+@dataclass(frozen=True, slots=True)
+class ShmSource:
+    """Where a leased request's blocks sit in the prefill worker's shared cache."""
+    host: str
+    pid: int
+    fd: int
+    inode: int  # of the memfd: a map made for a dead worker whose pid and fd came back is not reused
+    num_blocks: int  # of the whole cache: the mapping's shape is checked against it
+    block_ids: tuple[int, ...]  # the lease's blocks, in the request's order
+
+
+def source(cache: KVCache, block_ids: list[int]) -> ShmSource | None:
+    """The handle's ShmSource for a lease of `block_ids`, or None if the cache is not shared."""
+    if cache.shm_fd is None:
+        return None
+    return ShmSource(host_key(), os.getpid(), cache.shm_fd, os.fstat(cache.shm_fd).st_ino, cache.num_blocks,
+                     tuple(block_ids))
+
+
+class SharedCaches:
+    """A decode worker's maps of the prefill workers' caches it has pulled from, by (pid, fd, inode). A map
+    keeps its worker's cache alive, so maps of workers that are gone are dropped when the next is made."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.host = host_key()
+        self._maps: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def usable(self, src: ShmSource | None) -> bool:
+        """Whether a handle's source can be read here: same host key, a CPU cache on both sides."""
+        return src is not None and bool(self.host) and src.host == self.host and self.cache.kv.device.type == "cpu"
+
+    def copy(self, src: ShmSource, indices: list[int], dst_block_ids: list[int]) -> int:
+        """Copy blocks `indices` of the lease into our `dst_block_ids`; the bytes copied. OSError if the
+        prefill worker's cache cannot be mapped (gone, or not ours to open)."""
+        kv = self._map(src)
+        src_ids = torch.tensor([src.block_ids[i] for i in indices], dtype=torch.long)
+        dst_ids = torch.tensor(dst_block_ids, dtype=torch.long)
+        # [layers, 2, blocks, ...]: one gather and one scatter over every layer at once
+        _wide(self.cache.kv).index_copy_(2, dst_ids, _wide(kv).index_select(2, src_ids))
+        return 2 * self.cache.layout.num_layers * len(indices) * self.cache.layout.bytes_per_block_per_layer
+
+    def forget(self, src: ShmSource) -> None:
+        """Drop a map (its worker is gone, or it failed): the next pull from that pid opens it again."""
+        self._maps.pop((src.pid, src.fd, src.inode), None)
+
+    def _map(self, src: ShmSource) -> torch.Tensor:
+        key = (src.pid, src.fd, src.inode)
+        kv = self._maps.get(key)
+        if kv is None:
+            for old in [k for k in self._maps if not os.path.exists(f"/proc/{k[0]}/fd/{k[1]}")]:
+                del self._maps[old]
+            shape = KVCache.shape(self.cache.layout, src.num_blocks)
+            numel = math.prod(shape)
+            path = f"/proc/{src.pid}/fd/{src.fd}"
+            info = os.stat(path)
+            if info.st_ino != src.inode:
+                raise OSError(f"{path} is not the cache the handle names (its worker is gone)")
+            if info.st_size != numel * self.cache.kv.element_size():
+                raise OSError(f"{path} does not hold a KV cache of {src.num_blocks} blocks of our layout")
+            kv = torch.from_file(path, shared=True, size=numel, dtype=self.cache.kv.dtype).view(shape)
+            self._maps[key] = kv
+        return kv
