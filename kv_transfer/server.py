@@ -157,7 +157,9 @@ class KVTransferServer:
         if len(block_hashes) > len(block_ids):
             raise ValueError("more block hashes than blocks")
         self.leases.add(request_id, block_ids, block_hashes, num_tokens, on_release, ttl, layers_ready)
-        shared = self.config.shared_memory and not self.dist and self.config.faults is None
+        # A layer-wise lease (layers_ready given) is pulled while the forward still writes it: network only.
+        shared = self.config.shared_memory and not self.dist and self.config.faults is None and (
+            layers_ready is None or layers_ready >= self.cache.layout.num_layers)
         shm = shm_source(self.cache, block_ids) if shared else None
         return KVHandle("torch_dist" if self.dist else "grpc", self.address, request_id, num_tokens,
                         tuple(block_hashes), self.cache.layout, shm)

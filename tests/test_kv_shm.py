@@ -88,13 +88,15 @@ def test_an_unmappable_cache_is_counted_and_pulled_over_the_network(server, clie
     assert_blocks_equal(server.cache, [5, 9], client.cache, [7, 3])
 
 
-def test_a_client_without_shared_memory_and_a_faulty_server_use_the_network(server):
+def test_no_shared_memory_client_faulty_server_or_layerwise_lease_uses_the_network(server):
     handle, _ = lease(server)
     client = GrpcKVClient(KVCache(LAYOUT, 32), TOKEN, shared_memory=False)
     try:
         assert client.pull(handle, [1], [0]).path == "network"
     finally:
         client.close()
+    # a layer-wise lease is pulled while its forward still writes the blocks: never from the shared cache
+    assert server.lease("lw", [1], [], 4, Released(), layers_ready=0).shm is None
     faulty = KVTransferServer(shared_cache(), TOKEN, KVServerConfig(faults=FaultInjector())).start()
     try:  # injected faults act on the network path, so a server that injects them offers no shared cache
         assert lease(faulty)[0].shm is None

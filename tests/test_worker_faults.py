@@ -142,14 +142,17 @@ def _freeze_loop_when(worker, condition) -> None:
 
 
 def _freeze_kv_export(worker) -> None:
-    """In a prefill worker: the first KV chunk a decode worker pulls is never sent; the pull stays open."""
+    """In a prefill worker: the first KV chunk a decode worker pulls is never sent, and (a decode worker on
+    this host copies from the shared cache) the lease release that confirms a copy never answers; either
+    way the pull stays open."""
     worker.frozen = threading.Event()
 
-    def export_chunk(*args, **kwargs):
+    def freeze(*args, **kwargs):
         worker.frozen.set()
         threading.Event().wait()
 
-    worker.kv_server.export_chunk = export_chunk
+    worker.kv_server.export_chunk = freeze
+    worker.kv_server.leases.release = freeze
 
 
 def prefilling(engine) -> bool:
