@@ -6,8 +6,10 @@ it is most of the ITL tail (bench/RESULTS.md, eighteenth and nineteenth sessions
     .venv/bin/python bench/handoff.py --rate 1.0 --requests 40 --seed 7       # tandem defaults
     .venv/bin/python bench/handoff.py --rate 1.5 --flags "--config my.yaml"    # any `tandem serve` flags
 
-Prints the ITL median and p99 over all requests, the p99 without each request's first gap, and for the
-remotely prefilled requests the medians and p90s of the first gap and of its parts:
+Prints the client TTFT median and p99 and the ITL median and p99 over all requests, the ITL p99 without each
+request's first gap, and for the remotely prefilled requests the medians and p90s of the first gap, of its
+parts (handover, pull, admission, step_out) and of the prefill before it (prefill_wait, prefill); every
+request's client times and timeline go to requests.json beside the summary:
 
     prefill_wait prefill_queued -> prefill_started (the prefill worker's queue)
     prefill     prefill_started -> prefill_done (its forward, as served)
