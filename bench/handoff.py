@@ -74,7 +74,8 @@ def breakdown(results: list[tuple[list[float], dict | None]]) -> dict:
             parts.setdefault("step_out", []).append(arrivals[1] - times["decode_started"])
     ms = 1000.0
     return {"requests": len(results), "remote": len(parts["first_gap"]),
-            "ttft_median_ms": round(statistics.median(ttfts) * ms, 1), "ttft_p99_ms": round(quantile(ttfts, 0.99) * ms, 1),
+            "ttft_median_ms": round(statistics.median(ttfts) * ms, 1),
+            "ttft_p99_ms": round(quantile(ttfts, 0.99) * ms, 1),
             "itl_median_ms": round(statistics.median(every) * ms, 1), "itl_p99_ms": round(quantile(every, 0.99) * ms, 1),
             "itl_p99_without_first_ms": round(quantile(later, 0.99) * ms, 1),
             "parts_ms": {name: {"median": round(statistics.median(v) * ms, 1), "p90": round(quantile(v, 0.9) * ms, 1)}

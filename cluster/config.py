@@ -373,7 +373,8 @@ class ClusterConfig(_Strict):
         token = self.transfer.token or os.environ.get("TANDEM_KV_TOKEN", "")
         return TransferConfig(backend=self.transfer.backend, token=token, lease_ttl_s=self.transfer.lease_ttl_s,
                               timeout_s=self.transfer.timeout_s, layerwise=self.transfer.layerwise,
-                              shared_memory=self.transfer.shared_memory, advertise_host=self.transfer.advertise_host, bind_host=self.transfer.bind_host,
+                              shared_memory=self.transfer.shared_memory, advertise_host=self.transfer.advertise_host,
+                              bind_host=self.transfer.bind_host,
                               tls=self.transfer.tls.files() if self.transfer.tls else None)
 
     def with_env(self) -> ClusterConfig:

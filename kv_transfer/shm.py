@@ -4,9 +4,9 @@ of the prefill worker's cache, instead of receiving them over gRPC.
 A prefill worker on CPU keeps its KV cache in a memfd (`KVCache(..., shared=True)`) and puts a `ShmSource`
 into each handle: its host key, its pid, the memfd's descriptor and the leased block ids. A decode worker
 with the same host key (the same kernel boot, network and pid namespaces: one machine, one pod) opens
-`/proc/<pid>/fd/<fd>`, maps it once, and copies the blocks it lacks with one gather per pull: no encoding,
-no checksums, no second copy. Anything else (another host, another pod, a simulated host in its own
-network namespace, a GPU cache) pulls over gRPC as before.
+`/proc/<pid>/fd/<fd>`, maps it once, and copies the blocks it lacks straight into its cache, a run of
+consecutive blocks per copy: no encoding, no checksums, no staging buffer. Anything else (another host,
+another pod, a simulated host in its own network namespace, a GPU cache) pulls over gRPC as before.
 
 The lease is what makes the copy safe: the prefill worker frees leased blocks only when the lease is
 released or expires. So the decode worker copies first and releases the lease after, over the usual RPC:
@@ -15,6 +15,7 @@ and the pull fails like any other expired lease.
 """
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -26,6 +27,7 @@ import torch
 from engine.kv_cache import KVCache
 
 
+@functools.cache
 def host_key() -> str:
     """What two processes share when each can map the other's memfd by its /proc path: one kernel boot,
     one network namespace (simulated hosts in tests have their own) and one pid namespace (one pod)."""

@@ -400,7 +400,8 @@ def test_compare_stops_the_server_alone_then_kills_what_it_left(tmp_path):
 
 def test_handoff_breakdown_splits_the_first_gap_of_remote_requests():
     from bench.handoff import breakdown
-    times = {"prefill_queued": 9.3, "prefill_started": 9.5, "prefill_done": 10.0, "transfer_started": 10.004, "transfer_done": 10.034, "decode_admitted": 10.035,
+    times = {"prefill_queued": 9.3, "prefill_started": 9.5, "prefill_done": 10.0, "transfer_started": 10.004,
+             "transfer_done": 10.034, "decode_admitted": 10.035,
              "decode_started": 10.055}
     # each request's client start, then its tokens' arrivals
     remote = ([9.202, 10.002, 10.1, 10.14, 10.18], {"prefill_path": "remote", "times": times})
