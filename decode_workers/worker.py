@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections import OrderedDict
 
 from engine.config import EngineConfig
 from engine.protocol import GenerateRequest, PrefillResult, WorkerStats
@@ -18,6 +19,8 @@ from kv_transfer.handle import KVHandle, KVTransferError
 
 logger = logging.getLogger(__name__)
 
+FEED_END, FEED_FAILED = "end", "failed"  # a fed request's last item: done, or failed (see `feed_error`)
+
 
 def make_kv_client(transfer: TransferConfig, cache):
     if transfer.backend == "torch_dist":
@@ -28,10 +31,30 @@ def make_kv_client(transfer: TransferConfig, cache):
                         shared_memory=transfer.shared_memory)
 
 
+class FeedClosed(RuntimeError):
+    """A request was started on a feed this worker does not have open (it closed, or never opened)."""
+
+
+class Feed:
+    """One open `open_feed` stream: what its requests yielded since it last sent, and their tasks."""
+
+    def __init__(self):
+        self.items: list[tuple] = []
+        self.wakeup = asyncio.Event()
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def put(self, item: tuple) -> None:
+        self.items.append(item)
+        self.wakeup.set()
+
+
 class DecodeWorker(EngineServer):
     """Runs the continuous batch. `generate` streams one request: after a remote prefill it pulls only the
     prompt blocks it does not already cache; without one (conditional disaggregation, or no healthy
-    prefill worker) it prefills locally. A failed pull falls back to local recompute, counted per reason."""
+    prefill worker) it prefills locally. A failed pull falls back to local recompute, counted per reason.
+
+    An ingress process multiplexes its requests over one feed instead (`open_feed`, `start`, `abort`): a
+    step's deltas for all of them cross Ray as one item, not one item per request (router/feeds.py)."""
 
     pool = "decode"
 
@@ -43,6 +66,9 @@ class DecodeWorker(EngineServer):
         self.failures = TransferFailures(worker_id)
         self.pull_speed = TransferSpeed()
         self._releases: set[asyncio.Task] = set()
+        self.feeds: dict[str, Feed] = {}
+        self.feed_errors: OrderedDict[str, BaseException] = OrderedDict()  # until the ingress fetches them
+        self.feed_counts = {"items": 0, "deltas": 0}  # Ray items sent on feeds, and the deltas they carried
         config = self.engine.config
         if config.itl_slo_ms:  # local prefills go in chunks that keep each step within the ITL SLO
             self.engine.scheduler.prefill_budget = functools.partial(
@@ -99,6 +125,73 @@ class DecodeWorker(EngineServer):
                                      timeline.bytes_pulled, "tandem.blocks_skipped": timeline.blocks_skipped}})
         finally:
             self.in_flight.discard(request.request_id)
+
+    # ---- feeds: many requests' deltas over one stream ----------------------------------------------
+
+    async def open_feed(self, feed_id: str):
+        """Yield lists of (request_id, delta | FEED_END | FEED_FAILED) for the requests started on this feed,
+        one list per wake-up (a step's deltas for all of them), an empty list first to say it is open.
+        Closing the stream aborts the requests still running on it."""
+        feed = self.feeds[feed_id] = Feed()
+        try:
+            yield []
+            while True:
+                await feed.wakeup.wait()
+                feed.wakeup.clear()
+                items, feed.items = feed.items, []
+                self.feed_counts["items"] += 1
+                self.feed_counts["deltas"] += len(items)
+                yield items
+        finally:
+            del self.feeds[feed_id]
+            for task in list(feed.tasks.values()):
+                task.cancel()
+
+    async def start(self, feed_id: str, request: GenerateRequest, prefill: PrefillResult | None = None,
+                    pending: list | None = None) -> None:
+        """Run `generate` for the request with its deltas going out on the feed; returns at once."""
+        feed = self.feeds.get(feed_id)
+        if feed is None:
+            raise FeedClosed(f"decode worker {self.worker_id} has no open feed {feed_id}")
+        rid = request.request_id
+        task = asyncio.ensure_future(self._run_fed(feed, request, prefill, pending))
+        feed.tasks[rid] = task
+        task.add_done_callback(lambda _: feed.tasks.pop(rid, None))
+
+    async def _run_fed(self, feed: Feed, request: GenerateRequest, prefill, pending) -> None:
+        rid = request.request_id
+        try:
+            async for delta in self.generate(request, prefill, pending):
+                feed.put((rid, delta))
+        except BaseException as exc:  # the ingress fetches the error with `feed_error`, raised as Ray raises it
+            if isinstance(exc, asyncio.CancelledError):  # aborted by the ingress (nobody reads this) or closed
+                self._feed_failed(feed, rid, RuntimeError(f"{rid} was cancelled on {self.worker_id}"))
+                raise
+            self._feed_failed(feed, rid, exc)
+            return
+        feed.put((rid, FEED_END))
+
+    def _feed_failed(self, feed: Feed, rid: str, exc: BaseException) -> None:
+        self.feed_errors[rid] = exc
+        while len(self.feed_errors) > 1024:  # never fetched (the ingress left)
+            self.feed_errors.popitem(last=False)
+        feed.put((rid, FEED_FAILED))
+
+    def abort(self, feed_id: str, request_id: str) -> None:
+        """Stop a request started on the feed (its client left); its blocks are freed as on a stream's close."""
+        feed = self.feeds.get(feed_id)
+        task = feed and feed.tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    def feed_stats(self) -> dict:
+        """Feeds open now, Ray items sent on feeds since start, and the deltas (and ends) they carried."""
+        return {"open": len(self.feeds), "running": sum(len(f.tasks) for f in self.feeds.values()),
+                **self.feed_counts}
+
+    def feed_error(self, request_id: str) -> None:
+        """Raise the error that ended a fed request (FEED_FAILED), so that the caller gets it as from a stream."""
+        raise self.feed_errors.pop(request_id)
 
     async def _reserve_during_prefill(self, req: Request, result_ref) -> tuple[PrefillResult | None, list | None]:
         """Reserve the prompt's blocks, then wait for the prefill worker's result. Returns the result and

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import ray
 
 from engine.protocol import GenerateRequest, PrefillResult, TokenDelta
+from router import feeds
 
 logger = logging.getLogger(__name__)
 
@@ -15,8 +16,8 @@ logger = logging.getLogger(__name__)
 async def run_request(request: GenerateRequest, decode, prefill=None, *,
                       layerwise: bool = False) -> AsyncIterator[TokenDelta]:
     """Yield the request's token deltas. With a prefill worker, its first token is yielded before decode's.
-    Closing the iterator (client gone) cancels the decode stream, which aborts the request and frees its
-    blocks on both workers.
+    Closing the iterator (client gone) aborts the request on the decode worker and frees its blocks on both
+    workers. Decode's deltas come over this process's feed from that worker (router/feeds.py).
 
     Decode starts with the prefill: it reserves the prompt's blocks meanwhile and receives the prefill's
     result (the first token and the KV handle) straight from the prefill worker, so neither a hop through
@@ -36,11 +37,11 @@ async def run_request(request: GenerateRequest, decode, prefill=None, *,
             request.stamp("prefill_dispatched")
             result_ref = prefill.prefill.remote(request)
             if not layerwise and request.num_outputs == 1 and request.sampling_params.max_tokens != 1:
-                stream = decode.generate.options(num_returns="streaming").remote(request, None, [result_ref])
+                stream = feeds.start(decode, request, None, [result_ref])
             result = await _prefill(result_ref, prefill, request)
             if result.first is None:
                 result.first_ref = [prefill.first_token.remote(request.request_id)]
-                stream = decode.generate.options(num_returns="streaming").remote(request, result)
+                stream = feeds.start(decode, request, result)
                 result.first = await result.first_ref[0]
             running -= result.first.finished
             if not running:  # a layer-wise decode sees it too, and ends without pulling further
@@ -49,30 +50,18 @@ async def run_request(request: GenerateRequest, decode, prefill=None, *,
                 return
         if stream is None:
             # Decode starts pulling KV before the first token reaches the client.
-            stream = decode.generate.options(num_returns="streaming").remote(request, result)
+            stream = feeds.start(decode, request, result)
         if result is not None:
             yield result.first
-        async for ref in stream:
-            delta, failure = await ref, None
-            # Deltas that arrived while this consumer was busy go out as one (decode already does that per
-            # candidate when there are several).
-            while request.num_outputs == 1 and not delta.finished and stream.next_ready():
-                try:
-                    delta.extend(await _next_delta(stream))
-                except StopAsyncIteration:
-                    break
-                except Exception as exc:  # what arrived before the failure still goes out first
-                    failure = exc
-                    break
+        # Deltas that arrived while this consumer was busy come as one (router/feeds.py).
+        async for delta in stream:
             running -= delta.finished
             finished = not running
             yield delta
-            if failure is not None:
-                raise failure
     finally:
         if not finished:
-            if stream is not None and not _exhausted(stream):
-                ray.cancel(stream)
+            if stream is not None:
+                stream.close()
             # Decode aborted, failed or never pulled: the lease must not wait for its TTL.
             if result is not None and result.kv_handle is not None:
                 await _release(prefill, request.request_id)
@@ -85,17 +74,6 @@ async def _prefill(ref, prefill, request: GenerateRequest) -> PrefillResult:
         ray.cancel(ref)
         await _release(prefill, request.request_id)
         raise
-
-
-async def _next_delta(stream) -> TokenDelta:
-    return await (await stream.__anext__())
-
-
-def _exhausted(stream) -> bool:
-    try:
-        return stream.is_finished()
-    except Exception:
-        return False
 
 
 async def _release(prefill, request_id: str) -> None:

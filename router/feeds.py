@@ -1,0 +1,157 @@
+"""Token deltas from decode workers, multiplexed: each ingress process (event loop) keeps one feed per decode
+worker, a Ray streaming generator (`DecodeWorker.open_feed`) that carries a step's deltas for all of this
+process's requests on that worker as one item. A stream per request cost one Ray item per request per
+step, about 0.8 ms of CPU on the two sides together (bench/RESULTS.md, "Serving path cost").
+
+A request starts on a feed with `DecodeWorker.start` and reads its deltas from a `FedStream`; closing that
+early aborts it on the worker (`DecodeWorker.abort`). An error that ends a request on the worker is fetched
+with `DecodeWorker.feed_error`, so it reaches the caller exactly as it would from a stream of its own (a
+RayTaskError that is also an instance of its cause); a worker that dies fails every request on its feed
+with Ray's RayActorError, as their own streams would."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import uuid
+import weakref
+
+import ray
+
+from engine.protocol import TokenDelta
+
+logger = logging.getLogger(__name__)
+
+FEED_END, FEED_FAILED = "end", "failed"  # as decode_workers/worker.py sends them
+
+# Per event loop (a Serve replica has one; a test may run several in turn), per decode worker.
+_feeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class FeedFailed(Exception):
+    """Internal: the feed's stream failed; `cause` is what the requests on it raise."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class Feed:
+    """This event loop's stream of deltas from one decode worker, routed to the requests' FedStreams."""
+
+    def __init__(self, actor):
+        self.actor = actor
+        self.feed_id = uuid.uuid4().hex
+        self.streams: dict[str, FedStream] = {}
+        self.failure: BaseException | None = None
+        self.opened = asyncio.get_running_loop().create_future()
+        self.pump = asyncio.ensure_future(self._pump())
+
+    async def _pump(self) -> None:
+        generator = self.actor.open_feed.options(num_returns="streaming").remote(self.feed_id)
+        try:
+            async for ref in generator:
+                items = await ref
+                if not self.opened.done():
+                    self.opened.set_result(None)
+                for request_id, item in items:
+                    stream = self.streams.get(request_id)
+                    if stream is not None:
+                        stream.put(item)
+                        if not isinstance(item, TokenDelta):  # its last item: the worker is done with it
+                            del self.streams[request_id]
+                            stream.running = False
+            raise RuntimeError(f"the feed of {self.actor} ended")  # the worker exited cleanly
+        except asyncio.CancelledError:  # this event loop is closing
+            ray.cancel(generator)
+            self._fail(RuntimeError("the feed was closed"))
+            raise
+        except Exception as exc:
+            logger.info("feed %s failed: %s", self.feed_id, type(exc).__name__)
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = exc
+        feeds = _feeds.get(self.opened.get_loop())
+        if feeds is not None and feeds.get(self.actor._actor_id) is self:
+            del feeds[self.actor._actor_id]
+        if not self.opened.done():
+            self.opened.set_exception(exc)
+            self.opened.exception()  # the first request raises it; nobody else need retrieve it
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream.running = False
+            stream.put(FeedFailed(exc))
+
+
+def start(decode, request, *args) -> FedStream:
+    """Start `DecodeWorker.generate(request, *args)` on the decode worker, its deltas coming over this event
+    loop's feed from that worker (opened on first use). Returns at once: as with a stream of its own, an
+    error in opening the feed or in starting the request is raised by the first read."""
+    feeds = _feeds.setdefault(asyncio.get_running_loop(), {})
+    feed = feeds.get(decode._actor_id)
+    if feed is None:
+        feed = feeds[decode._actor_id] = Feed(decode)
+    return FedStream(feed, request, args)
+
+
+class FedStream:
+    """One request's deltas from its feed. Deltas that arrived while the consumer was busy come out as one
+    (one candidate only: several candidates' deltas are already coalesced per candidate by the worker)."""
+
+    def __init__(self, feed: Feed, request, args: tuple):
+        self.feed, self.request_id, self.coalesce = feed, request.request_id, request.num_outputs == 1
+        self.items: collections.deque = collections.deque()
+        self.ready = asyncio.Event()
+        self.ended = False
+        self.running = True  # on the worker, or starting
+        feed.streams[self.request_id] = self
+        self.starting = asyncio.ensure_future(self._start(request, args))
+
+    async def _start(self, request, args: tuple) -> None:
+        try:
+            await asyncio.shield(self.feed.opened)
+            await self.feed.actor.start.remote(self.feed.feed_id, request, *args)
+        except asyncio.CancelledError:  # closed while starting: `close` aborts it in case it started
+            raise
+        except Exception as exc:  # it did not start
+            if self.running:
+                self.running = False
+                self.feed.streams.pop(self.request_id, None)
+                self.put(FeedFailed(exc))
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        if self.ended:
+            raise StopAsyncIteration
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        item = self.items.popleft()
+        if not isinstance(item, TokenDelta):
+            self.close()
+            if isinstance(item, FeedFailed):
+                raise item.cause
+            if item == FEED_FAILED:
+                await self.feed.actor.feed_error.remote(self.request_id)  # raises the request's error
+            raise StopAsyncIteration  # FEED_END
+        while self.coalesce and not item.finished and self.items and isinstance(self.items[0], TokenDelta):
+            item.extend(self.items.popleft())
+        return item
+
+    def close(self) -> None:
+        """Stop reading; a request still running on the worker is aborted there."""
+        self.ended = True
+        if not self.starting.done():
+            self.starting.cancel()
+        if self.running:
+            self.running = False
+            self.feed.streams.pop(self.request_id, None)
+            if self.feed.failure is None:
+                self.feed.actor.abort.remote(self.feed.feed_id, self.request_id)

@@ -1,0 +1,127 @@
+"""One feed per (event loop, decode worker) carries the deltas of all that loop's requests on the worker:
+the same tokens as a stream per request, fewer Ray items, errors and aborts as a stream of its own has."""
+import asyncio
+import os
+import signal
+
+import pytest
+import ray
+
+from cluster.config import ClusterConfig
+from cluster.pools import Pools
+from engine import SamplingParams
+from engine.protocol import GenerateRequest
+from engine.serving import WorkerDraining
+from router.dispatch import run_request
+from tests.pool_helpers import collect, only, run_all, wait_for
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def prompt(seed: int) -> list[int]:
+    return [(seed * 31 + i * 7) % 250 + 3 for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def decode(ray_cluster, tiny_llama_dir):
+    pools = Pools(ClusterConfig(model=tiny_llama_dir, mode="colocated", name="feeds",
+                                engine={"num_kv_blocks": 64}))
+    pools.start()
+    yield only(pools.decode)
+    pools.shutdown()
+
+
+def own_stream(decode, request: GenerateRequest) -> list[int]:
+    """The request's tokens over a Ray stream of its own (DecodeWorker.generate)."""
+    async def main():
+        gen = decode.generate.options(num_returns="streaming").remote(request)
+        return [t async for ref in gen for t in (await ref).token_ids]
+    return asyncio.run(main())
+
+
+def feed_stats(decode) -> dict:
+    return ray.get(decode.feed_stats.remote())
+
+
+def test_concurrent_requests_share_one_feed_and_get_their_own_streams_tokens(decode):
+    expected = [own_stream(decode, GenerateRequest(f"own-{i}", prompt(i), PARAMS)) for i in range(4)]
+    before = feed_stats(decode)
+    got = run_all([GenerateRequest(f"fed-{i}", prompt(i), PARAMS) for i in range(4)], decode)
+    assert [tokens for tokens, _ in got] == expected
+    after = feed_stats(decode)
+    items, deltas = after["items"] - before["items"], after["deltas"] - before["deltas"]
+    assert deltas >= 4 * 16  # every token (or coalesced run of them) and every end went out on the feed
+    assert items < deltas / 2  # several requests' deltas per Ray item
+    # asyncio.run closed the event loop, and with it the feed: nothing stays open on the worker.
+    assert wait_for(lambda: feed_stats(decode)["open"] == 0)
+
+
+def test_one_event_loop_opens_one_feed_for_all_its_requests(decode):
+    async def main():
+        first = asyncio.ensure_future(collect(GenerateRequest("one-a", prompt(7), PARAMS), decode))
+        second = asyncio.ensure_future(collect(GenerateRequest("one-b", prompt(8), PARAMS), decode))
+        while not (await asyncio.to_thread(feed_stats, decode))["running"]:
+            await asyncio.sleep(0.01)
+        open_now = (await asyncio.to_thread(feed_stats, decode))["open"]
+        await asyncio.gather(first, second)
+        return open_now
+
+    assert asyncio.run(main()) == 1
+
+
+def test_closing_a_fed_stream_aborts_the_request_and_frees_its_blocks(decode):
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def main():
+        stream = run_request(GenerateRequest("fed-abort", prompt(3), long), decode)
+        got = 0
+        async for delta in stream:
+            got += len(delta.token_ids)
+            if got >= 3:
+                break
+        await stream.aclose()
+        await asyncio.to_thread(wait_for, lambda: feed_stats(decode)["running"] == 0)
+        return feed_stats(decode)
+
+    stats = asyncio.run(main())
+    assert stats["running"] == 0
+    assert wait_for(lambda: ray.get(decode.stats.remote()).num_active_blocks == 0)
+    assert ray.get(decode.num_in_flight.remote()) == 0
+
+
+def test_an_error_on_the_worker_reaches_the_caller_as_its_own_type(decode):
+    ray.get(decode.drain.remote())
+    try:
+        with pytest.raises(WorkerDraining):
+            asyncio.run(collect(GenerateRequest("fed-draining", prompt(4), PARAMS), decode))
+    finally:
+        ray.get(decode.__ray_call__.remote(lambda self: setattr(self, "draining", False)))
+    tokens, _ = asyncio.run(collect(GenerateRequest("fed-after", prompt(4), PARAMS), decode))
+    assert len(tokens) == 16
+
+
+def test_a_killed_worker_fails_every_request_on_its_feed_with_ray_actor_error(ray_cluster, tiny_llama_dir):
+    pools = Pools(ClusterConfig(model=tiny_llama_dir, mode="colocated", name="feeds-kill",
+                                engine={"num_kv_blocks": 64}))
+    pools.start()
+    try:
+        victim = only(pools.decode)
+        pid = ray.get(victim.__ray_call__.remote(lambda self: os.getpid()))
+        long = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+
+        async def read(name: str, started: asyncio.Event):
+            async for _ in run_request(GenerateRequest(name, prompt(5), long), victim):
+                started.set()
+
+        async def main():
+            events = [asyncio.Event(), asyncio.Event()]
+            readers = [asyncio.ensure_future(read(f"killed-{i}", e)) for i, e in enumerate(events)]
+            for event in events:
+                await asyncio.wait_for(event.wait(), 60)
+            os.kill(pid, signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*readers, return_exceptions=True), 60)
+
+        results = asyncio.run(main())
+        assert all(isinstance(r, ray.exceptions.RayActorError) for r in results), results
+    finally:
+        pools.shutdown()
