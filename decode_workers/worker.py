@@ -67,7 +67,7 @@ class DecodeWorker(EngineServer):
         self.pull_speed = TransferSpeed()
         self._releases: set[asyncio.Task] = set()
         self.feeds: dict[str, Feed] = {}
-        self.feed_errors: OrderedDict[str, BaseException] = OrderedDict()  # until the ingress fetches them
+        self.feed_errors: OrderedDict[tuple[str, int], Exception] = OrderedDict()  # until the ingress fetches them
         self.feed_counts = {"items": 0, "deltas": 0}  # Ray items sent on feeds, and the deltas they carried
         config = self.engine.config
         if config.itl_slo_ms:  # local prefills go in chunks that keep each step within the ITL SLO
@@ -129,9 +129,10 @@ class DecodeWorker(EngineServer):
     # ---- feeds: many requests' deltas over one stream ----------------------------------------------
 
     async def open_feed(self, feed_id: str):
-        """Yield lists of (request_id, delta | FEED_END | FEED_FAILED) for the requests started on this feed,
-        one list per wake-up (a step's deltas for all of them), an empty list first to say it is open.
-        Closing the stream aborts the requests still running on it."""
+        """Yield lists of (key, delta | FEED_END | FEED_FAILED) for the requests started on this feed (`key`
+        is the caller's name for one start: a request re-placed here after a failure starts again under
+        another), one list per wake-up (a step's deltas for all of them), an empty list first to say it is
+        open. Closing the stream aborts the requests still running on it."""
         feed = self.feeds[feed_id] = Feed()
         try:
             yield []
@@ -147,51 +148,44 @@ class DecodeWorker(EngineServer):
             for task in list(feed.tasks.values()):
                 task.cancel()
 
-    async def start(self, feed_id: str, request: GenerateRequest, prefill: PrefillResult | None = None,
+    async def start(self, feed_id: str, key: int, request: GenerateRequest, prefill: PrefillResult | None = None,
                     pending: list | None = None) -> None:
-        """Run `generate` for the request with its deltas going out on the feed; returns at once."""
+        """Run `generate` for the request with its deltas going out on the feed under `key`; returns at once."""
         feed = self.feeds.get(feed_id)
         if feed is None:
             raise FeedClosed(f"decode worker {self.worker_id} has no open feed {feed_id}")
-        rid = request.request_id
-        task = asyncio.ensure_future(self._run_fed(feed, request, prefill, pending))
-        feed.tasks[rid] = task
-        task.add_done_callback(lambda _: feed.tasks.pop(rid, None))
+        task = asyncio.ensure_future(self._run_fed(feed_id, feed, key, request, prefill, pending))
+        feed.tasks[key] = task
+        task.add_done_callback(lambda _: feed.tasks.pop(key, None))
 
-    async def _run_fed(self, feed: Feed, request: GenerateRequest, prefill, pending) -> None:
-        rid = request.request_id
+    async def _run_fed(self, feed_id: str, feed: Feed, key: int, request: GenerateRequest, prefill, pending) -> None:
         try:
             async for delta in self.generate(request, prefill, pending):
-                feed.put((rid, delta))
-        except BaseException as exc:  # the ingress fetches the error with `feed_error`, raised as Ray raises it
-            if isinstance(exc, asyncio.CancelledError):  # aborted by the ingress (nobody reads this) or closed
-                self._feed_failed(feed, rid, RuntimeError(f"{rid} was cancelled on {self.worker_id}"))
-                raise
-            self._feed_failed(feed, rid, exc)
+                feed.put((key, delta))
+        except Exception as exc:  # the ingress fetches it with `feed_error`, raised as Ray raises errors
+            self.feed_errors[feed_id, key] = exc
+            while len(self.feed_errors) > 1024:  # never fetched (the ingress left)
+                self.feed_errors.popitem(last=False)
+            feed.put((key, FEED_FAILED))
             return
-        feed.put((rid, FEED_END))
+        feed.put((key, FEED_END))  # (cancelled by `abort` or by the feed's close, nobody reads it: no item)
 
-    def _feed_failed(self, feed: Feed, rid: str, exc: BaseException) -> None:
-        self.feed_errors[rid] = exc
-        while len(self.feed_errors) > 1024:  # never fetched (the ingress left)
-            self.feed_errors.popitem(last=False)
-        feed.put((rid, FEED_FAILED))
-
-    def abort(self, feed_id: str, request_id: str) -> None:
+    def abort(self, feed_id: str, key: int) -> None:
         """Stop a request started on the feed (its client left); its blocks are freed as on a stream's close."""
         feed = self.feeds.get(feed_id)
-        task = feed and feed.tasks.get(request_id)
+        task = feed and feed.tasks.get(key)
         if task is not None:
             task.cancel()
 
     def feed_stats(self) -> dict:
-        """Feeds open now, Ray items sent on feeds since start, and the deltas (and ends) they carried."""
+        """Feeds open now, their requests running, Ray items sent on feeds since start and the deltas (and
+        ends) they carried."""
         return {"open": len(self.feeds), "running": sum(len(f.tasks) for f in self.feeds.values()),
                 **self.feed_counts}
 
-    def feed_error(self, request_id: str) -> None:
+    def feed_error(self, feed_id: str, key: int) -> None:
         """Raise the error that ended a fed request (FEED_FAILED), so that the caller gets it as from a stream."""
-        raise self.feed_errors.pop(request_id)
+        raise self.feed_errors.pop((feed_id, key))
 
     async def _reserve_during_prefill(self, req: Request, result_ref) -> tuple[PrefillResult | None, list | None]:
         """Reserve the prompt's blocks, then wait for the prefill worker's result. Returns the result and

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import uuid
 import weakref
@@ -42,7 +43,8 @@ class Feed:
     def __init__(self, actor):
         self.actor = actor
         self.feed_id = uuid.uuid4().hex
-        self.streams: dict[str, FedStream] = {}
+        self.streams: dict[int, FedStream] = {}  # by key: one per start, however often a request starts
+        self.keys = itertools.count()
         self.failure: BaseException | None = None
         self.opened = asyncio.get_running_loop().create_future()
         self.pump = asyncio.ensure_future(self._pump())
@@ -54,12 +56,12 @@ class Feed:
                 items = await ref
                 if not self.opened.done():
                     self.opened.set_result(None)
-                for request_id, item in items:
-                    stream = self.streams.get(request_id)
+                for key, item in items:
+                    stream = self.streams.get(key)
                     if stream is not None:
                         stream.put(item)
                         if not isinstance(item, TokenDelta):  # its last item: the worker is done with it
-                            del self.streams[request_id]
+                            del self.streams[key]
                             stream.running = False
             raise RuntimeError(f"the feed of {self.actor} ended")  # the worker exited cleanly
         except asyncio.CancelledError:  # this event loop is closing
@@ -100,24 +102,24 @@ class FedStream:
     (one candidate only: several candidates' deltas are already coalesced per candidate by the worker)."""
 
     def __init__(self, feed: Feed, request, args: tuple):
-        self.feed, self.request_id, self.coalesce = feed, request.request_id, request.num_outputs == 1
+        self.feed, self.key, self.coalesce = feed, next(feed.keys), request.num_outputs == 1
         self.items: collections.deque = collections.deque()
         self.ready = asyncio.Event()
         self.ended = False
         self.running = True  # on the worker, or starting
-        feed.streams[self.request_id] = self
+        feed.streams[self.key] = self
         self.starting = asyncio.ensure_future(self._start(request, args))
 
     async def _start(self, request, args: tuple) -> None:
         try:
             await asyncio.shield(self.feed.opened)
-            await self.feed.actor.start.remote(self.feed.feed_id, request, *args)
+            await self.feed.actor.start.remote(self.feed.feed_id, self.key, request, *args)
         except asyncio.CancelledError:  # closed while starting: `close` aborts it in case it started
             raise
         except Exception as exc:  # it did not start
             if self.running:
                 self.running = False
-                self.feed.streams.pop(self.request_id, None)
+                self.feed.streams.pop(self.key, None)
                 self.put(FeedFailed(exc))
 
     def put(self, item) -> None:
@@ -139,7 +141,7 @@ class FedStream:
             if isinstance(item, FeedFailed):
                 raise item.cause
             if item == FEED_FAILED:
-                await self.feed.actor.feed_error.remote(self.request_id)  # raises the request's error
+                await self.feed.actor.feed_error.remote(self.feed.feed_id, self.key)  # raises the request's error
             raise StopAsyncIteration  # FEED_END
         while self.coalesce and not item.finished and self.items and isinstance(self.items[0], TokenDelta):
             item.extend(self.items.popleft())
@@ -152,6 +154,6 @@ class FedStream:
             self.starting.cancel()
         if self.running:
             self.running = False
-            self.feed.streams.pop(self.request_id, None)
+            self.feed.streams.pop(self.key, None)
             if self.feed.failure is None:
-                self.feed.actor.abort.remote(self.feed.feed_id, self.request_id)
+                self.feed.actor.abort.remote(self.feed.feed_id, self.key)
