@@ -7,7 +7,7 @@ import logging
 from collections import OrderedDict
 
 from engine.config import EngineConfig
-from engine.protocol import GenerateRequest, PrefillResult, WorkerStats
+from engine.protocol import FEED_END, FEED_FAILED, GenerateRequest, PrefillResult, WorkerStats
 from engine.request import Request
 from engine.request_log import set_request_id
 from engine.serving import EngineServer, WorkerDraining
@@ -18,8 +18,6 @@ from kv_transfer.failures import TransferFailures, failure_reason
 from kv_transfer.handle import KVHandle, KVTransferError
 
 logger = logging.getLogger(__name__)
-
-FEED_END, FEED_FAILED = "end", "failed"  # a fed request's last item: done, or failed (see `feed_error`)
 
 
 def make_kv_client(transfer: TransferConfig, cache):

@@ -49,6 +49,11 @@ class GenerateRequest:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
+# The last item of a request on a decode worker's feed (DecodeWorker.open_feed, router/feeds.py) when it is
+# not a delta: the request ended, or failed (its error is fetched with DecodeWorker.feed_error).
+FEED_END, FEED_FAILED = "end", "failed"
+
+
 @dataclass(slots=True)
 class TokenDelta:
     """One step of a request's stream."""

@@ -19,11 +19,10 @@ import weakref
 
 import ray
 
-from engine.protocol import TokenDelta
+from engine.protocol import FEED_FAILED, TokenDelta
 
 logger = logging.getLogger(__name__)
 
-FEED_END, FEED_FAILED = "end", "failed"  # as decode_workers/worker.py sends them
 
 # Per event loop (a Serve replica has one; a test may run several in turn), per decode worker.
 _feeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -63,7 +62,8 @@ class Feed:
                         if not isinstance(item, TokenDelta):  # its last item: the worker is done with it
                             del self.streams[key]
                             stream.running = False
-            raise RuntimeError(f"the feed of {self.actor} ended")  # the worker exited cleanly
+            # Only an actor that goes away ends its feeds; treat it so (the router re-places the requests).
+            raise ray.exceptions.ActorUnavailableError(f"the feed {self.feed_id} ended", None)
         except asyncio.CancelledError:  # this event loop is closing
             ray.cancel(generator)
             self._fail(RuntimeError("the feed was closed"))
