@@ -30,7 +30,7 @@ def make_kv_client(transfer: TransferConfig, cache):
 
 
 class FeedClosed(RuntimeError):
-    """A request was started on a feed this worker does not have open (it closed, or never opened)."""
+    """A request was started on a feed that this worker has closed."""
 
 
 class Feed:
@@ -44,6 +44,13 @@ class Feed:
     def put(self, item: tuple) -> None:
         self.items.append(item)
         self.wakeup.set()
+
+
+def _cancel_once(task: asyncio.Task) -> None:
+    """Cancel a fed request's task unless it already is: a second cancellation would interrupt the clean-up
+    that the first one runs (releasing its lease and blocks)."""
+    if not task.cancelling():
+        task.cancel()
 
 
 class DecodeWorker(EngineServer):
@@ -66,6 +73,7 @@ class DecodeWorker(EngineServer):
         self._releases: set[asyncio.Task] = set()
         self.feeds: dict[str, Feed] = {}
         self.feed_errors: OrderedDict[tuple[str, int], Exception] = OrderedDict()  # until the ingress fetches them
+        self.closed_feeds: OrderedDict[str, None] = OrderedDict()  # recently closed: a late start fails
         self.feed_counts = {"items": 0, "deltas": 0}  # Ray items sent on feeds, and the deltas they carried
         config = self.engine.config
         if config.itl_slo_ms:  # local prefills go in chunks that keep each step within the ITL SLO
@@ -129,11 +137,10 @@ class DecodeWorker(EngineServer):
     async def open_feed(self, feed_id: str):
         """Yield lists of (key, delta | FEED_END | FEED_FAILED) for the requests started on this feed (`key`
         is the caller's name for one start: a request re-placed here after a failure starts again under
-        another), one list per wake-up (a step's deltas for all of them), an empty list first to say it is
-        open. Closing the stream aborts the requests still running on it."""
-        feed = self.feeds[feed_id] = Feed()
+        another), one list per wake-up (a step's deltas for all of them). Closing the stream aborts the
+        requests still running on it."""
+        feed = self.feeds.setdefault(feed_id, Feed())  # a start may come first
         try:
-            yield []
             while True:
                 await feed.wakeup.wait()
                 feed.wakeup.clear()
@@ -143,15 +150,18 @@ class DecodeWorker(EngineServer):
                 yield items
         finally:
             del self.feeds[feed_id]
+            self.closed_feeds[feed_id] = None
+            while len(self.closed_feeds) > 1024:
+                self.closed_feeds.popitem(last=False)
             for task in list(feed.tasks.values()):
-                task.cancel()
+                _cancel_once(task)
 
     async def start(self, feed_id: str, key: int, request: GenerateRequest, prefill: PrefillResult | None = None,
                     pending: list | None = None) -> None:
         """Run `generate` for the request with its deltas going out on the feed under `key`; returns at once."""
-        feed = self.feeds.get(feed_id)
-        if feed is None:
-            raise FeedClosed(f"decode worker {self.worker_id} has no open feed {feed_id}")
+        if feed_id in self.closed_feeds:
+            raise FeedClosed(f"decode worker {self.worker_id} closed feed {feed_id}")
+        feed = self.feeds.setdefault(feed_id, Feed())  # its open_feed call may not have begun yet
         task = asyncio.ensure_future(self._run_fed(feed_id, feed, key, request, prefill, pending))
         feed.tasks[key] = task
         task.add_done_callback(lambda _: feed.tasks.pop(key, None))
@@ -173,7 +183,7 @@ class DecodeWorker(EngineServer):
         feed = self.feeds.get(feed_id)
         task = feed and feed.tasks.get(key)
         if task is not None:
-            task.cancel()
+            _cancel_once(task)
 
     def feed_stats(self) -> dict:
         """Feeds open now, their requests running, Ray items sent on feeds since start and the deltas (and

@@ -45,17 +45,15 @@ class Feed:
         self.streams: dict[int, FedStream] = {}  # by key: one per start, however often a request starts
         self.keys = itertools.count()
         self.failure: BaseException | None = None
-        self.opened = asyncio.get_running_loop().create_future()
+        self.loop = asyncio.get_running_loop()
+        # Submitted now, before any start on it (the worker also opens a feed on its first start).
+        self.generator = actor.open_feed.options(num_returns="streaming").remote(self.feed_id)
         self.pump = asyncio.ensure_future(self._pump())
 
     async def _pump(self) -> None:
-        generator = self.actor.open_feed.options(num_returns="streaming").remote(self.feed_id)
         try:
-            async for ref in generator:
-                items = await ref
-                if not self.opened.done():
-                    self.opened.set_result(None)
-                for key, item in items:
+            async for ref in self.generator:
+                for key, item in await ref:
                     stream = self.streams.get(key)
                     if stream is not None:
                         stream.put(item)
@@ -65,7 +63,7 @@ class Feed:
             # Only an actor that goes away ends its feeds; treat it so (the router re-places the requests).
             raise ray.exceptions.ActorUnavailableError(f"the feed {self.feed_id} ended", None)
         except asyncio.CancelledError:  # this event loop is closing
-            ray.cancel(generator)
+            ray.cancel(self.generator)
             self._fail(RuntimeError("the feed was closed"))
             raise
         except Exception as exc:
@@ -74,12 +72,9 @@ class Feed:
 
     def _fail(self, exc: BaseException) -> None:
         self.failure = exc
-        feeds = _feeds.get(self.opened.get_loop())
+        feeds = _feeds.get(self.loop)
         if feeds is not None and feeds.get(self.actor._actor_id) is self:
             del feeds[self.actor._actor_id]
-        if not self.opened.done():
-            self.opened.set_exception(exc)
-            self.opened.exception()  # the first request raises it; nobody else need retrieve it
         streams, self.streams = self.streams, {}
         for stream in streams.values():
             stream.running = False
@@ -89,32 +84,38 @@ class Feed:
 def start(decode, request, *args) -> FedStream:
     """Start `DecodeWorker.generate(request, *args)` on the decode worker, its deltas coming over this event
     loop's feed from that worker (opened on first use). Returns at once: as with a stream of its own, an
-    error in opening the feed or in starting the request is raised by the first read."""
+    error of the feed or of the start is raised by the first read."""
     feeds = _feeds.setdefault(asyncio.get_running_loop(), {})
     feed = feeds.get(decode._actor_id)
     if feed is None:
         feed = feeds[decode._actor_id] = Feed(decode)
-    return FedStream(feed, request, args)
+    key = next(feed.keys)
+    # Submitted now, as a stream of its own would be: the arguments are what they are at this call (the
+    # caller may go on to change them, e.g. a layer-wise PrefillResult's first token).
+    return FedStream(feed, key, request.num_outputs == 1, decode.start.remote(feed.feed_id, key, request, *args))
 
 
 class FedStream:
     """One request's deltas from its feed. Deltas that arrived while the consumer was busy come out as one
     (one candidate only: several candidates' deltas are already coalesced per candidate by the worker)."""
 
-    def __init__(self, feed: Feed, request, args: tuple):
-        self.feed, self.key, self.coalesce = feed, next(feed.keys), request.num_outputs == 1
+    def __init__(self, feed: Feed, key: int, coalesce: bool, started):
+        self.feed, self.key, self.coalesce = feed, key, coalesce
         self.items: collections.deque = collections.deque()
         self.ready = asyncio.Event()
         self.ended = False
         self.running = True  # on the worker, or starting
-        feed.streams[self.key] = self
-        self.starting = asyncio.ensure_future(self._start(request, args))
+        if feed.failure is not None:
+            self.running = False
+            self.put(FeedFailed(feed.failure))
+        else:
+            feed.streams[key] = self
+        self.starting = asyncio.ensure_future(self._started(started))
 
-    async def _start(self, request, args: tuple) -> None:
+    async def _started(self, started) -> None:
         try:
-            await asyncio.shield(self.feed.opened)
-            await self.feed.actor.start.remote(self.feed.feed_id, self.key, request, *args)
-        except asyncio.CancelledError:  # closed while starting: `close` aborts it in case it started
+            await started
+        except asyncio.CancelledError:  # closed meanwhile: `close` aborts it in case it started
             raise
         except Exception as exc:  # it did not start
             if self.running:

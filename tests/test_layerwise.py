@@ -101,7 +101,10 @@ def test_layerwise_greedy_outputs_equal_normal_disaggregation_and_hf(layerwise, 
     for p, (lw_tokens, _), (base_tokens, _) in zip(prompts, lw, base):
         assert lw_tokens == base_tokens == hf_greedy(tiny_llama_dir, p, GREEDY.max_tokens)
     assert ray.get(only(layerwise.prefill).transfer_stats.remote())["layerwise_leases"] == before + len(prompts)
-    assert ray.get(only(layerwise.decode).transfer_stats.remote())["layerwise_pulls"] >= len(prompts)
+    # Every prompt was leased early; a prompt whose first token is out by the time the prefill worker
+    # answers (a one-chunk prompt on this tiny model, now and then) is handed over the ordinary way.
+    stats = ray.get(only(layerwise.decode).transfer_stats.remote())
+    assert 1 <= stats["layerwise_pulls"] <= len(prompts), stats
     assert_nothing_held(layerwise)
 
 
