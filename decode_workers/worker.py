@@ -39,11 +39,18 @@ class Feed:
     def __init__(self):
         self.items: list[tuple] = []
         self.wakeup = asyncio.Event()
-        self.tasks: dict[str, asyncio.Task] = {}
+        self.tasks: dict[int, asyncio.Task] = {}  # by the caller's key
 
     def put(self, item: tuple) -> None:
         self.items.append(item)
         self.wakeup.set()
+
+
+def _remember(recent: OrderedDict, key, value, limit: int = 1024) -> None:
+    """Keep `key` in `recent`, dropping the oldest entries beyond `limit`."""
+    recent[key] = value
+    while len(recent) > limit:
+        recent.popitem(last=False)
 
 
 def _cancel_once(task: asyncio.Task) -> None:
@@ -150,9 +157,7 @@ class DecodeWorker(EngineServer):
                 yield items
         finally:
             del self.feeds[feed_id]
-            self.closed_feeds[feed_id] = None
-            while len(self.closed_feeds) > 1024:
-                self.closed_feeds.popitem(last=False)
+            _remember(self.closed_feeds, feed_id, None)
             for task in list(feed.tasks.values()):
                 _cancel_once(task)
 
@@ -171,9 +176,7 @@ class DecodeWorker(EngineServer):
             async for delta in self.generate(request, prefill, pending):
                 feed.put((key, delta))
         except Exception as exc:  # the ingress fetches it with `feed_error`, raised as Ray raises errors
-            self.feed_errors[feed_id, key] = exc
-            while len(self.feed_errors) > 1024:  # never fetched (the ingress left)
-                self.feed_errors.popitem(last=False)
+            _remember(self.feed_errors, (feed_id, key), exc)  # bounded: the ingress may never fetch it
             feed.put((key, FEED_FAILED))
             return
         feed.put((key, FEED_END))  # (cancelled by `abort` or by the feed's close, nobody reads it: no item)
