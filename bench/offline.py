@@ -12,6 +12,7 @@ see the same machine load; the ratio within a round is the number to trust on a 
 Run: .venv/bin/python bench/offline.py --repeat 3
      .venv/bin/python bench/offline.py --num-requests 32 --prompt-len 128 --output-len 128 --skip-hf
      .venv/bin/python bench/offline.py --profile /tmp/engine.json   (torch.profiler trace of the engine batch)
+     python3 bench/offline.py --device cuda --dtype bfloat16 --model DIR   (both sides on the GPU; bench/gpu_check.sh)
 """
 from __future__ import annotations
 
@@ -105,8 +106,8 @@ class _TokenClock:
 def hf_generate(model, prompts, output_len: int, streamer=None) -> list[list[int]]:
     width = max(len(p) for p in prompts)
     pad = model.generation_config.pad_token_id or 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
                          do_sample=False, pad_token_id=pad, streamer=streamer)
     return out[:, width:].tolist()
@@ -132,6 +133,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="both sides' device (auto: CUDA when present)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="both sides' precision (the engine's `auto` is bfloat16 on CPUs with AMX/AVX512-BF16)")
     ap.add_argument("--seed", type=int, default=0)
@@ -142,18 +145,20 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(model=args.model, num_threads=args.threads, dtype=args.dtype))
+    engine = Engine(EngineConfig(model=args.model, num_threads=args.threads, dtype=args.dtype, device=args.device))
+    device = engine.runner.device
     vocab = engine.runner.vocab_size
     warmup = make_prompts(4, args.prompt_len, vocab, args.seed + 1000)
     engine.generate(warmup, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     model = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=getattr(torch, args.dtype)).eval()
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=getattr(torch, args.dtype))
+        model = model.to(device).eval()
         hf_generate(model, warmup, 8)
 
     print(f"{args.num_requests} requests x {args.prompt_len} prompt x {args.output_len} output tokens, "
-          f"greedy fp32, {args.threads} threads, torch {torch.__version__}")
+          f"greedy {args.dtype} on {device}, {args.threads} threads, torch {torch.__version__}")
     print(f"{'round':<6} {'':<12} {'output tok/s':>12} {'wall s':>8} {'cpu s':>8} {'1-req decode ms/tok':>20}")
     ratios = []
     for r in range(args.repeat):
