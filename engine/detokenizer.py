@@ -6,6 +6,15 @@ from engine.sampling_params import SamplingParams
 PROMPT_CONTEXT_TOKENS = 5
 
 
+def backend_decode(tokenizer):
+    """The Rust tokenizer's own `decode` when the HF wrapper would add nothing to it (no clean-up of
+    spaces): the wrapper's argument conversion cost more than the decoding, twice per token."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode
+    return backend.decode
+
+
 class IncrementalDetokenizer:
     """Decodes a growing token list a window at a time, as vLLM does: text is released only once it
     no longer ends in a replacement character, and up to len(longest stop) - 1 characters are held
@@ -14,6 +23,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] | set[int] = frozenset()):
         self.tokenizer = tokenizer
+        self.decode = backend_decode(tokenizer)
         self.params = params
         # Token ids that end the request: their text is not output (as vLLM), EOS unless it is ignored.
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
@@ -37,8 +47,8 @@ class IncrementalDetokenizer:
             return None
         self.ids.append(token_id)
         skip = self.params.skip_special_tokens
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=skip)
+        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        full = self.decode(self.ids[self.prefix_offset:], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
         new_text = full[len(prefix):]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
+from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutputManager, apply_grammar_bitmask
 
 
@@ -16,13 +17,20 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self.structured = structured
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict | None]]:
+        """A token (and a logprobs entry, or None) per row. Penalties, bias, min_tokens bans and grammar
+        masks are written into `logits` in place: no copy of a [rows, vocab] tensor per step."""
         want_logprobs = [r.sampling_params.logprobs is not None for r in reqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        logits = logits.clone()
-        for i, req in enumerate(reqs):
-            self._adjust(logits[i], req)
         constrained = [i for i, r in enumerate(reqs) if r.structured_output_request is not None]
+        adjusted = [i for i, r in enumerate(reqs) if _adjusts(r.sampling_params)]
+        banned = [(i, t) for i, r in enumerate(reqs) for t in self._banned(r)]
+        for i in adjusted:
+            self._adjust(logits[i], reqs[i])
+        if banned:  # one indexed write for every row's banned tokens (per row, each would sync a GPU)
+            ban_rows, ban_cols = zip(*banned)
+            logits[_index(ban_rows, logits), _index(ban_cols, logits)] = float("-inf")
         if constrained:
             bitmask = self.structured.grammar_bitmask([reqs[i].structured_output_request for i in constrained])
             apply_grammar_bitmask(logits, bitmask, constrained)
@@ -34,17 +42,24 @@ class Sampler:
                 tokens[i] = t
         random = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
         if random:
-            probs = filtered_probs(logits[random], [reqs[i] for i in random])
-            for row, i in enumerate(random):
-                tokens[i] = draw(probs[row], reqs[i].generator)
+            filtered = filtered_logits(logits[random], [reqs[i] for i in random])
+            for i, t in zip(random, draw_rows(filtered, [reqs[i].generator for i in random])):
+                tokens[i] = t
         logprobs = [None] * len(reqs)
         for i, want in enumerate(want_logprobs):
             if want:
                 logprobs[i] = _logprobs_entry(raw_logprobs[i], tokens[i], reqs[i].sampling_params.logprobs)
         return tokens, logprobs
 
+    def _banned(self, req: Request) -> set[int]:
+        """Tokens a request may not sample yet: its stop tokens (and EOS, unless ignored) until min_tokens."""
+        p = req.sampling_params
+        if req.num_output_tokens >= p.min_tokens:
+            return set()
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+
     def _adjust(self, row: torch.Tensor, req: Request) -> None:
-        """Penalties, logit bias and min_tokens masking, in place, as vLLM applies them."""
+        """Penalties and logit bias, in place, as vLLM applies them (min_tokens masking: `_banned`)."""
         p = req.sampling_params
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=row.device)
@@ -57,37 +72,47 @@ class Sampler:
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
             row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
-        if req.num_output_tokens < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-            if banned:
-                row[list(banned)] = float("-inf")
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from a row of probabilities: argmax(p / q), q ~ Exp(1) per entry, picks token i with
-    probability p_i (torch.multinomial does the same for one sample). It always takes one float32 Exp(1)
-    per vocabulary entry from the generator, so `skip_draws` can replay what earlier tokens took."""
-    q = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(generator=generator)
-    return int((probs.float() / q.clamp_min_(torch.finfo(torch.float32).tiny)).argmax())
+def _index(values, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=like.device)
+
+
+def _adjusts(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty or p.presence_penalty or p.logit_bias)
+
+
+def draw_rows(logits: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+    """One token from each row of (filtered) logits, row r drawing from generators[r]. Gumbel-max:
+    argmax(logits - log(-log u)), u ~ U[0, 1) per entry, picks token i with probability softmax(logits)_i
+    (the same as argmax(p / q) with q ~ Exp(1), without a softmax). Each row takes one float32 uniform per
+    vocabulary entry from its generator, so `skip_draws` can replay what earlier tokens took; uniforms
+    cost a seventh of what torch's Exp(1) draws do on CPU. One argmax for all rows: a GPU syncs once."""
+    u = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for row, generator in zip(u, generators):
+        row.uniform_(generator=generator)
+    gumbel = u.log_().neg_().log_().neg_()  # u = 0 gives -inf: never picked
+    return gumbel.add_(logits).argmax(dim=-1).tolist()
 
 
 def skip_draws(generator: torch.Generator, vocab_size: int, n: int) -> None:
     """Advance `generator` past `n` draws, as if it had sampled the tokens a request got elsewhere (its
     first token on a prefill worker, or its output before a migration): a seeded request then continues
     with the samples it would have drawn on one worker."""
-    q = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    u = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
     for _ in range(n):
-        q.exponential_(generator=generator)
+        u.uniform_(generator=generator)
 
 
-def filtered_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """Probabilities after temperature, min-p, top-k and top-p; filtered-out tokens get probability 0."""
+def filtered_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Logits after temperature, min-p, top-k and top-p, as float32; filtered-out tokens are -inf."""
     params = [r.sampling_params for r in reqs]
+    logits = logits.float()
     temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     logits = logits / temp.unsqueeze(1)
-    probs = torch.softmax(logits, dim=-1)
     min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
     if (min_p > 0).any():
+        probs = torch.softmax(logits, dim=-1)
         keep = probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(~keep, float("-inf"))
     vocab = logits.shape[1]
@@ -95,7 +120,12 @@ def filtered_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
     if (top_k < vocab).any() or (top_p < 1.0).any():
         logits = _top_k_top_p(logits, top_k.clamp(max=vocab), top_p)
-    return torch.softmax(logits, dim=-1)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Probabilities after temperature, min-p, top-k and top-p; filtered-out tokens get probability 0."""
+    return torch.softmax(filtered_logits(logits, reqs), dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

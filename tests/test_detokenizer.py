@@ -1,9 +1,11 @@
 """Incremental detokenization and finish reasons: streamed text equals the full decode, never half a
 UTF-8 character, stop strings never leak, and every way a request ends is reported as vLLM does."""
+import random
+
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, backend_decode
 from engine.model_loader import load_tokenizer
 
 MULTI_BYTE_TEXTS = ["Hello, world! 😀 こんにちは世界 🇫🇷 naïve café — ok",
@@ -220,3 +222,13 @@ def test_engine_abort_finishes_with_abort(tiny_engine):
     assert tiny_engine.abort("abort-me")
     assert req.finished and req.finish_reason == "abort"
     assert not tiny_engine.has_unfinished_requests()
+
+
+def test_the_default_tokenizer_decodes_through_its_backend_with_the_wrappers_text(tokenizer):
+    decode = backend_decode(tokenizer)
+    assert decode == tokenizer._tokenizer.decode  # no wrapper per token: its conversions cost more than decoding
+    rng = random.Random(0)
+    for _ in range(500):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)

@@ -9,7 +9,12 @@ from engine.sampler import Sampler, filtered_probs
 
 EOS = 0
 VOCAB = 16
-sampler = Sampler(eos_token_ids={EOS})
+SAMPLER = Sampler(eos_token_ids={EOS})
+
+
+def sampler(logits, reqs):
+    """The engine hands the sampler each step's logits once and it writes into them; these tests reuse theirs."""
+    return SAMPLER(logits.clone(), reqs)
 
 
 def make_request(params: SamplingParams, prompt=(1, 2), output=(), seed=0) -> Request:
@@ -294,3 +299,14 @@ def test_n_without_a_seed_still_gives_n_candidates(tiny_engine):
     out = tiny_engine.generate(["Once upon a time"], SamplingParams(n=2, max_tokens=2, ignore_eos=True))[0]
     assert len(out.candidates) == 2
     assert all(len(c.token_ids) == 2 for c in out.candidates)
+
+
+def test_bans_are_written_into_the_step_logits_and_plain_greedy_rows_are_left_alone():
+    logits = eos_favoured_logits(stop_token=9).repeat(2, 1)
+    before = logits.clone()
+    banned = make_request(greedy(min_tokens=1, stop_token_ids=[9]))
+    plain = make_request(greedy())
+    tokens, _ = SAMPLER(logits, [banned, plain])
+    assert tokens[0] not in (EOS, 9) and tokens[1] == int(before[1].argmax())
+    assert logits[0, EOS] == logits[0, 9] == float("-inf")  # no [rows, vocab] copy per step
+    assert torch.equal(logits[1], before[1])
