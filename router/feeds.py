@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import itertools
 import logging
 import uuid
@@ -26,6 +27,14 @@ logger = logging.getLogger(__name__)
 
 # Per event loop (a Serve replica has one; a test may run several in turn), per decode worker.
 _feeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def detached(fn, *args):
+    """`fn(*args)` outside the calling request's Ray task: in a Serve replica each request is an actor task,
+    and a client that leaves is a recursive `ray.cancel` of it, which also cancels every task it submitted
+    (tracked through a context variable). A feed and the calls on it serve all of this loop's requests, so
+    they are submitted, and the pump runs, in a context of their own."""
+    return contextvars.Context().run(fn, *args)
 
 
 class FeedFailed(Exception):
@@ -47,8 +56,8 @@ class Feed:
         self.failure: BaseException | None = None
         self.loop = asyncio.get_running_loop()
         # Submitted now, before any start on it (the worker also opens a feed on its first start).
-        self.generator = actor.open_feed.options(num_returns="streaming").remote(self.feed_id)
-        self.pump = asyncio.ensure_future(self._pump())
+        self.generator = detached(actor.open_feed.options(num_returns="streaming").remote, self.feed_id)
+        self.pump = detached(asyncio.ensure_future, self._pump())
 
     async def _pump(self) -> None:
         try:
@@ -92,7 +101,9 @@ def start(decode, request, *args) -> FedStream:
     key = next(feed.keys)
     # Submitted now, as a stream of its own would be: the arguments are what they are at this call (the
     # caller may go on to change them, e.g. a layer-wise PrefillResult's first token).
-    return FedStream(feed, key, request.num_outputs == 1, decode.start.remote(feed.feed_id, key, request, *args))
+    # Detached too: a request cancelled before its start ran is aborted by its stream's close.
+    return FedStream(feed, key, request.num_outputs == 1,
+                     detached(decode.start.remote, feed.feed_id, key, request, *args))
 
 
 class FedStream:
@@ -142,7 +153,7 @@ class FedStream:
             if isinstance(item, FeedFailed):
                 raise item.cause
             if item == FEED_FAILED:
-                await self.feed.actor.feed_error.remote(self.feed.feed_id, self.key)  # raises the request's error
+                await detached(self.feed.actor.feed_error.remote, self.feed.feed_id, self.key)  # raises its error
             raise StopAsyncIteration  # FEED_END
         while self.coalesce and not item.finished and self.items and isinstance(self.items[0], TokenDelta):
             item.extend(self.items.popleft())
@@ -157,4 +168,4 @@ class FedStream:
             self.running = False
             self.feed.streams.pop(self.key, None)
             if self.feed.failure is None:
-                self.feed.actor.abort.remote(self.feed.feed_id, self.key)
+                detached(self.feed.actor.abort.remote, self.feed.feed_id, self.key)

@@ -125,3 +125,31 @@ def test_a_killed_worker_fails_every_request_on_its_feed_with_ray_actor_error(ra
         assert all(isinstance(r, ray.exceptions.RayActorError) for r in results), results
     finally:
         pools.shutdown()
+
+
+def test_a_cancelled_call_that_opened_the_feed_leaves_the_other_requests_on_it_running(decode):
+    """As in a Serve replica: each request is an actor task on one event loop, and a client that leaves is
+    a recursive ray.cancel of its task, which also cancels what that task submitted. The feed belongs to
+    every request on it, so the call that happened to open it must not take it down when it is cancelled."""
+
+    @ray.remote
+    class Replica:
+        def __init__(self, decode):
+            self.decode = decode
+
+        async def tokens(self, request: GenerateRequest) -> list[int]:
+            return [t async for delta in run_request(request, self.decode) for t in delta.token_ids]
+
+    replica = Replica.remote(decode)
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    opener = replica.tokens.remote(GenerateRequest("opener", prompt(11), long))
+    assert wait_for(lambda: feed_stats(decode)["running"] == 1)
+    survivor = replica.tokens.remote(GenerateRequest("survivor", prompt(12), SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)))
+    assert wait_for(lambda: feed_stats(decode)["running"] == 2)
+    ray.cancel(opener)  # recursive, as Serve cancels a request whose client left
+    with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
+        ray.get(opener, timeout=60)
+    assert len(ray.get(survivor, timeout=120)) == 120
+    assert wait_for(lambda: feed_stats(decode)["running"] == 0)  # the opener was aborted on the worker
+    assert wait_for(lambda: ray.get(decode.stats.remote()).num_active_blocks == 0)
+    ray.kill(replica)
