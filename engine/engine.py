@@ -62,7 +62,6 @@ class Engine(Forking):
         self.num_prompt_tokens = 0
         self.step_costs = StepCosts()  # measured on every step; workers report it, the router places with it
         self.borrowing = False  # the coming step runs on borrowed cores as well (set by the engine loop)
-        self.borrow_cut = False  # this step gave its borrowed cores back midway (engine_loop.watch_lenders)
         # Called with each step's schedule before its forward runs (a prefill worker leasing blocks early).
         self.on_scheduled: Callable[[list[tuple[Request, int]]], None] | None = None
 
@@ -308,7 +307,6 @@ class Engine(Forking):
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         self.scheduler.step_token_cap = self._borrowed_step_cap() if self.borrowing else None
-        self.borrow_cut = False
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.waiting_for_grammar and not failed:  # nothing to run until a grammar is ready
@@ -335,9 +333,7 @@ class Engine(Forking):
             outputs = self._sample(sampled, force_reasoning_end(logits, sampled))
         else:
             outputs = self.speculator.sample(sampled, logits)
-        if self.borrow_cut:  # partly on borrowed cores: neither speed's measurement
-            pass
-        elif num_logits is None:
+        if num_logits is None:
             self.step_costs.observe(*shape, time.perf_counter() - started, borrowed=self.borrowing)
         else:
             self.speculator.observe_step(shape, num_logits, time.perf_counter() - started)
