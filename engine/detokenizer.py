@@ -22,7 +22,6 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] | set[int] = frozenset()):
-        self.tokenizer = tokenizer
         self.decode = backend_decode(tokenizer)
         self.params = params
         # Token ids that end the request: their text is not output (as vLLM), EOS unless it is ignored.
