@@ -145,7 +145,9 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(model=args.model, num_threads=args.threads, dtype=args.dtype, device=args.device))
+    # HF runs every request as one batch: so does the engine (its default admits 64 sequences at a time).
+    engine = Engine(EngineConfig(model=args.model, num_threads=args.threads, dtype=args.dtype, device=args.device,
+                                 max_num_seqs=max(64, args.num_requests)))
     device = engine.runner.device
     vocab = engine.runner.vocab_size
     warmup = make_prompts(4, args.prompt_len, vocab, args.seed + 1000)

@@ -1,10 +1,12 @@
 """Runs the HF model on a packed batch of scheduled tokens against the paged KV cache."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine import cpu_kernels
 from engine.cpu_layers import fuse_decoder_layers, use_onednn_linears
@@ -49,6 +51,11 @@ class ModelRunner:
         # On CPU fp32 and bf16 decodes are attended in place by the C kernel; elsewhere by gather + SDPA.
         self.paged_kernel = (self.device.type == "cpu" and config.torch_dtype in (torch.float32, torch.bfloat16)
                              and cpu_kernels.available())
+        # On CUDA, SDPA may pick cuDNN, which plans each new shape on the host (2-2.5 ms per call on an H200,
+        # 30 calls a step; a decode's context grows every step, so it never reuses a plan): 60% of a step's
+        # host time. Flash and memory-efficient attention launch in microseconds.
+        self.sdpa_backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+                              if self.device.type == "cuda" else None)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], sample_mask: list[bool],
@@ -101,8 +108,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: PackedBatch, keep: torch.Tensor) -> torch.Tensor:
         """Run the model on a packed batch; logits only at the positions in `keep`."""
-        out = self.model(input_ids=batch.input_ids.unsqueeze(0), position_ids=batch.positions.unsqueeze(0),
-                         use_cache=False, logits_to_keep=keep, tandem_attn=batch.attn_metadata)
+        with sdpa_kernel(self.sdpa_backends) if self.sdpa_backends else nullcontext():
+            out = self.model(input_ids=batch.input_ids.unsqueeze(0), position_ids=batch.positions.unsqueeze(0),
+                             use_cache=False, logits_to_keep=keep, tandem_attn=batch.attn_metadata)
         return out.logits[0].float()
 
     def _prefill_segment(self, offset: int, num_new: int, context_len: int, table: list[int]) -> PrefillSegment:

@@ -109,6 +109,23 @@ def test_dtype_auto_is_bfloat16_on_cuda_and_tracks_fp32_logits(tiny_llama_dir):
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_steps_never_run_cudnn_attention(tiny_llama_dir, dtype):
+    """cuDNN's SDPA plans every new shape on the host (~2 ms a call on an H200), and a decode's context
+    grows each step: the runner keeps SDPA on flash / memory-efficient / math kernels."""
+    engine = cuda_engine(tiny_llama_dir, num_kv_blocks=128, dtype=dtype)
+    vocab = engine.runner.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.generate(prompts_of((8, 20), vocab), params)  # warm, outside the profile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        prompts = prompts_of((5, 17, 40, 64), vocab, seed=1)
+        engine.generate(prompts, params)  # mixed lengths: masked decode groups
+        engine.generate([prompts[3] + prompts[0]], params)  # a cached prefix: a prefill attending its blocks
+    names = {e.name for e in prof.events()}
+    assert "aten::scaled_dot_product_attention" in names
+    assert not [n for n in names if "cudnn" in n.lower()], sorted(n for n in names if "attention" in n)
+
+
 def test_layer_progress_reports_every_layer_in_order_from_cuda_events(tiny_llama_dir):
     engine = cuda_engine(tiny_llama_dir, num_kv_blocks=64)
     reports, done = [], threading.Event()
