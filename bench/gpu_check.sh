@@ -5,11 +5,12 @@
 #      over gRPC between two CUDA caches, whole and layer-wise;
 #   2. bench/offline.py on the GPU: the engine against HF generate, bf16 and fp32, on a random-weight
 #      model of SmolLM2-135M's shape (its weights do not travel; its tokenizer does);
-#   3. bench/transfer.py's gRPC cases, with the CUDA-cache case.
+#   3. bench/step_profile.py: a 256-sequence decode step under cProfile and torch.profiler;
+#   4. bench/transfer.py's gRPC cases, with the CUDA-cache case.
 # Usage (repository root): bench/gpu_check.sh OUT_DIR TOKENIZER_DIR
 #   TOKENIZER_DIR holds the default model's tokenizer files (tokenizer.json, tokenizer_config.json, ...);
 #   carried wheels in .whl/ (what the machine's image lacks or has too old: llguidance, grpcio, protobuf)
-#   are installed first; SKIP_TRANSFER=1 leaves out step 3.
+#   are installed first; SKIP_TRANSFER=1 leaves out step 4.
 set -uo pipefail
 out=${1:?OUT_DIR}
 tok=${2:?TOKENIZER_DIR}
@@ -41,6 +42,11 @@ for run in "bfloat16 64" "bfloat16 256" "float32 64"; do
         --prompt-len 128 --output-len 128 --repeat 2 --threads 4 2>&1 | grep -v "Loading weights" \
         | tee -a "$out/offline.log"
 done
+
+echo "== bench/step_profile.py: one 256-sequence decode step, host against CUDA time"
+timeout 100 python3 bench/step_profile.py --device cuda --dtype bfloat16 --num-requests 256 --steps 10 2>&1 \
+    | grep -v -e "Loading weights" -e "Writing model" > "$out/step_profile.log"
+head -1 "$out/step_profile.log"
 
 if [ -z "${SKIP_TRANSFER:-}" ]; then
     echo "== bench/transfer.py (gRPC cases)"
