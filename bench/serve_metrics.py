@@ -177,7 +177,10 @@ def slowest_ttfts(results: list[RequestResult], count: int = 5) -> list[dict]:
         out.append({"ttft_ms": round(r.ttft * 1000, 1), "arrival_s": round(r.arrival, 2),
                     "path": r.timeline.get("prefill_path"), "reason": r.timeline.get("routing_reason"),
                     "predicted_ttft_ms": None if r.timeline.get("predicted_ttft_s") is None
-                    else round(r.timeline["predicted_ttft_s"] * 1000, 1), "gaps_ms": gaps})
+                    else round(r.timeline["predicted_ttft_s"] * 1000, 1), "gaps_ms": gaps,
+                    "prefill_steps": r.timeline.get("prefill_steps", 0),
+                    "prefill_borrowed_steps": r.timeline.get("prefill_borrowed_steps", 0),
+                    "prefill_forward_ms": round(r.timeline.get("prefill_forward_s", 0.0) * 1000, 1)})
     return out
 
 
@@ -186,6 +189,10 @@ def format_slowest(rows: list[dict]) -> str:
     lines = []
     for row in rows:
         gaps = " ".join(f"{stage} +{ms:g}" for stage, ms in row["gaps_ms"].items())
+        steps = ""
+        if row.get("prefill_steps"):
+            steps = (f" | prefill in {row['prefill_steps']} forwards ({row['prefill_borrowed_steps']} borrowed), "
+                     f"{row['prefill_forward_ms']:g} ms")
         lines.append(f"TTFT {row['ttft_ms']:g} ms at {row['arrival_s']:g} s: {row['path']} ({row['reason']}, "
-                     f"predicted {row['predicted_ttft_ms']} ms) | {gaps}")
+                     f"predicted {row['predicted_ttft_ms']} ms) | {gaps}{steps}")
     return "\n".join(lines)

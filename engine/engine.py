@@ -325,6 +325,8 @@ class Engine(Forking):
             return failed + [out for req, _ in scheduled for out in self._fail(req, exc)]
         sampled = [req for (req, _), s in zip(scheduled, sample_mask) if s]
         shape = step_shape(scheduled)  # before the requests advance
+        prefilling = [req for req, n in scheduled
+                      if req.num_computed_tokens == 0 or (n > 1 and not req.spec_token_ids)] if shape[1] else []
         for req, n in scheduled:
             if not req.spec_token_ids:  # a drafted request advances by what its verification keeps
                 req.num_computed_tokens += n
@@ -333,10 +335,15 @@ class Engine(Forking):
             outputs = self._sample(sampled, force_reasoning_end(logits, sampled))
         else:
             outputs = self.speculator.sample(sampled, logits)
+        seconds = time.perf_counter() - started
         if num_logits is None:
-            self.step_costs.observe(*shape, time.perf_counter() - started, borrowed=self.borrowing)
+            self.step_costs.observe(*shape, seconds, borrowed=self.borrowing)
         else:
-            self.speculator.observe_step(shape, num_logits, time.perf_counter() - started)
+            self.speculator.observe_step(shape, num_logits, seconds)
+        for req in prefilling:
+            req.times.prefill_steps += 1
+            req.times.prefill_borrowed_steps += self.borrowing
+            req.times.prefill_forward_s += seconds
         return failed + outputs
 
     def _borrowed_step_cap(self) -> int | None:

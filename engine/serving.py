@@ -87,6 +87,11 @@ class EngineServer:
                 if unscheduled and engine_req.times.first_scheduled is not None:
                     unscheduled = False
                     request.stamp(scheduled_stage, engine_req.times.first_scheduled)
+                if not request.timeline.prefill_steps and engine_req.times.prefill_steps:  # the prompt is done
+                    times = engine_req.times
+                    request.timeline.prefill_steps = times.prefill_steps
+                    request.timeline.prefill_borrowed_steps = times.prefill_borrowed_steps
+                    request.timeline.prefill_forward_s = round(times.prefill_forward_s, 6)
                 for out in _coalesce(batch):
                     yield out
                     if out.finished or out.kv_transfer_params is not None:

@@ -57,6 +57,11 @@ class RequestTimeline:
     blocks_pulled: int = 0
     blocks_skipped: int = 0
     bytes_pulled: int = 0
+    # The forwards that computed the prompt, on the worker that computed it (engine RequestTimes): how
+    # many, how many on borrowed cores, and their seconds (a step's whole time, shared with its batch).
+    prefill_steps: int = 0
+    prefill_borrowed_steps: int = 0
+    prefill_forward_s: float = 0.0
     # W3C trace context of the ingress span when OpenTelemetry tracing is on (router/tracing.py).
     traceparent: str | None = None
 
@@ -70,10 +75,13 @@ class RequestTimeline:
         return out
 
     def merge(self, other: RequestTimeline | None) -> None:
-        """Take in a worker's copy: its stages, and the transfer it made."""
+        """Take in a worker's copy: its stages, the prefill it computed and the transfer it made."""
         if other is None:
             return
         self.times.update(other.times)
+        if other.prefill_steps:
+            self.prefill_steps, self.prefill_borrowed_steps = other.prefill_steps, other.prefill_borrowed_steps
+            self.prefill_forward_s = other.prefill_forward_s
         if other.blocks_pulled or other.blocks_skipped:
             self.blocks_pulled, self.blocks_skipped = other.blocks_pulled, other.blocks_skipped
             self.bytes_pulled = other.bytes_pulled

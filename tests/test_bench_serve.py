@@ -243,7 +243,8 @@ async def _fake_stream(request: web.Request) -> web.StreamResponse:
                  "prefill_done": 100.5, "first_token": 100.503}
         last["tandem"] = {"request_id": "r", "timelines": [{"times": times, "prefill_path": "remote",
                                                            "routing_reason": "remote_within_ttft_slo",
-                                                           "predicted_ttft_s": 0.45}]}
+                                                           "predicted_ttft_s": 0.45, "prefill_steps": 3,
+                                                           "prefill_borrowed_steps": 1, "prefill_forward_s": 0.29}]}
     await resp.write(_sse(last))
     await resp.write(b"data: [DONE]\n\n")
     return resp
@@ -306,7 +307,9 @@ def test_tandem_trace_keeps_each_timeline_and_pins_the_slowest_first_tokens_on_a
     assert rows[0]["reason"] == "remote_within_ttft_slo" and rows[0]["predicted_ttft_ms"] == 450.0
     assert rows[0]["gaps_ms"] == {"routed": 4.0, "prefill_queued": 2.0, "prefill_started": 194.0,
                                   "prefill_done": 300.0, "first_token": 3.0}
+    assert (rows[0]["prefill_steps"], rows[0]["prefill_borrowed_steps"], rows[0]["prefill_forward_ms"]) == (3, 1, 290.0)
     assert "prefill_done +300" in format_slowest(rows)
+    assert "prefill in 3 forwards (1 borrowed), 290 ms" in format_slowest(rows)
 
 
 def test_multi_turn_sends_the_conversation_so_far(fake_server):

@@ -52,6 +52,16 @@ def test_merging_a_workers_copy_adds_its_stages_and_transfer():
     assert set(timeline.phase_seconds()) == {"transfer"}
 
 
+def test_merging_takes_the_prefill_accounting_of_the_worker_that_computed_the_prompt():
+    timeline = RequestTimeline("r2")
+    prefill = timeline.copy()
+    prefill.prefill_steps, prefill.prefill_borrowed_steps, prefill.prefill_forward_s = 4, 1, 0.8
+    timeline.merge(prefill)
+    timeline.merge(RequestTimeline("r2"))  # the decode worker's copy's copy: it computed no prompt
+    assert (timeline.prefill_steps, timeline.prefill_borrowed_steps, timeline.prefill_forward_s) == (4, 1, 0.8)
+    assert timeline.to_dict()["prefill_steps"] == 4
+
+
 def test_the_store_keeps_only_the_most_recent_requests():
     store = TraceStore(capacity=2)
     for rid in ("a", "b", "c"):
