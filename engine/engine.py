@@ -62,6 +62,7 @@ class Engine(Forking):
         self.num_prompt_tokens = 0
         self.step_costs = StepCosts()  # measured on every step; workers report it, the router places with it
         self.borrowing = False  # the coming step runs on borrowed cores as well (set by the engine loop)
+        self.borrow_cut = False  # this step gave its borrowed cores back midway (engine_loop.watch_lenders)
         # Called with each step's schedule before its forward runs (a prefill worker leasing blocks early).
         self.on_scheduled: Callable[[list[tuple[Request, int]]], None] | None = None
 
@@ -307,6 +308,7 @@ class Engine(Forking):
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         self.scheduler.step_token_cap = self._borrowed_step_cap() if self.borrowing else None
+        self.borrow_cut = False
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.waiting_for_grammar and not failed:  # nothing to run until a grammar is ready
@@ -336,13 +338,15 @@ class Engine(Forking):
         else:
             outputs = self.speculator.sample(sampled, logits)
         seconds = time.perf_counter() - started
-        if num_logits is None:
+        if self.borrow_cut:  # partly on borrowed cores: neither speed's measurement
+            pass
+        elif num_logits is None:
             self.step_costs.observe(*shape, seconds, borrowed=self.borrowing)
         else:
             self.speculator.observe_step(shape, num_logits, seconds)
         for req in prefilling:
             req.times.prefill_steps += 1
-            req.times.prefill_borrowed_steps += self.borrowing
+            req.times.prefill_borrowed_steps += self.borrowing or self.borrow_cut
             req.times.prefill_forward_s += seconds
         return failed + outputs
 

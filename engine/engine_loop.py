@@ -29,6 +29,21 @@ class EngineStopped(RuntimeError):
     """The worker is shutting down: its engine takes no more commands."""
 
 
+def watch_lenders(engine: Engine, cores: PinnedCores) -> None:
+    """Before each decoder layer of a forward on borrowed cores, give back the cores whose owner turned busy
+    (`PinnedCores.give_back_reclaimed`): a forward cannot stop halfway, but it can shrink. Such a step ran
+    partly on borrowed cores, so it is measured as neither kind (`Engine.borrow_cut`)."""
+    from engine.layer_progress import decoder_layers  # with the model, not in the control plane
+
+    def check(module, args) -> None:
+        if engine.borrowing and cores.give_back_reclaimed():
+            engine.borrowing = False
+            engine.borrow_cut = True
+
+    for layer in decoder_layers(engine.runner.model):
+        layer.register_forward_pre_hook(check)
+
+
 class EngineLoop:
     """Owns the stepping thread; `subscribe` gives a queue of a request's outputs."""
 
@@ -43,6 +58,8 @@ class EngineLoop:
         self.stopped = False
         self.idle = True  # waiting for work, not stepping or running commands
         self.progress_at = time.monotonic()  # when the loop last finished a step or took up work
+        if cores is not None and cores.binding.borrow and cores.owned:
+            watch_lenders(engine, cores)
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 

@@ -12,8 +12,10 @@ import torch
 
 from cluster.config import ClusterConfig
 from cluster.launcher import fit_pools_to_cores, serving_cores
-from engine import cpu_cores
+from engine import Engine, EngineConfig, SamplingParams, cpu_cores
 from engine.cpu_cores import CpuBinding, PinnedCores, assign_cores, claim_cores, node_cores, pinning_is_safe
+from engine.engine_loop import watch_lenders
+from engine.layer_progress import decoder_layers
 
 CORES = [(0,), (1,), (2,), (3,), (4,), (5,)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -247,6 +249,39 @@ def test_two_workers_lend_each_other_their_idle_cores_and_take_them_back_when_bu
         assert not decode.borrowed
         prefill.busy()
         assert not prefill.borrowed
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("lender_turns_busy", [True, False])
+def test_a_borrowed_forward_gives_the_core_back_between_layers_once_its_owner_is_busy(
+        tmp_path, monkeypatch, tiny_llama_dir, lender_turns_busy):
+    threads = []
+    monkeypatch.setattr(cpu_cores, "pin_threads", lambda cpus: None)
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    prefill = PinnedCores(CpuBinding(1, borrow=True), directory=tmp_path)
+    decode = PinnedCores(CpuBinding(1, lend=True), directory=tmp_path)
+    try:
+        engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64))
+        watch_lenders(engine, prefill)
+        layers = decoder_layers(engine.runner.model)
+        if lender_turns_busy:  # decode gets a request while the prefill's first layer runs
+            layers[0].register_forward_hook(lambda *args: decode.busy())
+        decode.idle()
+        prefill.busy()
+        assert prefill.threads == 2 and threads[-1] == 2
+        engine.borrowing = True
+        engine.add_request("p", list(range(3, 60)), SamplingParams(temperature=0.0, max_tokens=4))
+        observed = dict(engine.step_costs.borrowed_prefill_tokens_per_s)
+        engine.step()  # the prompt's one forward
+        if lender_turns_busy:
+            assert not prefill.borrowed and threads[-1] == 1 and prefill.reclaimed_midway == 1
+            assert engine.borrow_cut and not engine.borrowing
+            assert engine.step_costs.borrowed_prefill_tokens_per_s == observed  # a mixed step is not measured
+        else:
+            assert len(prefill.borrowed) == 1 and threads[-1] == 2 and prefill.reclaimed_midway == 0
+            assert not engine.borrow_cut
     finally:
         prefill.close()
         decode.close()
