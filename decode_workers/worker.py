@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 
 from engine.config import EngineConfig
@@ -11,7 +10,7 @@ from engine.request import Request
 from engine.request_log import set_request_id
 from engine.serving import EngineServer, WorkerDraining
 from engine.tracing import emit_spans
-from engine.step_costs import TransferSpeed
+from engine.step_costs import TransferSpeed, stall_free_budget
 from engine.transfer_config import TransferConfig
 from decode_workers.feeds import FeedServer
 from kv_transfer.failures import TransferFailures, failure_reason
@@ -50,9 +49,8 @@ class DecodeWorker(FeedServer, EngineServer):
         self.init_feeds()
         config = self.engine.config
         if config.itl_slo_ms:  # local prefills go in chunks that keep each step within the ITL SLO
-            self.engine.scheduler.prefill_budget = functools.partial(
-                self.engine.step_costs.prefill_budget, step_s=config.itl_slo_ms / 1000, min_tokens=config.block_size,
-                stall_ratio=config.stall_ratio)
+            self.engine.scheduler.prefill_budget = stall_free_budget(self.engine.step_costs, config.itl_slo_ms / 1000,
+                                                                     config.stall_ratio)
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult | None = None,
                        pending: list | None = None):

@@ -16,8 +16,9 @@ class Scheduler:
     running request cannot get a block, the most recently admitted one is preempted and recomputed later.
 
     `prefill_budget`, when set (a decode worker sets it from its ITL SLO), caps the prompt tokens of a
-    step that also runs decodes: it is called with the number of decodes and returns the cap (stall-free
-    batching, as in Sarathi-Serve). A step without decodes has the whole token budget."""
+    step that also runs decodes: it is called with the number of decodes and where in its prompt the step's
+    first chunk starts (late chunks of a long prompt are slower), and returns the cap (stall-free batching,
+    as in Sarathi-Serve). Without it, a step has the whole token budget."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -26,7 +27,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.prefill_budget: Callable[[int], int] | None = None
+        self.prefill_budget: Callable[[int, int], int] | None = None  # (decodes, chunk start) -> tokens
         self.step_token_cap: int | None = None  # this step's token budget, when smaller (a borrowed forward)
 
     def add(self, req: Request) -> None:
@@ -37,7 +38,8 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Request, int]]:
         budget = min(self.max_num_batched_tokens, self.step_token_cap or self.max_num_batched_tokens)
-        prefill_budget = self._prefill_budget()
+        num_decodes = self._num_decodes() if self.prefill_budget is not None else 0
+        prefill_budget = None  # set at the step's first prompt chunk, for where in its prompt that chunk starts
         scheduled: list[tuple[Request, int]] = []
         preempted = False
         i = 0
@@ -45,6 +47,8 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new > 1:
+                if prefill_budget is None:
+                    prefill_budget = self._prefill_budget(num_decodes, req.num_computed_tokens)
                 num_new = min(num_new, prefill_budget)
             elif req.spec_token_ids:  # a decode verifying its draft: 1 + k query tokens
                 del req.spec_token_ids[budget - 1:]
@@ -69,7 +73,7 @@ class Scheduler:
         passed = 0  # waiting prompts this step has no prefill room for
         while passed < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[passed]
-            if not prefill_budget and not req.num_computed_tokens:
+            if prefill_budget == 0 and not req.num_computed_tokens:
                 # A prompt to compute, and this step's prefill room is spent (a running prompt's chunk took
                 # it): requests behind it whose KV was imported only decode, and need not wait for it.
                 passed += 1
@@ -79,6 +83,8 @@ class Scheduler:
             num_cached = req.num_computed_tokens or len(computed) * self.block_manager.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             if num_new > 1:
+                if prefill_budget is None:
+                    prefill_budget = self._prefill_budget(num_decodes, num_cached)
                 num_new = min(num_new, prefill_budget)
                 if not num_new:
                     break
@@ -110,12 +116,16 @@ class Scheduler:
             queue[queue.index(old)] = new
             new.status = old.status
 
-    def _prefill_budget(self) -> int:
-        """Prompt tokens this step may carry: the cap for its decodes, or the whole budget without any."""
-        num_decodes = sum(1 for req in self.running if req.num_tokens - req.num_computed_tokens == 1)
-        if self.prefill_budget is None or not num_decodes:
+    def _num_decodes(self) -> int:
+        return sum(1 for req in self.running if req.num_tokens - req.num_computed_tokens == 1)
+
+    def _prefill_budget(self, num_decodes: int, start: int) -> int:
+        """Prompt tokens this step may carry, for a chunk starting `start` tokens into its prompt: the cap
+        for its decodes (with none, the cap that keeps the step short enough for a stream that joins
+        meanwhile), or the whole budget without a cap."""
+        if self.prefill_budget is None:
             return self.max_num_batched_tokens
-        return max(1, self.prefill_budget(num_decodes))
+        return max(1, self.prefill_budget(num_decodes, start))
 
     def finish(self, req: Request, free_blocks: bool = True) -> None:
         """Remove a finished or aborted request; its freed blocks stay in the prefix cache.

@@ -35,6 +35,10 @@ LARGE_PULL_BYTES = 4 << 20  # pulls at least this big measure bandwidth; smaller
 # Until a worker has measured a forward on borrowed cores: the speed-up per thread it adds, of a perfect
 # one. Measured on the dev box: a 256-token SmolLM2 prefill on 2 threads ran 1.77x its 1-thread speed.
 PRIOR_BORROW_EFFICIENCY = 0.85
+# The smallest prompt chunk a step beside decodes carries, whatever the room, so a prefill always progresses.
+# Not a block: at a long prompt's end one 16-token chunk took 60 ms on a core where the room was 36 ms, and
+# every such step stalled the streams at 3x their decode step.
+MIN_CHUNK_TOKENS = 4
 DECODE_WINDOW = 64  # plain decode steps per batch-size bucket whose median is the bucket's step time
 
 
@@ -159,14 +163,18 @@ class StepCosts:
         return step_s if stall_ratio is None else min(step_s, stall_ratio * self.decode_time(num_decodes))
 
     def prefill_budget(self, num_decodes: int, step_s: float, min_tokens: int, stall_ratio: float | None = None,
-                       borrowing: bool = False) -> int:
+                       borrowing: bool = False, start: int = 0) -> int:
         """Prompt tokens a step beside `num_decodes` decodes may carry and still take at most `step_limit`
-        (stall-free batching; `borrowing`: at the speed on borrowed cores); never fewer than `min_tokens`,
-        so a prefill always progresses."""
+        (stall-free batching; `borrowing`: at the speed on borrowed cores), for a chunk starting `start`
+        tokens into its prompt; never fewer than `min_tokens`, so a prefill always progresses.
+
+        A chunk's speed is the speed at the context it ends at: each of its tokens attends everything
+        before it, so late chunks of a long prompt are slower (SmolLM2 on one core beside 10 decodes: 32
+        tokens took 40 ms at the start of a 1,536-token prompt and 100 ms at its end)."""
         room = self.step_limit(num_decodes, step_s, stall_ratio) - self.decode_time(num_decodes)
         tokens = min_tokens
-        for _ in range(2):  # a chunk's speed depends on its length (its context, at a prompt's start)
-            tokens = max(min_tokens, int(room * self.prefill_speed(max(tokens, 1), borrowing)))
+        for _ in range(2):  # the speed depends on where the chunk ends, which depends on its length
+            tokens = max(min_tokens, int(room * self.prefill_speed(start + max(tokens, 1), borrowing)))
         return tokens
 
     def copy(self) -> StepCosts:
@@ -178,6 +186,17 @@ class StepCosts:
     def _update(self, table: dict[int, float], key: int, value: float) -> None:
         old = table.get(key)
         table[key] = value if old is None else old + self.alpha * (value - old)
+
+
+def stall_free_budget(costs: StepCosts, itl_slo_s: float, stall_ratio: float | None):
+    """A decode worker's prefill budget (Scheduler.prefill_budget): beside running streams, the prompt
+    tokens that keep a step within the ITL SLO and `stall_ratio` plain decode steps; with none running,
+    within the ITL SLO still, since a stream that joins meanwhile (a remotely prefilled request) waits
+    for the step (seen: seven queued prompts in one 1.9 s step, and the stream that joined waited it out)."""
+    def budget(num_decodes: int, start: int) -> int:
+        return costs.prefill_budget(num_decodes, itl_slo_s, MIN_CHUNK_TOKENS, stall_ratio if num_decodes else None,
+                                    start=start)
+    return budget
 
 
 @dataclass(slots=True)

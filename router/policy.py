@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.step_costs import PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, StepCosts, pull_seconds
+from engine.step_costs import MIN_CHUNK_TOKENS, PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, StepCosts, pull_seconds
 from router.index import PrefixIndex
 
 
@@ -206,17 +206,20 @@ def local_prefill_cost(prompt_tokens: int, decode_cached_tokens: int, decode: Wo
     costs = decode.step_costs
     uncached = prompt_tokens - decode_cached_tokens
     work = decode.queued_prefill_tokens + uncached
-    if not decode.num_running:
-        return costs.prefill_time(work, prompt_tokens), 0.0
     speed = costs.prefill_speed(prompt_tokens)
-    chunk = costs.prefill_budget(decode.num_running, itl_slo_s, min_chunk, stall_ratio)
+    # Chunks shrink as the prompt's context grows (each token attends all before it): its middle one's size.
+    # With no streams running, steps still end within the ITL SLO (engine/step_costs.py: stall_free_budget).
+    chunk = costs.prefill_budget(decode.num_running, itl_slo_s, min_chunk, stall_ratio if decode.num_running else None,
+                                 start=(decode_cached_tokens + prompt_tokens) // 2)
+    if not decode.num_running:
+        return math.ceil(work / chunk) * costs.decode_time(1) + work / speed, 0.0
     step_s = costs.decode_time(decode.num_running) + min(chunk, work) / speed
     return math.ceil(work / chunk) * step_s, uncached / speed
 
 
 def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefill_cached_tokens: int,
                            decode: WorkerLoad, prefill: WorkerLoad | None, config: DisaggConfig,
-                           elapsed_s: float = 0.0, min_chunk: int = 16) -> PrefillDecision:
+                           elapsed_s: float = 0.0, min_chunk: int = MIN_CHUNK_TOKENS) -> PrefillDecision:
     """Remote prefill unless the remote path would miss the TTFT SLO where a local one would not, or a
     local one costs the decode worker's running streams nothing material: it has none and the remote
     path is no faster, or the whole prompt fits in one step within the ITL SLO and local is faster; or
@@ -284,8 +287,8 @@ def decode_seconds(prompt_tokens: int, decode_cached_tokens: int, decode: Worker
     if decision.remote:
         ttft, stall = decision.predicted_ttft_s or 0.0, 0.0
     else:
-        ttft, stall = local_prefill_cost(prompt_tokens, decode_cached_tokens, decode, config.itl_slo_s, block_size,
-                                         config.stall_ratio)
+        ttft, stall = local_prefill_cost(prompt_tokens, decode_cached_tokens, decode, config.itl_slo_s,
+                                         MIN_CHUNK_TOKENS, config.stall_ratio)
         ttft += elapsed_s
     costs = decode.step_costs
     step, step_with = costs.decode_time_between(max(batch, 1)), costs.decode_time_between(batch + 1)
@@ -376,8 +379,7 @@ class Router:
                 decision = decide_prefill(prompt_tokens, decode.cached_tokens, prefill_load, self.disagg)
             else:
                 decision = decide_prefill_by_cost(prompt_tokens, decode.cached_tokens, prefill_cached,
-                                                  _load_of(decode, decode_loads), prefill_load, self.disagg, elapsed_s,
-                                                  self.block_size)
+                                                  _load_of(decode, decode_loads), prefill_load, self.disagg, elapsed_s)
         if not decision.wait and prompt_tokens > 0:
             self._note_hit(decode.worker_id, decode.cached_tokens / prompt_tokens)
         return RouteDecision(decode, prefill if decision.remote else None, decision.reason, decision.wait,
@@ -403,7 +405,7 @@ class Router:
         for load in candidates:
             cached = overlaps[load.worker_id] * self.block_size
             decision = decide_prefill_by_cost(prompt_tokens, cached, prefill_cached, load, prefill, self.disagg,
-                                              elapsed_s, self.block_size)
+                                              elapsed_s)
             displaced = displaced_seconds(prompt_tokens, cached, output_tokens, load,
                                           self.index.num_blocks(load.worker_id),
                                           self.hit_share.get(load.worker_id, 0.0), self.block_size)

@@ -234,6 +234,15 @@ def test_the_stall_free_budget_keeps_a_step_within_its_time_but_always_progresse
     assert costs.prefill_budget(32, 0.05, min_tokens=16) == 16  # no room at all: one block a step
 
 
+def test_a_late_chunk_of_a_long_prompt_gets_the_speed_measured_at_its_context():
+    # SmolLM2 on one core beside 10 decodes: 32 tokens took 40 ms at a prompt's start, 100 ms at 1,344 tokens.
+    costs = StepCosts({32: 800.0, 2048: 320.0}, {8: 0.033})
+    room = costs.step_limit(8, 0.25, stall_ratio=3.0) - costs.decode_time(8)  # 66 ms beside the decodes
+    early = costs.prefill_budget(8, 0.25, min_tokens=16, stall_ratio=3.0)
+    late = costs.prefill_budget(8, 0.25, min_tokens=16, stall_ratio=3.0, start=1344)
+    assert (early, late) == (int(room * 800.0), int(room * 320.0)) == (52, 21)
+
+
 def test_the_remote_ttft_adds_queue_wait_compute_of_the_uncached_part_and_the_pull():
     prefill = prefill_worker(queued_prefill_tokens=1000, num_waiting=2)
     predicted = remote_prefill_ttft(1024, 512, 256, prefill, decode_worker())
@@ -247,7 +256,9 @@ def test_a_local_prefill_beside_running_streams_goes_in_itl_sized_chunks_and_sta
     chunk = decode.step_costs.prefill_budget(8, 0.25, 16)
     assert ttft == pytest.approx(math.ceil(1024 / chunk) * (0.04 + chunk / 500))
     assert stall == pytest.approx(1024 / 500)
-    assert local_prefill_cost(1024, 0, decode_worker(), 0.25, 16) == (pytest.approx(0.02 + 1024 / 500), 0.0)
+    idle_chunk = int((0.25 - 0.02) * 500)  # no streams: chunks within the ITL SLO still
+    assert local_prefill_cost(1024, 0, decode_worker(), 0.25, 16) == (
+        pytest.approx(math.ceil(1024 / idle_chunk) * 0.02 + 1024 / 500), 0.0)
 
 
 def test_a_cold_256_token_prompt_goes_to_an_idle_prefill_worker_while_decode_streams_run():
@@ -258,9 +269,11 @@ def test_a_cold_256_token_prompt_goes_to_an_idle_prefill_worker_while_decode_str
 
 
 def test_an_idle_decode_worker_prefills_when_the_remote_path_is_no_faster():
-    assert by_cost(256, decode_worker(), prefill_worker()) == PrefillDecision(False, "decode_idle")
+    # 100 tokens: one step within the ITL SLO on the idle decode worker
+    assert by_cost(100, decode_worker(), prefill_worker()) == PrefillDecision(False, "decode_idle")
     faster = prefill_worker(step_costs=measured(tokens_per_s=1000.0))  # e.g. borrowing idle decode cores
-    assert by_cost(256, decode_worker(), faster).remote
+    assert by_cost(100, decode_worker(), faster).remote
+    assert by_cost(256, decode_worker(), prefill_worker()).remote  # locally in three SLO-sized steps: slower
 
 
 def test_steps_on_borrowed_cores_are_measured_apart_and_a_prior_scales_the_own_speed_until_then():
@@ -283,8 +296,8 @@ def test_an_idle_decode_worker_leaves_the_prompt_to_a_prefill_worker_that_borrow
     both cores (its stats say so), which beats the decode worker prefilling on its own."""
     lending = measured()
     lending.own_threads, lending.borrow_threads = 1, 2
-    assert by_cost(256, decode_worker(), prefill_worker()) == PrefillDecision(False, "decode_idle")
-    assert by_cost(256, decode_worker(), prefill_worker(step_costs=lending)).remote
+    assert by_cost(100, decode_worker(), prefill_worker()) == PrefillDecision(False, "decode_idle")
+    assert by_cost(100, decode_worker(), prefill_worker(step_costs=lending)).remote
 
 
 def pinned(costs: StepCosts, node: str = "host:/dev/shm/tandem-cpu", lend: int = 0, borrows: bool = False,
@@ -301,12 +314,12 @@ def test_the_router_sees_from_its_live_loads_that_an_idle_decode_worker_lends_it
     stats poll, so the prefill worker never reported a lent core (measured: 12 of 12 sequential 256-token
     prompts local at 467 ms TTFT; forced remote, 338 ms)."""
     router = Router(PrefixIndex(), BLOCK, disagg=SLO, rng=random.Random(0))
-    tokens = prompt(1, suffix_blocks=0)[:256]
+    tokens = prompt(1, suffix_blocks=0)[:112]  # one step within the ITL SLO, even on an idle decode worker
     prefill = [prefill_worker(step_costs=pinned(measured(), borrows=True))]
     lender = decode_worker(step_costs=pinned(measured(), lend=1))
     route = router.route(block_hashes(tokens, BLOCK), len(tokens), prefill, [lender])
     assert route.prefill is not None and route.reason == "remote_within_ttft_slo"
-    alone = measured().prefill_time(256, 256)
+    alone = measured().prefill_time(112, 112)
     assert route.predicted_ttft_s < alone  # at the borrowed speed
     # Pinned to another node's cores, or lending nothing: no core is lent, and the idle decode worker
     # prefills, as fast as the prefill worker alone and without the hops.
@@ -328,9 +341,9 @@ def test_an_idle_decode_worker_whose_core_is_in_a_borrowed_prefill_forward_is_no
     rest of the borrowed slice (at most the ITL SLO), so the prompt queues behind the first, unless the
     queue is deep enough that local still wins."""
     router = Router(PrefixIndex(), BLOCK, disagg=SLO, rng=random.Random(0))
-    tokens = prompt(1, suffix_blocks=0)[:256]
+    tokens = prompt(1, suffix_blocks=0)[:112]  # one step within the ITL SLO, even on an idle decode worker
     lender = decode_worker(step_costs=pinned(measured(), lend=1))
-    borrowing = prefill_worker(num_running=1, queued_prefill_tokens=256, step_costs=pinned(measured(), borrows=True))
+    borrowing = prefill_worker(num_running=1, queued_prefill_tokens=112, step_costs=pinned(measured(), borrows=True))
     route = router.route(block_hashes(tokens, BLOCK), len(tokens), [borrowing], [lender])
     assert route.prefill is not None and route.reason == "remote_within_ttft_slo"
     # The same queue on a prefill worker that borrows nothing from it (another node): local is free and faster.
@@ -342,7 +355,7 @@ def test_an_idle_decode_worker_whose_core_is_in_a_borrowed_prefill_forward_is_no
                           step_costs=pinned(measured(), borrows=True))
     route = router.route(block_hashes(tokens, BLOCK), len(tokens), [deep], [lender])
     assert route.prefill is None and route.reason == "decode_idle"
-    assert route.predicted_ttft_s == pytest.approx(measured().prefill_time(256, 256) + SLO.itl_slo_s)
+    assert route.predicted_ttft_s == pytest.approx(measured().prefill_time(112, 112) + SLO.itl_slo_s)
 
 
 def test_a_stale_report_of_lent_cores_is_overruled_by_a_busy_lender():

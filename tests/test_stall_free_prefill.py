@@ -5,6 +5,7 @@ import random
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.engine import step_shape
+from engine.step_costs import MIN_CHUNK_TOKENS, StepCosts, stall_free_budget
 from tests.hf_reference import hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -31,7 +32,8 @@ def recorded_steps(engine: Engine) -> list[tuple[int, int, int]]:
 
 def test_a_long_prompt_joining_running_streams_never_makes_a_step_exceed_its_prefill_budget(tiny_llama_dir):
     engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=512))
-    engine.scheduler.prefill_budget = lambda num_decodes: BUDGET
+    starts = []  # where each budgeted chunk starts in its prompt
+    engine.scheduler.prefill_budget = lambda num_decodes, start: (starts.append(start) or BUDGET) if num_decodes else 512
     steps = recorded_steps(engine)
     short_a, short_b, long = prompts(engine.runner.vocab_size, (5, 9, 300), seed=1)
     streams = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # outlive the long prompt
@@ -44,6 +46,7 @@ def test_a_long_prompt_joining_running_streams_never_makes_a_step_exceed_its_pre
     beside_decodes = [prefill for decodes, prefill, _ in steps if decodes]
     assert max(beside_decodes) == BUDGET  # the prompt went in budget-sized chunks beside the streams
     assert sum(1 for decodes, prefill, _ in steps if decodes and prefill) >= 300 // BUDGET
+    assert starts == list(range(0, 300, BUDGET))  # asked once a step, at the long prompt's progress
     tokens: dict[str, list[int]] = {}
     for out in outs:
         tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -51,16 +54,24 @@ def test_a_long_prompt_joining_running_streams_never_makes_a_step_exceed_its_pre
         assert tokens[rid] == hf_greedy(tiny_llama_dir, p, n), rid
 
 
+def test_a_decode_workers_budget_keeps_every_step_within_the_itl_slo_with_or_without_streams():
+    costs = StepCosts({b: 500.0 for b in (64, 256, 1024)}, {1: 0.02, 8: 0.04, 32: 0.3})
+    budget = stall_free_budget(costs, itl_slo_s=0.25, stall_ratio=2.0)
+    assert budget(0, 0) == int((0.25 - 0.02) * 500)  # no streams: the ITL SLO alone (a joining one waits)
+    assert budget(8, 0) == int((2 * 0.04 - 0.04) * 500)  # streams: two plain decode steps at most
+    assert budget(32, 0) == MIN_CHUNK_TOKENS  # 32 streams already past the SLO: the smallest chunk, never none
+
+
 def test_without_running_decodes_a_prompt_gets_the_whole_token_budget(tiny_llama_dir):
     engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=512))
-    engine.scheduler.prefill_budget = lambda num_decodes: BUDGET
+    engine.scheduler.prefill_budget = lambda num_decodes, start: BUDGET if num_decodes else 512
     engine.add_request("long", prompts(engine.runner.vocab_size, (300,))[0], GREEDY)
     assert step_shape(engine.scheduler.schedule()) == (0, 300, 300)
 
 
 def test_a_mixed_batch_under_a_prefill_budget_matches_hf(tiny_llama_dir):
     engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128))
-    engine.scheduler.prefill_budget = lambda num_decodes: 16
+    engine.scheduler.prefill_budget = lambda num_decodes, start: 16 if num_decodes else 512
     batch = prompts(engine.runner.vocab_size, (1, 5, 16, 17, 33, 48, 70, 100), seed=2)
     outs = []
     for i, p in enumerate(batch):  # staggered, so later prompts join running streams
@@ -118,7 +129,7 @@ def test_a_request_with_imported_kv_joins_while_a_prompt_waits_for_prefill_room(
     """Decode workers: a request whose prompt KV was pulled only decodes, so a prompt queued before it that
     this step has no prefill room for (a running prompt's chunk took it) must not hold it back."""
     engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=512))
-    engine.scheduler.prefill_budget = lambda num_decodes: BUDGET
+    engine.scheduler.prefill_budget = lambda num_decodes, start: BUDGET if num_decodes else 512
     short, first, second, pulled = prompts(engine.runner.vocab_size, (5, 300, 200, 40), seed=2)
     engine.add_request("stream", short, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
     engine.step()  # prefilled: decoding from now on
