@@ -419,3 +419,17 @@ def test_handoff_breakdown_splits_the_first_gap_of_remote_requests():
     assert out["ttft_median_ms"] == 600.0 and out["ttft_p99_ms"] == 800.0
     # gaps 98, 40, 40 (remote) and 40, 460 (local): the local prefill's stall stays without first gaps
     assert out["itl_median_ms"] == 40.0 and out["itl_p99_without_first_ms"] == 460.0
+
+
+def test_compare_replot_draws_a_finished_runs_plots_and_runs_nothing(tmp_path, monkeypatch):
+    from bench import compare
+
+    drawn = []
+    monkeypatch.setattr(compare, "plots", lambda results, out: drawn.append((results, out)))
+    monkeypatch.setattr(compare, "case_a", lambda cfg: pytest.fail("--replot must not run a case"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "compare.json").write_text(json.dumps({"seed": 1, "cases": {"a": []}}))
+    assert compare.main(["--replot", str(run), "--result-dir", str(tmp_path / "results")]) == 0
+    assert drawn == [({"seed": 1, "cases": {"a": []}}, run)]
+    assert not (tmp_path / "results").exists()  # no new result directory
