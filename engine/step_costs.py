@@ -188,13 +188,15 @@ class StepCosts:
         table[key] = value if old is None else old + self.alpha * (value - old)
 
 
-def stall_free_budget(costs: StepCosts, itl_slo_s: float, stall_ratio: float | None):
-    """A decode worker's prefill budget (Scheduler.prefill_budget): beside running streams, the prompt
-    tokens that keep a step within the ITL SLO and `stall_ratio` plain decode steps; with none running,
-    within the ITL SLO still, since a stream that joins meanwhile (a remotely prefilled request) waits
-    for the step (seen: seven queued prompts in one 1.9 s step, and the stream that joined waited it out)."""
+def stall_free_budget(costs: StepCosts, itl_slo_s: float, stall_ratio: float | None,
+                      min_tokens: int = MIN_CHUNK_TOKENS):
+    """A decode worker's prefill budget (Scheduler.prefill_budget; the router predicts local prefills with
+    it): beside running streams, the prompt tokens that keep a step within the ITL SLO and `stall_ratio`
+    plain decode steps; with none running, within the ITL SLO still, since a stream that joins meanwhile (a
+    remotely prefilled request) waits for the step (seen: seven queued prompts in one 1.9 s step, and the
+    stream that joined waited it out)."""
     def budget(num_decodes: int, start: int) -> int:
-        return costs.prefill_budget(num_decodes, itl_slo_s, MIN_CHUNK_TOKENS, stall_ratio if num_decodes else None,
+        return costs.prefill_budget(num_decodes, itl_slo_s, min_tokens, stall_ratio if num_decodes else None,
                                     start=start)
     return budget
 

@@ -30,7 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.step_costs import MIN_CHUNK_TOKENS, PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, StepCosts, pull_seconds
+from engine.step_costs import (MIN_CHUNK_TOKENS, PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, StepCosts, pull_seconds,
+                                stall_free_budget)
 from router.index import PrefixIndex
 
 
@@ -207,10 +208,9 @@ def local_prefill_cost(prompt_tokens: int, decode_cached_tokens: int, decode: Wo
     uncached = prompt_tokens - decode_cached_tokens
     work = decode.queued_prefill_tokens + uncached
     speed = costs.prefill_speed(prompt_tokens)
-    # Chunks shrink as the prompt's context grows (each token attends all before it): its middle one's size.
-    # With no streams running, steps still end within the ITL SLO (engine/step_costs.py: stall_free_budget).
-    chunk = costs.prefill_budget(decode.num_running, itl_slo_s, min_chunk, stall_ratio if decode.num_running else None,
-                                 start=(decode_cached_tokens + prompt_tokens) // 2)
+    # The decode worker's own budget; chunks shrink as the prompt's context grows: its middle one's size.
+    chunk = stall_free_budget(costs, itl_slo_s, stall_ratio, min_chunk)(decode.num_running,
+                                                                        (decode_cached_tokens + prompt_tokens) // 2)
     if not decode.num_running:
         return math.ceil(work / chunk) * costs.decode_time(1) + work / speed, 0.0
     step_s = costs.decode_time(decode.num_running) + min(chunk, work) / speed
