@@ -31,7 +31,7 @@ import ray  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.pools import Pools  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from engine.protocol import GenerateRequest  # noqa: E402
+from worker_runtime.protocol import GenerateRequest  # noqa: E402
 from router.dispatch import run_request  # noqa: E402
 
 

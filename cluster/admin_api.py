@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.auth import bearer_token, token_matches
+from worker_runtime.auth import bearer_token, token_matches
 from engine.errors import first_field_error
 from router.request_trace import MAX_REQUEST_ID_LENGTH
 

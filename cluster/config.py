@@ -11,12 +11,11 @@ import jinja2
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engine.config import EngineConfig
-from engine.cpu_cores import CpuBinding
+from engine.config import CpuBinding, EngineConfig
 from engine.errors import first_field_error
 from engine.spec_decode import SpeculativeConfig
 from cluster.scaling_policy import Thresholds
-from engine.transfer_config import TLSFiles, TransferConfig
+from kv_transfer.config import TLSFiles, TransferConfig
 from kv_transfer.addresses import check_host
 from kv_transfer.tls import check_files
 from router.audit_sink import check_sink

@@ -199,7 +199,7 @@ def fit_pools_to_node(config: ClusterConfig, say: Callable[[str], None]) -> Clus
     """On a local CPU cluster, split this machine's cores between the starting workers (pools whose
     num_cpus the config leaves unset); each worker is then pinned to that many cores of its own."""
     from engine.config import resolve_device
-    from engine.cpu_cores import node_cores
+    from worker_runtime.cpu_cores import node_cores
 
     if resolve_device(config.device).type != "cpu":
         return config
@@ -240,11 +240,11 @@ def fit_pools_to_cores(config: ClusterConfig, cores: int) -> ClusterConfig:
 def isolate_prefill(config: ClusterConfig, say: Callable[[str], None]) -> set[int]:
     """The CPUs a local Ray's own processes are to run on once it serves (`confine_local_ray`): those the
     starting prefill workers will not take (they take the lowest cores, decode workers the highest:
-    engine/cpu_cores.py); empty when nothing is to be isolated. Sets TANDEM_NODE_CPUS for Ray's processes
+    worker_runtime/cpu_cores.py); empty when nothing is to be isolated. Sets TANDEM_NODE_CPUS for Ray's processes
     to inherit, so an engine worker started from a confined one still claims, or runs unpinned, on the
     whole node."""
     from engine.config import resolve_device
-    from engine.cpu_cores import NODE_CPUS_ENV, cpu_quota, format_cpu_list, node_cores, node_cpus, pinning_is_safe
+    from worker_runtime.cpu_cores import NODE_CPUS_ENV, cpu_quota, format_cpu_list, node_cores, node_cpus, pinning_is_safe
 
     cores = node_cores()
     serving = serving_cores(config, cores)
@@ -262,7 +262,7 @@ def confine_local_ray(cpus: set[int], marker: str, say: Callable[[str], None]) -
     serves, since Ray and the workers start up faster with the whole machine; processes Ray starts later
     inherit the raylet's affinity."""
     from cluster.local_ray_watchdog import family
-    from engine.cpu_cores import confine, format_cpu_list, pin_threads
+    from worker_runtime.cpu_cores import confine, format_cpu_list, pin_threads
 
     pin_threads(cpus)
     moved = confine(family(marker, root=os.getpid()), cpus)

@@ -13,8 +13,8 @@ import ray
 
 from cluster.config import ClusterConfig, PoolConfig
 from engine.errors import WorkerStalled
-from engine.tracing import tracing_env
-from engine.transfer_config import TransferConfig
+from worker_runtime.tracing import tracing_env
+from kv_transfer.config import TransferConfig
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.protocol import WorkerStats
+from worker_runtime.protocol import WorkerStats
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
-from engine.protocol import FEED_END, FEED_FAILED, GenerateRequest, PrefillResult
+from worker_runtime.protocol import FEED_END, FEED_FAILED, GenerateRequest, PrefillResult
 
 
 class FeedClosed(RuntimeError):

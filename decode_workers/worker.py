@@ -5,13 +5,13 @@ import asyncio
 import logging
 
 from engine.config import EngineConfig
-from engine.protocol import GenerateRequest, PrefillResult, WorkerStats
+from worker_runtime.protocol import GenerateRequest, PrefillResult, WorkerStats
 from engine.request import Request
-from engine.request_log import set_request_id
-from engine.serving import EngineServer, WorkerDraining
-from engine.tracing import emit_spans
+from worker_runtime.request_log import set_request_id
+from worker_runtime.serving import EngineServer, WorkerDraining
+from worker_runtime.tracing import emit_spans
 from engine.step_costs import TransferSpeed, stall_free_budget
-from engine.transfer_config import TransferConfig
+from kv_transfer.config import TransferConfig
 from decode_workers.feeds import FeedServer
 from kv_transfer.failures import TransferFailures, failure_reason
 from kv_transfer.handle import KVHandle, KVTransferError

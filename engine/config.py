@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.cpu_cores import CpuBinding
 from engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:  # torch loads where a model runs, not in the control plane that only reads configs
@@ -58,6 +57,16 @@ def resolve_dtype(dtype: str, device: str | torch.device) -> str:
 
 
 @dataclass(slots=True)
+class CpuBinding:
+    """What a worker asks for: `cores` physical cores of its own; `lend` them while its engine is idle
+    (decode); `borrow` lent cores for its forwards (prefill)."""
+    cores: int
+    lend: bool = False
+    borrow: bool = False
+    top: bool = False  # take the highest free cores (decode), leaving the lowest to prefill
+
+
+@dataclass(slots=True)
 class EngineConfig:
     """`model` is None or "smollm2-135m-instruct" for the default model, or a local HF directory."""
     model: str | None = None
@@ -77,12 +86,12 @@ class EngineConfig:
     # those (engine/weight_blocks.py); the same weights, a fifth of the bytes per decode step.
     weight_blocks: bool = True
     num_threads: int | None = None
-    cpu_binding: CpuBinding | None = None  # a worker's own cores on CPU (engine/cpu_cores.py); None: unpinned
+    cpu_binding: CpuBinding | None = None  # a worker's own cores on CPU (worker_runtime/cpu_cores.py); None: unpinned
     # A decode worker caps the prompt tokens of a step beside running decodes so that the step's predicted
     # time stays within this (stall-free batching); None: chunks up to max_num_batched_tokens.
     itl_slo_ms: float | None = None
     stall_ratio: float = 2.0  # ... and within this many plain decode steps
-    # A forward on borrowed cores (a prefill worker's, engine/cpu_cores.py) carries at most the prompt tokens
+    # A forward on borrowed cores (a prefill worker's, worker_runtime/cpu_cores.py) carries at most the prompt tokens
     # predicted to take this long at the borrowed speed: a lender that turns busy shares its core with the
     # forward until it ends. None or 0: chunks up to max_num_batched_tokens.
     borrow_slice_ms: float | None = None

@@ -31,7 +31,7 @@ class RequestTimes:
     last_token: float | None = None
     finished: float | None = None
     # The forwards that carried its prompt (chunks, recomputation after a preemption), how many of them ran
-    # on borrowed cores (engine/cpu_cores.py), and their seconds: what a slow prefill spent its time on.
+    # on borrowed cores (worker_runtime/cpu_cores.py), and their seconds: what a slow prefill spent its time on.
     prefill_steps: int = 0
     prefill_borrowed_steps: int = 0
     prefill_forward_s: float = 0.0

@@ -67,7 +67,7 @@ class StepCosts:
     prefill_tokens_per_s: dict[int, float] = field(default_factory=dict)  # context bucket -> tokens/s
     decode_step_s: dict[int, float] = field(default_factory=dict)  # batch-size bucket -> seconds
     alpha: float = 0.2
-    # A CPU worker that borrows idle neighbours' cores (engine/cpu_cores.py) prefills faster while they
+    # A CPU worker that borrows idle neighbours' cores (worker_runtime/cpu_cores.py) prefills faster while they
     # are lent: its steps on borrowed cores are measured apart, and its stats say how many threads a
     # forward would get right now (`borrow_threads`, 0 when nothing is lent) against its own threads.
     borrowed_prefill_tokens_per_s: dict[int, float] = field(default_factory=dict)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import grpc
 
 from engine.kv_cache import KVCache
-from engine.transfer_config import TLSFiles
+from kv_transfer.config import TLSFiles
 from kv_transfer.chunks import MIN_CHUNK_BYTES, ChunkSpec
 from kv_transfer.failures import failure_reason
 from kv_transfer.handle import (KVAuthError, KVHandle, KVLayoutMismatchError, KVLeaseNotFoundError,

@@ -17,9 +17,9 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from engine.auth import bearer_token, token_matches
+from worker_runtime.auth import bearer_token, token_matches
 from engine.kv_cache import KVCache
-from engine.transfer_config import TLSFiles
+from kv_transfer.config import TLSFiles
 from kv_transfer.addresses import check_host, host_port
 from kv_transfer.chunks import MIN_CHUNK_BYTES, ChunkSpec, host_bytes, payload_checksum, plan_chunks, read_chunk
 from kv_transfer.dist_server import DistSender

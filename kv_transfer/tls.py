@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from engine.transfer_config import TLSFiles
+from kv_transfer.config import TLSFiles
 
 
 def read_pem(path: str | None, what: str) -> bytes | None:

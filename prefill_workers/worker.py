@@ -17,13 +17,13 @@ import ray
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.protocol import GenerateRequest, PrefillResult, TokenDelta
+from worker_runtime.protocol import GenerateRequest, PrefillResult, TokenDelta
 from engine.request import Request
 from engine.sampling_params import candidate_seed
-from engine.request_log import set_request_id
-from engine.serving import EngineServer, WorkerDraining
-from engine.tracing import emit_spans
-from engine.transfer_config import TransferConfig
+from worker_runtime.request_log import set_request_id
+from worker_runtime.serving import EngineServer, WorkerDraining
+from worker_runtime.tracing import emit_spans
+from kv_transfer.config import TransferConfig
 from kv_transfer.addresses import KVAddresses, hosts_that_cannot_reach, is_loopback, resolve_kv_addresses
 from kv_transfer.handle import KVHandle
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 
-from engine.auth import bearer_token
+from worker_runtime.auth import bearer_token
 from router.openai_api import APIError
 
 

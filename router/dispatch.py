@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import ray
 
-from engine.protocol import GenerateRequest, PrefillResult, TokenDelta
+from worker_runtime.protocol import GenerateRequest, PrefillResult, TokenDelta
 from router import feeds
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import weakref
 
 import ray
 
-from engine.protocol import FEED_FAILED, TokenDelta
+from worker_runtime.protocol import FEED_FAILED, TokenDelta
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from starlette.exceptions import HTTPException
 from transformers import AutoConfig
 
 from engine.model_loader import load_tokenizer, model_revision, resolve_model_dir
-from engine.request_log import install_request_log_records, set_request_id
-from engine.tracing import configure_tracing
+from worker_runtime.request_log import install_request_log_records, set_request_id
+from worker_runtime.tracing import configure_tracing
 from router.admission import Admission
 from router.audit import Audit, AuditConfig
 from router.audit_sink import AuditWriter
@@ -73,7 +73,7 @@ class IngressConfig:
     chat_template: str | None = None  # instead of the tokenizer's own
     reasoning: ReasoningOptions | None = None  # the model's thinking markers (router/reasoning_parser.py)
     tool_call_parser: str | None = "hermes"  # the format tool_choice auto reads (router/tool_parsers.py)
-    otlp_endpoint: str | None = None  # OpenTelemetry spans go there (engine/tracing.py); None: no spans
+    otlp_endpoint: str | None = None  # OpenTelemetry spans go there (worker_runtime/tracing.py); None: no spans
     service_name: str = "tandem"
     recent_requests: int = 1000  # finished requests' timelines kept for `tandem trace`
     audit: AuditConfig = field(default_factory=AuditConfig)  # per-request audit records (router/audit.py)

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from engine.protocol import TokenDelta
+from worker_runtime.protocol import TokenDelta
 
 
 class PromptTokensDetails(BaseModel):

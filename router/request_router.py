@@ -28,10 +28,10 @@ import ray
 
 from router.metrics import Metrics
 from engine import hashing
-from engine.protocol import GenerateRequest, TokenDelta
+from worker_runtime.protocol import GenerateRequest, TokenDelta
 from engine.sampling_params import candidate_id, candidate_seed
-from engine.serving import WorkerDraining
-from engine.timeline import RequestTimeline
+from worker_runtime.serving import WorkerDraining
+from worker_runtime.timeline import RequestTimeline
 from router.dispatch import run_request
 from router.streams import merge_streams
 from router.latency_report import LatencyReporter

@@ -19,11 +19,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.errors import InvalidRequestError
 from engine.hashing import block_hashes
-from engine.protocol import GenerateRequest, TokenDelta
+from worker_runtime.protocol import GenerateRequest, TokenDelta
 from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
 from engine.structured import validate_structured
-from engine.timeline import RequestTimeline
-from engine.tracing import end_request_span
+from worker_runtime.timeline import RequestTimeline
+from worker_runtime.tracing import end_request_span
 from router.admission import Admission, Ticket
 from router.audit import Audit, AuditConfig, AuditEntry, AuditRecorder, chat_options
 from router.auth import Authenticator, cache_salt

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import ray
 
 from router.metrics import Metrics
-from engine.engine_loop import EngineStopped
-from engine.protocol import WorkerStats
+from worker_runtime.engine_loop import EngineStopped
+from worker_runtime.protocol import WorkerStats
 from router.index import PrefixIndex
 from router.policy import EXPECTED_OUTPUT_TOKENS, RouteDecision, Router, WorkerLoad
 

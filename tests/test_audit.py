@@ -108,7 +108,7 @@ def test_sampling_params_come_back_whole_from_a_record():
 def finished_record(tmp_path, error: BaseException | None, finish_reason: str | None) -> dict:
     """The record AuditEntry writes for one candidate that got two tokens and then `finish_reason` (None: it
     never finished) with `error` ending the request."""
-    from engine.protocol import GenerateRequest, TokenDelta
+    from worker_runtime.protocol import GenerateRequest, TokenDelta
     from router.audit import Audit, AuditConfig
     from router.openai_api import CompletionRequest
     from router.openai_responses import Choice

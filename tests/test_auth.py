@@ -1,4 +1,4 @@
-"""Bearer tokens: engine.auth parses `Authorization` once, and the OpenAI API's keys, the admin API's
+"""Bearer tokens: worker_runtime.auth parses `Authorization` once, and the OpenAI API's keys, the admin API's
 key and the KV transfer servers' token all go through it, so they accept and refuse the same headers."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from cluster.admin_api import build_admin_router
-from engine.auth import bearer_token, token_matches
+from worker_runtime.auth import bearer_token, token_matches
 from kv_transfer.server import _BearerTokenAuth
 from router.auth import Authenticator
 from router.openai_api import APIError

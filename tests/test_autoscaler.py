@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.config import AutoscalerConfig, ClusterConfig
 from cluster.controller import get_controller
 from cluster.scaling_policy import LatencyWindow, ScalingPolicy, Thresholds, pool_signals
-from engine.protocol import WorkerStats
+from worker_runtime.protocol import WorkerStats
 from router.metrics import Metrics
 from tests.cluster_load import LoadClient, failures, serve_tandem
 

@@ -22,7 +22,7 @@ from cluster.admin_api import build_admin_router
 from cluster.cli import main
 from cluster.config import ClusterConfig
 from cluster.controller import get_controller, start_controller
-from engine.cpu_cores import node_cores
+from worker_runtime.cpu_cores import node_cores
 
 ADMIN_KEY = "admin-secret"
 

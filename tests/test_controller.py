@@ -10,7 +10,7 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.controller import get_controller
 from engine import SamplingParams
-from engine.protocol import GenerateRequest
+from worker_runtime.protocol import GenerateRequest
 from router.dispatch import run_request
 from tests.cluster_load import LoadClient, failures, has_served, in_flight, serve_tandem
 

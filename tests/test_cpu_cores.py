@@ -13,8 +13,9 @@ import torch
 from cluster.config import ClusterConfig
 from cluster.launcher import fit_pools_to_cores, serving_cores
 from engine import Engine, EngineConfig, SamplingParams, cpu_cores
-from engine.cpu_cores import CpuBinding, PinnedCores, assign_cores, claim_cores, node_cores, pinning_is_safe
-from engine.engine_loop import watch_lenders
+from engine.config import CpuBinding
+from worker_runtime.cpu_cores import PinnedCores, assign_cores, claim_cores, node_cores, pinning_is_safe
+from worker_runtime.engine_loop import watch_lenders
 from engine.layer_progress import decoder_layers
 
 CORES = [(0,), (1,), (2,), (3,), (4,), (5,)]
@@ -110,7 +111,7 @@ def test_confine_moves_every_thread_but_leaves_engine_workers_on_their_cores(tmp
     # A process with threads, and an engine worker: it holds a core lock of the directory.
     threaded = _sleeper("import threading, time\n"
                         "[threading.Thread(target=time.sleep, args=(60,), daemon=True).start() for _ in range(3)]")
-    worker = _sleeper(f"from pathlib import Path\nfrom engine.cpu_cores import claim_cores\n"
+    worker = _sleeper(f"from pathlib import Path\nfrom worker_runtime.cpu_cores import claim_cores\n"
                       f"held = claim_cores(1, Path({str(tmp_path)!r}), {CORES!r})")
     try:
         before = _affinities(worker.pid)
@@ -130,7 +131,7 @@ def test_an_unpinned_worker_started_from_a_confined_process_widens_to_the_node(t
     one = min(node)
     script = textwrap.dedent(f"""
         import os
-        from engine.cpu_cores import unpin
+        from worker_runtime.cpu_cores import unpin
         assert os.sched_getaffinity(0) == {{{one}}}
         unpin()
         print(sorted(os.sched_getaffinity(0)))
@@ -160,7 +161,7 @@ def test_a_dead_workers_cores_are_free_for_its_replacement(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys
         from pathlib import Path
-        from engine.cpu_cores import claim_cores
+        from worker_runtime.cpu_cores import claim_cores
         held = claim_cores(2, Path({str(tmp_path)!r}), {CORES!r})
         print(sorted(c[0] for c in held), flush=True)
         sys.stdin.read()

@@ -9,8 +9,8 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.pools import Pools
 from engine import SamplingParams
-from engine.cpu_cores import node_cores
-from engine.protocol import GenerateRequest
+from worker_runtime.cpu_cores import node_cores
+from worker_runtime.protocol import GenerateRequest
 from tests.pool_helpers import collect, only, run_all, wait_for
 
 pytestmark = pytest.mark.skipif(len(node_cores()) < 2, reason="pinning two workers apart needs two cores")

@@ -13,7 +13,7 @@ from cluster.config import ClusterConfig
 from cluster.pools import Pools
 from engine import SamplingParams
 from engine.kv_cache import KVCache
-from engine.protocol import GenerateRequest
+from worker_runtime.protocol import GenerateRequest
 from kv_transfer import KVServerConfig, KVTransferServer
 from router.dispatch import run_request
 from tests.hf_reference import hf_greedy
@@ -156,7 +156,7 @@ def test_decode_without_prefill_worker_prefills_locally(pools, tiny_llama_dir):
 def test_a_worker_shutting_down_answers_engine_stopped_to_the_router(colocated):
     """The router polls workers the controller is removing; their answer must read as "going away"
     (EngineStopped, routed around quietly), not as a bug in the worker."""
-    from engine.engine_loop import EngineStopped
+    from worker_runtime.engine_loop import EngineStopped
 
     info = colocated.decode.scale_up(1)[0]
     try:

@@ -8,7 +8,7 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.pools import Pools
 from engine import SamplingParams
-from engine.protocol import GenerateRequest
+from worker_runtime.protocol import GenerateRequest
 from router.dispatch import run_request
 from router.latency_report import LatencyReporter
 from router.metrics import Metrics

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from engine.engine_loop import EngineLoop
+from worker_runtime.engine_loop import EngineLoop
 
 
 class IdleEngine:

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from engine.engine_loop import EngineLoop
-from engine.serving import EngineServer, WorkerStalled
+from worker_runtime.engine_loop import EngineLoop
+from worker_runtime.serving import EngineServer, WorkerStalled
 from tests.pool_helpers import wait_for
 
 

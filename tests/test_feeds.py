@@ -10,8 +10,8 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.pools import Pools
 from engine import SamplingParams
-from engine.protocol import GenerateRequest
-from engine.serving import WorkerDraining
+from worker_runtime.protocol import GenerateRequest
+from worker_runtime.serving import WorkerDraining
 from router.dispatch import run_request
 from tests.pool_helpers import collect, only, run_all, wait_for
 

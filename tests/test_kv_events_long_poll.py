@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.protocol import GenerateRequest
-from engine.serving import EngineServer
+from worker_runtime.protocol import GenerateRequest
+from worker_runtime.serving import EngineServer
 
 PROMPT = [5, 17, 42, 99, 123, 7, 64, 250, 31, 8, 77, 3, 19, 200, 11, 45, 90]  # fills a 16-token block
 

@@ -6,7 +6,7 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.pools import Pools
 from engine import SamplingParams
-from engine.protocol import GenerateRequest
+from worker_runtime.protocol import GenerateRequest
 from tests.pool_helpers import only, run_all
 from tests.test_kv_transfer_tls import make_ca
 

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from engine.kv_cache import KVCache
-from engine.transfer_config import TLSFiles
+from kv_transfer.config import TLSFiles
 from kv_transfer import KVServerConfig, KVTransferError, KVTransferServer
 from kv_transfer.grpc_client import GrpcKVClient
 from protos import kv_transfer_pb2 as pb

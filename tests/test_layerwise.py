@@ -21,7 +21,7 @@ from cluster.pools import Pools
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.layer_progress import decoder_layers
-from engine.protocol import GenerateRequest
+from worker_runtime.protocol import GenerateRequest
 from router.dispatch import run_request
 from tests.hf_reference import hf_greedy
 from tests.pool_helpers import collect, only, run_all, wait_for

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.protocol import GenerateRequest
-from engine.serving import EngineServer
+from worker_runtime.protocol import GenerateRequest
+from worker_runtime.serving import EngineServer
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

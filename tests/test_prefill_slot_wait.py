@@ -4,7 +4,7 @@ slots go to them in the order they began to wait."""
 import asyncio
 
 from engine import SamplingParams
-from engine.protocol import GenerateRequest
+from worker_runtime.protocol import GenerateRequest
 from router.latency_report import LatencyReporter
 from router.metrics import Metrics
 from router.policy import Placement, RouteDecision

@@ -683,7 +683,7 @@ def test_a_worker_that_measured_only_its_warm_up_does_not_take_every_request():
 
 
 def test_placement_expects_the_remaining_max_tokens_capped():
-    from engine.protocol import GenerateRequest
+    from worker_runtime.protocol import GenerateRequest
     from engine.sampling_params import SamplingParams
     from router.request_router import expected_output_tokens
     request = GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=40))

@@ -7,7 +7,7 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.pools import Pools
 from engine import SamplingParams
-from engine.protocol import GenerateRequest
+from worker_runtime.protocol import GenerateRequest
 from router.metrics import WorkerStatsCollector
 from tests.hf_reference import hf_greedy
 from tests.pool_helpers import only, run_all

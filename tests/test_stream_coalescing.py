@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.protocol import GenerateRequest
-from engine.serving import EngineServer
+from worker_runtime.protocol import GenerateRequest
+from worker_runtime.serving import EngineServer
 
 PROMPT = [5, 17, 42, 99, 123, 7, 64, 250, 31, 8]
 GREEDY = dict(temperature=0.0, max_tokens=24, ignore_eos=True)

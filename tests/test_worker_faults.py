@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.config import ClusterConfig
 from cluster.controller import get_controller
 from engine.hashing import block_hashes
-from engine.protocol import GenerateRequest
+from worker_runtime.protocol import GenerateRequest
 from engine.sampling_params import SamplingParams
 from router.index import PrefixIndex
 from router.latency_report import LatencyReporter

@@ -8,10 +8,10 @@ import time
 import pytest
 
 from router.metrics import Metrics
-from engine.engine_loop import EngineLoop, EngineStopped
+from worker_runtime.engine_loop import EngineLoop, EngineStopped
 from engine.hashing import block_hashes
 from engine.kv_events import KVEvent, KVEventBatch
-from engine.protocol import WorkerStats
+from worker_runtime.protocol import WorkerStats
 from router.index import PrefixIndex
 from router.policy import Router
 from router.worker_view import WorkerState, WorkerView

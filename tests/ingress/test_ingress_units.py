@@ -98,7 +98,7 @@ def test_chat_template_kwargs_cannot_reach_apply_chat_templates_own_parameters(k
 
 
 def test_a_candidate_that_ends_in_error_gives_a_500_with_its_message_not_an_empty_200(tokenizer):
-    from engine.protocol import TokenDelta
+    from worker_runtime.protocol import TokenDelta
     from router.service import ModelInfo, OpenAIService
 
     class FailingRequests:  # what the RequestRouter yields when a worker died and nowhere could take over

@@ -6,7 +6,7 @@ import json
 import jsonschema
 import pytest
 
-from engine.protocol import TokenDelta
+from worker_runtime.protocol import TokenDelta
 from router.chat_output import ChatOutput, ChatParsing
 from router.openai_api import APIError, ChatCompletionRequest, parse_body
 from router.openai_responses import ChatFormatter, Choice, Usage

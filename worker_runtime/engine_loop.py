@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, TypeVar
 
-from engine.cpu_cores import PinnedCores
+from worker_runtime.cpu_cores import PinnedCores
 from engine.outputs import RequestOutput
 
 if TYPE_CHECKING:

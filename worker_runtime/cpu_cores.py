@@ -22,21 +22,12 @@ import fcntl
 import os
 import re
 import socket
-from dataclasses import dataclass
 from pathlib import Path
+
+from engine.config import CpuBinding
 
 Core = tuple[int, ...]  # the logical CPUs (hyperthreads) of one physical core, lowest first
 NODE_CPUS_ENV = "TANDEM_NODE_CPUS"
-
-
-@dataclass(slots=True)
-class CpuBinding:
-    """What a worker asks for: `cores` physical cores of its own; `lend` them while its engine is idle
-    (decode); `borrow` lent cores for its forwards (prefill)."""
-    cores: int
-    lend: bool = False
-    borrow: bool = False
-    top: bool = False  # take the highest free cores (decode), leaving the lowest to prefill
 
 
 def parse_cpu_list(text: str) -> set[int]:

@@ -12,15 +12,15 @@ import threading
 import time
 
 from engine.config import EngineConfig
-from engine.cpu_cores import PinnedCores, cpu_quota, node_cores, pinning_is_safe, unpin
-from engine.engine_loop import EngineLoop
+from worker_runtime.cpu_cores import PinnedCores, cpu_quota, node_cores, pinning_is_safe, unpin
+from worker_runtime.engine_loop import EngineLoop
 from engine.errors import WorkerStalled
 from engine.kv_events import KVEventLog
 from engine.outputs import RequestOutput
-from engine.protocol import GenerateRequest, KVEventsReply, TokenDelta, WorkerStats
+from worker_runtime.protocol import GenerateRequest, KVEventsReply, TokenDelta, WorkerStats
 from engine.request import Request, output_ids
-from engine.request_log import install_request_log_records
-from engine.tracing import configure_worker_tracing
+from worker_runtime.request_log import install_request_log_records
+from worker_runtime.tracing import configure_worker_tracing
 
 logger = logging.getLogger(__name__)
 

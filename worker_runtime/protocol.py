@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.step_costs import PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, StepCosts
-from engine.timeline import RequestTimeline
+from worker_runtime.timeline import RequestTimeline
 
 
 @dataclass(slots=True)
