@@ -20,7 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import tracing  # noqa: E402
+from worker_runtime import tracing  # noqa: E402
 from worker_runtime.timeline import RequestTimeline  # noqa: E402
 from tests.otlp_collector import OTLPCollector  # noqa: E402
 

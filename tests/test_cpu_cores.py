@@ -12,7 +12,8 @@ import torch
 
 from cluster.config import ClusterConfig
 from cluster.launcher import fit_pools_to_cores, serving_cores
-from engine import Engine, EngineConfig, SamplingParams, cpu_cores
+from engine import Engine, EngineConfig, SamplingParams
+from worker_runtime import cpu_cores
 from engine.config import CpuBinding
 from worker_runtime.cpu_cores import PinnedCores, assign_cores, claim_cores, node_cores, pinning_is_safe
 from worker_runtime.engine_loop import watch_lenders
