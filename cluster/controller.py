@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from cluster.config import ClusterConfig
-from cluster.membership import Membership, ScaleResult, ScalingEvent, ScalingReport, WorkerEntry
+from worker_runtime.membership import Membership, ScaleResult, ScalingEvent, ScalingReport, WorkerEntry
 from cluster.pools import Pools, WorkerInfo, WorkerPool, stop_named_workers, stop_worker
 from cluster.scaling_policy import LatencyWindow
 

@@ -117,7 +117,7 @@ class Metrics:
         self.requests.labels(pool, worker, finish_reason or "unknown").inc()
 
     def observe_scaling(self, report) -> None:
-        """Mirror the controller's `scaling_report()` (cluster.membership.ScalingReport)."""
+        """Mirror the controller's `scaling_report()` (worker_runtime.membership.ScalingReport)."""
         self.scaling.report = report
 
     def own_series(self) -> bytes:

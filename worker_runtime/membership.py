@@ -1,4 +1,5 @@
-"""What the cluster controller hands out: membership for the routers, scaling events, results and reports."""
+"""What the cluster controller hands out (to routers, the metrics hub and the CLI): membership, scaling events,
+results and reports. Shared by router/ and cluster/, so neither reads the other's fields blind."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
