@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.admin_client import CLIError
+from cluster.replay_runners import OfflineRunner, Output, ServerRunner
 from router.audit import RECORD_KIND, input_digest, text_digest, token_digest
 
 
@@ -29,14 +30,6 @@ class PromptInput:
     or chat messages; None when only its token ids are known) and its token ids once known."""
     given: str | list | None
     token_ids: list[int] | None = None
-
-
-@dataclass(slots=True)
-class Output:
-    """One choice as the replay produced it; `token_ids` is None where the runner cannot see them (a server)."""
-    text: str
-    token_ids: list[int] | None
-    finish_reason: str | None
 
 
 @dataclass(slots=True)
@@ -133,8 +126,6 @@ def compare_outputs(record: dict, outputs: dict[int, Output], report: Report) ->
 
 
 def replay(args) -> int:
-    from cluster.replay_runners import OfflineRunner, ServerRunner
-
     record = load_record(args.record, args.request_id)
     inputs = prompt_inputs(record, args.prompt_file, args.messages_file)
     report = Report([f"replaying {record['request_id']} ({record['endpoint']}, {len(record['choices'])} "

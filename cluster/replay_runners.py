@@ -1,13 +1,22 @@
 """Where `tandem replay` (cluster/replay.py) runs a record again: the offline engine on a model directory,
 or a running server through its OpenAI API. Both answer the model revision, turn a supplied input into
-token ids as the server did, and produce each choice's output under the record's choice index."""
+token ids as the server did, and produce each choice's `Output` under the record's choice index."""
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 from cluster.admin_client import AdminClient, CLIError
 from router.audit import sampling_from_record
+
+
+@dataclass(slots=True)
+class Output:
+    """One choice as the replay produced it; `token_ids` is None where the runner cannot see them (a server)."""
+    text: str
+    token_ids: list[int] | None
+    finish_reason: str | None
 
 
 def _params(record: dict, prompt: int):
@@ -59,7 +68,6 @@ class OfflineRunner:
         return _truncate(record, ids)
 
     def generate(self, record: dict, inputs: list) -> dict:
-        from cluster.replay import Output
         from engine import Engine, EngineConfig
         params = [_params(record, p) for p in range(len(inputs))]
         e = self.engine_options
@@ -107,7 +115,6 @@ class ServerRunner:
         return _truncate(record, self.client.call("POST", "/tokenize", {"model": self.model, **body})["tokens"])
 
     def generate(self, record: dict, inputs: list) -> dict:
-        from cluster.replay import Output
         outputs = {}
         for p, given in enumerate(inputs):
             params = _params(record, p)
