@@ -103,7 +103,7 @@ async def _wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -
 def stop(proc: subprocess.Popen, grace_s: float = 90.0) -> None:
     """SIGTERM to the server (tandem shuts its Ray down on it), then SIGKILL to its process group after
     the grace. Not SIGTERM to the group: Ray's own processes would die under tandem's clean stop, which
-    then waited out its 30 s deadline every time (bench/RESULTS.md, eighteenth session)."""
+    then waited out its 30 s deadline every time (bench/HISTORY.md, eighteenth session)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -1,7 +1,7 @@
 """Where a disaggregated request's first inter-token gap goes: from the prefill worker's first token to the
 decode worker's first, under Poisson load through the real client path, with each request's stage timeline
 (X-Tandem-Trace: 1). That gap is the handoff (the KV pull and joining the batch); in bench/compare.py runs
-it is most of the ITL tail (bench/RESULTS.md, eighteenth and nineteenth sessions).
+it is most of the ITL tail (bench/HISTORY.md, eighteenth and nineteenth sessions).
 
     .venv/bin/python bench/handoff.py --rate 1.0 --requests 40 --seed 7       # tandem defaults
     .venv/bin/python bench/handoff.py --rate 1.5 --flags "--config my.yaml"    # any `tandem serve` flags

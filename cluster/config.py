@@ -247,13 +247,13 @@ class CpuOptions(_Strict):
     a decode worker on its node while that one is idle, and `decode_borrows` (off by default) a decode step
     the cores of a prefill worker while that one has no prompt: on a machine without a core to spare for the
     serving processes, their wakeups then stall a decode step on two cores, and it ran slower than on one
-    (bench/RESULTS.md, "Decode steps on borrowed prefill cores"). A forward on borrowed cores carries at most the prompt
+    (bench/HISTORY.md, "Decode steps on borrowed prefill cores"). A forward on borrowed cores carries at most the prompt
     tokens that take `borrow_slice_ms` at the borrowed speed (default: the ITL SLO; 0: no cap), since a
     lender that turns busy shares its core until that forward ends. `isolate_prefill` (with `pin`; off by
     default) moves a local `tandem serve`'s own Ray and Serve processes off the prefill workers' cores once
     it serves: on the 2-core box their wakeups took a fifth of a served prefill's time, and at 0.5 req/s
     isolation cut TTFT by a fifth, but near saturation the decode core cannot spare their CPU and request
-    throughput fell by a tenth (bench/RESULTS.md, "Serving processes off the prefill core"). Ignored by
+    throughput fell by a tenth (bench/HISTORY.md, "Serving processes off the prefill core"). Ignored by
     workers on GPUs."""
     pin: bool = True
     borrow: bool = True

@@ -258,7 +258,7 @@ def confine_local_ray(cpus: set[int], marker: str, say: Callable[[str], None]) -
     """Move this process and every process of its local Ray instance but the engine workers (GCS, the
     raylet, Ray's agents and idle workers, the Serve controller and proxy, the ingress, the cluster
     controller) to `cpus`, so their wakeups never take a prefill worker's core: they took a fifth of a
-    served prefill's time (bench/RESULTS.md, "Who takes the prefill core"). Done once the application
+    served prefill's time (bench/HISTORY.md, "Who takes the prefill core"). Done once the application
     serves, since Ray and the workers start up faster with the whole machine; processes Ray starts later
     inherit the raylet's affinity."""
     from cluster.local_ray_watchdog import family

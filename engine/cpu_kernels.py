@@ -3,7 +3,7 @@
 PyTorch has no paged attention for CPUs: without a kernel, decode attention gathers every
 sequence's blocks into a padded copy and runs SDPA, which is built for long query blocks and
 spends most of its time on overhead when each sequence has one query token. The kernel in
-`csrc/paged_attention.c` reads K/V in place from the blocks (bench/RESULTS.md, "Offline engine").
+`csrc/paged_attention.c` reads K/V in place from the blocks (bench/HISTORY.md, "Offline engine").
 `csrc/fused_ops.c` holds a decoder layer's elementwise ops (RMSNorm with the residual add, SiLU-and-mul,
 rotary embedding), one call each instead of several torch ops (engine/cpu_layers.py).
 

@@ -23,7 +23,7 @@ FUSABLE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer
 class OneDNNLinear(torch.nn.Module):
     """An nn.Linear computed by oneDNN with its weight packed once at load time, as vLLM's CPU backend
     does. For fp32 torch calls MKL, which on the dev box's AMD EPYC ran the model's GEMMs 1.15-1.9x
-    slower than this (bench/RESULTS.md, "Offline engine"); in bf16 on AMX cores the packed weights made a
+    slower than this (bench/HISTORY.md, "Offline engine"); in bf16 on AMX cores the packed weights made a
     256-token SmolLM2 prefill 1.4-1.8x and a lone decode step 1.5x faster than torch's own bf16 linear."""
 
     def __init__(self, linear: torch.nn.Linear):
@@ -63,7 +63,7 @@ class BlockLinear(torch.nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-# Rows up to which BlockLinear beats oneDNN's fp32 GEMM (bench/RESULTS.md, "Weights as shipped").
+# Rows up to which BlockLinear beats oneDNN's fp32 GEMM (bench/HISTORY.md, "Weights as shipped").
 BLOCK_ROWS = 32
 
 

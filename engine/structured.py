@@ -1,4 +1,4 @@
-"""Structured outputs, enforced while decoding with llguidance (picked by measurement: bench/RESULTS.md).
+"""Structured outputs, enforced while decoding with llguidance (picked by measurement: bench/HISTORY.md).
 
 A request's constraint (`StructuredOutputs`) becomes an llguidance grammar, compiled into a matcher on
 the manager's compile thread, never on the engine's step loop: the engine holds the request back from

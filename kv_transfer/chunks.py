@@ -24,7 +24,7 @@ import xxhash
 from engine.kv_cache import KVCache, KVLayout
 
 
-# Per K (or V) segment. Measured on 2 cores (bench/RESULTS.md, "small pulls"): a pull of one block over 30
+# Per K (or V) segment. Measured on 2 cores (bench/HISTORY.md, "small pulls"): a pull of one block over 30
 # layers (60 segments of 12 KiB) took 4.4 ms over Gloo as views and 1.4 ms coalesced; at 16 blocks
 # (196 KiB segments) the gather copy cost about what the saved messages did (7.2 vs 6.7 ms).
 COALESCE_BELOW_BYTES = 64 << 10

@@ -10,7 +10,7 @@ A stream keeps about one core busy at each end (Python gRPC copies every
 message twice on each side, and both ends hash it), so the default is one
 stream per four cores: on two cores a second stream only adds thread
 hand-offs. Chunks are 2 MiB: smaller messages keep those copies in cache
-and pipeline better (bench/RESULTS.md has the A/B runs).
+and pipeline better (bench/HISTORY.md has the A/B runs).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Token deltas from decode workers, multiplexed: each ingress process (event loop) keeps one feed per decode
 worker, a Ray streaming generator (`DecodeWorker.open_feed`) that carries a step's deltas for all of this
 process's requests on that worker as one item. A stream per request cost one Ray item per request per
-step, about 0.8 ms of CPU on the two sides together (bench/RESULTS.md, "Serving path cost").
+step, about 0.8 ms of CPU on the two sides together (bench/HISTORY.md, "Serving path cost").
 
 A request starts on a feed with `DecodeWorker.start` and reads its deltas from a `FedStream`; closing that
 early aborts it on the worker (`DecodeWorker.abort`). An error that ends a request on the worker is fetched
