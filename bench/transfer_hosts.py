@@ -33,7 +33,8 @@ def sender(args) -> None:
     import torch
 
     from engine.kv_cache import KVCache
-    from kv_transfer.server import KVServerConfig, KVTransferServer
+    from kv_transfer.server import KVTransferServer
+    from kv_transfer.server_config import KVServerConfig
 
     torch.set_num_threads(1)
     layout = layout_for("cpu")

@@ -151,7 +151,7 @@ def _freeze_kv_export(worker) -> None:
         worker.frozen.set()
         threading.Event().wait()
 
-    worker.kv_server.export_chunk = freeze
+    worker.kv_server.export.export_chunk = freeze
     worker.kv_server.leases.release = freeze
 
 
