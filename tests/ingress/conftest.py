@@ -81,7 +81,7 @@ def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> boo
 @pytest.fixture(scope="package")
 def otlp_collector():
     """Where main's ingress and workers export their spans."""
-    from tests.otlp_collector import OTLPCollector
+    from bench.otlp_collector import OTLPCollector
     collector = OTLPCollector().start()
     yield collector
     collector.stop()
