@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from cluster.local_ray_watchdog import Family, family, kill_marked
-from tests.test_cli import free_port
+from tests.helpers import free_port
 
 RUN_ENV = "TANDEM_TEST_RUN"
 RAY_LINE = re.compile(r"^(\x1b\[\d+m)?\(\w")
