@@ -365,10 +365,7 @@ class ServingIsolation:
         self.server_pid, self.lock_dir = server_pid, str(tmp_path / "cpu")
         self.node = {cpu for core in node_cores() for cpu in core}
         log = tmp_path / "serve.log"
-        deadline = time.monotonic() + 30
-        while "now run on CPUs" not in log.read_text():
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
+        assert wait_for(lambda: "now run on CPUs" in log.read_text(), interval_s=0.5), log.read_text()
         listed = log.read_text().split("now run on CPUs ")[1].split(", off")[0]
         self.serving = {int(cpu) for cpu in listed.split(",")}
         assert self.serving and self.serving < self.node
