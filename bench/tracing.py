@@ -28,7 +28,7 @@ from bench.local_serve import serve_app  # noqa: E402
 from bench.serve import build_parser as serve_parser, load_token_space, run_one  # noqa: E402
 from bench.serve_client import Target  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
-from tests.otlp_collector import OTLPCollector  # noqa: E402
+from bench.otlp_collector import OTLPCollector  # noqa: E402
 
 
 def config(side: str, collector_url: str, model: str | None) -> ClusterConfig:

@@ -22,7 +22,7 @@ if __package__ in (None, ""):
 
 from worker_runtime import tracing  # noqa: E402
 from worker_runtime.timeline import RequestTimeline  # noqa: E402
-from tests.otlp_collector import OTLPCollector  # noqa: E402
+from bench.otlp_collector import OTLPCollector  # noqa: E402
 
 WORKER_STAGES = {"prefill": ("prefill_queued", "prefill_started", "prefill_done"),
                  "decode": ("transfer_started", "transfer_done", "decode_admitted", "decode_started", "finished")}

@@ -46,7 +46,8 @@ from kv_transfer.dist_client import DistKVClient  # noqa: E402
 from kv_transfer.dist_group import open_store  # noqa: E402
 from kv_transfer.grpc_client import GrpcKVClient  # noqa: E402
 from kv_transfer.malloc import keep_message_buffers_in_heap  # noqa: E402
-from kv_transfer.server import KVServerConfig, KVTransferServer  # noqa: E402
+from kv_transfer.server import KVTransferServer  # noqa: E402
+from kv_transfer.server_config import KVServerConfig  # noqa: E402
 
 TOKEN = "bench"
 BARE_CHUNK = 4 << 20

@@ -1,6 +1,6 @@
 """KV transfer between simulated hosts: bench/transfer.py's pull (a 2,048-token SmolLM2 prompt's KV, 94 MB)
 from a sender on host a to a receiver on host b, two network namespaces joined by veth links on a bridge
-(tests/netns.py), next to the same pair of processes on host a's loopback. Raw TCP is the baseline of each.
+(bench/netns.py), next to the same pair of processes on host a's loopback. Raw TCP is the baseline of each.
 
 The sender advertises its host's address (as a prefill worker advertises its node's IP), so the pull
 crosses the bridge. Nothing is sent anywhere but the two hosts this script makes. Needs root; run it alone:
@@ -33,7 +33,8 @@ def sender(args) -> None:
     import torch
 
     from engine.kv_cache import KVCache
-    from kv_transfer.server import KVServerConfig, KVTransferServer
+    from kv_transfer.server import KVTransferServer
+    from kv_transfer.server_config import KVServerConfig
 
     torch.set_num_threads(1)
     layout = layout_for("cpu")
@@ -136,7 +137,7 @@ def main() -> None:
     if args.role == "receiver":
         return receiver(args)
 
-    from tests.netns import SimulatedHosts, ray_lock, unavailable_reason
+    from bench.netns import SimulatedHosts, ray_lock, unavailable_reason
 
     reason = unavailable_reason()
     if reason:

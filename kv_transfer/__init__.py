@@ -13,7 +13,7 @@ from engine.lazy_exports import lazy_exports
 
 _EXPORTS = {**dict.fromkeys(("KVAuthError", "KVChecksumError", "KVHandle", "KVLayoutMismatchError",
                              "KVLeaseNotFoundError", "KVTransferError", "PullStats"), "kv_transfer.handle"),
-            **dict.fromkeys(("KVServerConfig", "KVTransferServer"), "kv_transfer.server")}
+            "KVServerConfig": "kv_transfer.server_config", "KVTransferServer": "kv_transfer.server"}
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

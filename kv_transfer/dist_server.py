@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -28,12 +27,10 @@ import torch.distributed as dist
 
 from kv_transfer.chunks import ChunkSpec
 from kv_transfer.dist_group import RECEIVER_RANK, SENDER_RANK, abort_group, backend_for, host_store, pair_group
+from kv_transfer.export import KVExport
 from kv_transfer.faults import corrupted, fail_mid_pull
+from kv_transfer.lease import Lease
 from protos import kv_transfer_pb2 as pb
-
-if TYPE_CHECKING:
-    from kv_transfer.lease import Lease
-    from kv_transfer.server import KVTransferServer
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +98,9 @@ class _Sends:
 class DistSender:
     """Process groups with connected decode clients, and the PullDist send loop."""
 
-    def __init__(self, server: KVTransferServer, host: str, bind_host: str, timeout_s: float, idle_s: float):
-        self.server = server
-        self.device = server.cache.k[0].device
+    def __init__(self, export: KVExport, host: str, bind_host: str, timeout_s: float, idle_s: float):
+        self.export = export
+        self.device = export.cache.k[0].device
         self.backend = backend_for(self.device)
         self.host = host  # advertised: in every ConnectResponse, and our Gloo device's address
         self.timeout_s = timeout_s
@@ -180,15 +177,15 @@ class DistSender:
         (sends straight from cache views cost no memory). Posting a batch in one hand-off lets the send
         thread write back to back: a whole pull of consecutive blocks, once prefill is done.
         """
-        plan, wait_ready = self.server.chunk_plan(lease, len(block_ids), request, context)
-        cache = self.server.cache.kv.untyped_storage().data_ptr()
+        plan, wait_ready = self.export.chunk_plan(lease, len(block_ids), request, context)
+        cache = self.export.cache.kv.untyped_storage().data_ptr()
         i = 0
         while i < len(plan):
             wait_ready(plan[i])
             batch, staged = [], 0
             while i < len(plan) and lease.layers_ready >= plan[i].layer_end and staged < SEND_WINDOW_BYTES // 2:
                 spec = plan[i]
-                segments = self.server.export_chunk(block_ids[spec.block_start:spec.block_end], spec, False)
+                segments = self.export.export_chunk(block_ids[spec.block_start:spec.block_end], spec, False)
                 batch.append((spec, segments))
                 if segments[0].untyped_storage().data_ptr() != cache:
                     staged += sum(s.numel() * s.element_size() for s in segments)
@@ -205,11 +202,11 @@ class DistSender:
         except Exception as err:
             self.disconnect(request.pair_id)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"pair {request.pair_id!r} never joined: {err}")
-        checksum = self.server.config.dist_checksums
+        checksum = self.export.config.dist_checksums
         with pair.lock:
             if pair.closed:  # discarded while we waited for it: the client reconnects
                 context.abort(grpc.StatusCode.ABORTED, f"pair {request.pair_id!r} is not connected")
-            lease, block_ids, fault = self.server.open_pull(request, context)
+            lease, block_ids, fault = self.export.open_pull(request, context)
             sends, finished = _Sends(group, pair.sender), False
             try:
                 for batch, staged in self._ready_batches(lease, block_ids, request, context):
@@ -219,7 +216,7 @@ class DistSender:
                     else:
                         sends.post(batch, staged)
                     for spec, segments in batch:
-                        yield self.server.chunk_header(spec, segments, checksum)  # hashed while the bytes go out
+                        yield self.export.chunk_header(spec, segments, checksum)  # hashed while the bytes go out
                     sends.wait_below(SEND_WINDOW_BYTES // 2)
                     if fault in ("stall", "drop"):
                         sends.wait_below(-1)
@@ -240,4 +237,4 @@ class DistSender:
                     sends.stop()
                     self.disconnect(request.pair_id)
                 pair.last_used = time.monotonic()
-                self.server.leases.end_pull(lease)
+                self.export.leases.end_pull(lease)

@@ -1,90 +1,35 @@
 """The KV export server in a prefill worker: a lease table behind an authenticated gRPC service.
 
 Pull streams chunks over gRPC; PullDist streams only their headers and sends
-the payloads over the pair's torch.distributed group (see dist_server.py).
+the payloads over the pair's torch.distributed group (see dist_server.py);
+both read them through one KVExport (export.py).
 Handlers run on a bounded thread pool, and calls beyond its capacity are
 refused with RESOURCE_EXHAUSTED instead of queueing without limit.
 """
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
-import torch
 from google.protobuf.message import DecodeError
 
 from worker_runtime.auth import bearer_token, token_matches
 from engine.kv_cache import KVCache
-from kv_transfer.config import TLSFiles
 from kv_transfer.addresses import check_host, host_port
-from kv_transfer.chunks import MIN_CHUNK_BYTES, ChunkSpec, host_bytes, payload_checksum, plan_chunks, read_chunk
+from kv_transfer.chunks import host_bytes
 from kv_transfer.dist_server import DistSender
-from kv_transfer.faults import FaultInjector, corrupted, fail_mid_pull
+from kv_transfer.export import KVExport
+from kv_transfer.faults import corrupted, fail_mid_pull
 from kv_transfer.handle import KVHandle
-from kv_transfer.lease import Lease, LeaseTable, OnRelease
+from kv_transfer.lease import LeaseTable, OnRelease
+from kv_transfer.server_config import MAX_ID_CHARS, KVServerConfig
 from kv_transfer.tls import server_credentials
 from kv_transfer.malloc import keep_message_buffers_in_heap
 from kv_transfer.shm import source as shm_source
 from kv_transfer.wire import SERVICE, encode_chunk, layout_from_proto, layout_to_proto
 from protos import kv_transfer_pb2 as pb
-
-@dataclass(slots=True)
-class KVServerConfig:
-    """Where the server listens and how much it accepts; `dist` adds the torch.distributed data plane.
-
-    `advertise_host` goes into every handle (and the TCPStore's address into every ConnectResponse), so it
-    must be an address decode workers can reach; `bind_host` (default: the advertised address) is where the
-    gRPC server and the TCPStore listen. A prefill worker resolves both on its node (addresses.py).
-
-    gRPC chunks always carry a checksum. Over torch.distributed, host payloads
-    carry one unless `dist_checksums` is off (TCP already checks the bytes;
-    hashing them costs about a fifth of Gloo's throughput on a 2-core box);
-    device payloads (NCCL) never do. A decode client's process group that
-    sees no pull for `dist_pair_idle_s` is discarded (the client reconnects).
-
-    What a caller may ask for is bounded, so that no request can make the server plan or hold more than
-    its lease: requests are at most `max_request_bytes`, a pull names at most `max_blocks_per_pull`
-    distinct block indices, and chunks are at least MIN_CHUNK_BYTES. `faults` is for tests only
-    (faults.py); by default it comes from TANDEM_KV_FAULTS, unset in production.
-    """
-    advertise_host: str = "127.0.0.1"
-    bind_host: str | None = None
-    port: int = 0
-    max_workers: int = 16
-    max_message_bytes: int = 16 << 20
-    max_request_bytes: int = 1 << 20
-    max_blocks_per_pull: int = 1 << 16
-    lease_ttl_s: float = 30.0
-    dist: bool = False
-    dist_timeout_s: float = 30.0
-    dist_checksums: bool = True
-    dist_pair_idle_s: float = 600.0
-    tls: TLSFiles | None = None  # serve TLS only (kv_transfer/tls.py)
-    # Handles name the cache's memfd when it has one (a CPU prefill worker's): a decode worker on the same
-    # host copies from it (kv_transfer/shm.py). Off with torch_dist, and while faults are injected, which
-    # act on the network path.
-    shared_memory: bool = True
-    faults: FaultInjector | None = field(default_factory=FaultInjector.from_env)
-
-
-MAX_ID_CHARS = 256  # request and pair ids; theirs are uuid-sized
-
-
-@dataclass(slots=True)
-class ServerStats:
-    """Payload bytes and chunks sent since start, over both data planes."""
-    bytes_sent: int = 0
-    chunks_sent: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, num_bytes: int) -> None:
-        with self._lock:
-            self.bytes_sent += num_bytes
-            self.chunks_sent += 1
 
 
 class _BearerTokenAuth(grpc.ServerInterceptor):
@@ -116,7 +61,8 @@ class KVTransferServer:
         self.cache = cache
         self.config = config or KVServerConfig()
         self.leases = LeaseTable(cache.layout.num_layers, self.config.lease_ttl_s)
-        self.stats = ServerStats()
+        self.export = KVExport(cache, self.config, self.leases)
+        self.stats = self.export.stats
         self._layout_proto = layout_to_proto(cache.layout)
         keep_message_buffers_in_heap(self.config.max_message_bytes)
         limits = [("grpc.max_send_message_length", self.config.max_message_bytes),
@@ -135,7 +81,7 @@ class KVTransferServer:
             raise OSError(f"the KV transfer server cannot listen on {host_port(bind, self.config.port)} "
                           f"(transfer.bind_host / TANDEM_KV_BIND_HOST): {err}") from None
         self.address = host_port(advertise, self.port)
-        self.dist = DistSender(self, advertise, bind, self.config.dist_timeout_s,
+        self.dist = DistSender(self.export, advertise, bind, self.config.dist_timeout_s,
                                self.config.dist_pair_idle_s) if self.config.dist else None
 
     def start(self) -> KVTransferServer:
@@ -175,92 +121,11 @@ class KVTransferServer:
         """End a lease from the prefill side (abort); False if it was already gone."""
         return self.leases.release(request_id)
 
-    def export_chunk(self, block_ids: list[int], spec: ChunkSpec, to_host: bool) -> list[torch.Tensor]:
-        """A chunk's payload segments (K, V per layer): cache views when possible, on the host if asked."""
-        segments = read_chunk(self.cache, block_ids, spec)
-        return [s.cpu() for s in segments] if to_host else segments
-
-    def chunk_header(self, spec: ChunkSpec, segments: list[torch.Tensor], checksum: bool) -> pb.ChunkHeader:
-        """The chunk's header, with the payload's XXH3-64 if asked for and the payload is on the host."""
-        header = pb.ChunkHeader(layer_start=spec.layer_start, layer_end=spec.layer_end,
-                                block_start=spec.block_start, block_end=spec.block_end,
-                                num_bytes=spec.num_bytes(self.cache.layout))
-        if checksum and segments[0].device.type == "cpu":
-            header.xxh3_64 = payload_checksum(segments)
-        self.stats.add(header.num_bytes)
-        return header
-
-    def open_pull(self, request: pb.PullRequest,
-                  context: grpc.ServicerContext) -> tuple[Lease, list[int], str | None]:
-        """Check a pull and pin its lease; aborts the call with a precise status when it is refused.
-        Also returns the fault to inject into this pull (tests only; None)."""
-        self.check_pull(request, context)
-        fault = self.config.faults.pick() if self.config.faults is not None else None
-        if fault == "expire":
-            self.leases.release(request.request_id)
-        lease = self.leases.begin_pull(request.request_id)
-        if lease is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no KV lease for request {request.request_id!r}")
-        if request.block_indices and max(request.block_indices) >= len(lease.block_ids):
-            self.leases.end_pull(lease)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"block_indices: index beyond the request's {len(lease.block_ids)} blocks")
-        return lease, [lease.block_ids[i] for i in request.block_indices], fault
-
-    def check_pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> None:
-        """Refuse, with INVALID_ARGUMENT naming the field, a pull whose plan could exceed what its lease
-        holds (duplicate or too many block indices, tiny chunks) or that is malformed otherwise."""
-        if layout_from_proto(request.layout) != self.cache.layout:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"KV layout mismatch: server has {self.cache.layout}, "
-                          f"client has {layout_from_proto(request.layout)}")
-        max_chunk = self.config.max_message_bytes - (64 << 10)
-        problems = [
-            ("request_id", not 0 < len(request.request_id) <= MAX_ID_CHARS, f"1 to {MAX_ID_CHARS} characters"),
-            ("pair_id", len(request.pair_id) > MAX_ID_CHARS, f"at most {MAX_ID_CHARS} characters"),
-            ("layer_start, layer_end", not 0 <= request.layer_start < request.layer_end <= self.cache.layout.num_layers,
-             f"a layer range within [0, {self.cache.layout.num_layers}]"),
-            ("max_chunk_bytes", not MIN_CHUNK_BYTES <= request.max_chunk_bytes <= max_chunk,
-             f"in [{MIN_CHUNK_BYTES}, {max_chunk}]"),
-            ("block_indices", len(request.block_indices) > self.config.max_blocks_per_pull,
-             f"at most {self.config.max_blocks_per_pull} per pull"),
-            ("block_indices", len(set(request.block_indices)) != len(request.block_indices), "without duplicates"),
-        ]
-        for name, bad, rule in problems:
-            if bad:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be {rule}")
-
-    def chunk_plan(self, lease: Lease, num_blocks: int, request: pb.PullRequest,
-                   context: grpc.ServicerContext) -> tuple[list[ChunkSpec], Callable[[ChunkSpec], None]]:
-        """The pull's chunks in send order, and a function that blocks until a chunk's layers are ready
-        (aborting the call when the lease goes away or the deadline passes first)."""
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + (remaining if remaining is not None else self.config.lease_ttl_s)
-        context.add_callback(self.leases.wake)
-
-        def wait_ready(spec: ChunkSpec) -> None:
-            if not self.leases.wait_layers(lease, spec.layer_end, deadline, context.is_active):
-                if lease.released:
-                    context.abort(grpc.StatusCode.NOT_FOUND, f"lease of {request.request_id!r} was released")
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "KV layers were not ready in time")
-
-        plan = plan_chunks(self.cache.layout, num_blocks, request.layer_start, request.layer_end,
-                           request.max_chunk_bytes)
-        return plan, wait_ready
-
-    def chunks(self, lease: Lease, block_ids: list[int], request: pb.PullRequest,
-               context: grpc.ServicerContext, to_host: bool) -> Iterator[tuple[ChunkSpec, list[torch.Tensor]]]:
-        """Export the pull's chunks in plan order, each once the producer has marked its layers ready."""
-        plan, wait_ready = self.chunk_plan(lease, len(block_ids), request, context)
-        for spec in plan:
-            wait_ready(spec)
-            yield spec, self.export_chunk(block_ids[spec.block_start:spec.block_end], spec, to_host)
-
     def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        lease, block_ids, fault = self.open_pull(request, context)
+        lease, block_ids, fault = self.export.open_pull(request, context)
         try:
-            for spec, segments in self.chunks(lease, block_ids, request, context, to_host=True):
-                header = self.chunk_header(spec, segments, checksum=True)
+            for spec, segments in self.export.chunks(lease, block_ids, request, context, to_host=True):
+                header = self.export.chunk_header(spec, segments, checksum=True)
                 if fault == "corrupt":
                     segments, fault = corrupted(segments), None
                 yield encode_chunk(header, [host_bytes(s) for s in segments])

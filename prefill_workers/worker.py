@@ -39,7 +39,8 @@ class PrefillWorker(EngineServer):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig):
         super().__init__(worker_id, engine_config)
         from engine.layer_progress import LayerProgress  # here, with the model (see EngineServer.__init__)
-        from kv_transfer.server import KVServerConfig, KVTransferServer
+        from kv_transfer.server import KVTransferServer
+        from kv_transfer.server_config import KVServerConfig
 
         addresses = node_kv_addresses(transfer)
         server_config = KVServerConfig(advertise_host=addresses.advertise_host, bind_host=addresses.bind_host,

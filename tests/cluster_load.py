@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +14,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import ray
+
+from tests.helpers import free_port
 
 
 @dataclass(slots=True)
@@ -37,9 +38,7 @@ def serve_tandem(config) -> Iterator[str]:
 
     from cluster.app import build_app, shutdown_cluster
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     try:
         # The apps first: their cluster controllers start the workers, which load while Serve starts.
         app = build_app(config)

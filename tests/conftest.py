@@ -57,12 +57,12 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def simulated_hosts():
-    """Hosts a, b, c, d as network namespaces on a bridge (tests/netns.py), holding the machine's Ray lock;
+    """Hosts a, b, c, d as network namespaces on a bridge (bench/netns.py), holding the machine's Ray lock;
     the test module starts Ray nodes on them. Everything is removed when the module ends or fails."""
     import tempfile
     from pathlib import Path
 
-    from tests.netns import SimulatedHosts, ray_lock, unavailable_reason
+    from bench.netns import SimulatedHosts, ray_lock, unavailable_reason
 
     reason = unavailable_reason()
     if reason:

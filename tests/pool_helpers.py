@@ -1,10 +1,11 @@
-"""Helpers shared by the tests that drive real prefill/decode actors through router.dispatch.run_request."""
+"""Helpers shared by the tests that drive real prefill/decode actors through router.dispatch.run_request or a
+RequestRouter."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 from router.dispatch import run_request
+from router.policy import Placement, RouteDecision
 
 
 def only(pool):
@@ -18,6 +19,16 @@ async def collect(request, decode, prefill=None, layerwise=False):
     return [t for d in deltas for t in d.token_ids], deltas
 
 
+async def close_after(stream, num_tokens: int) -> None:
+    """Read a request's deltas until `num_tokens` tokens came, then close the stream (the client goes away)."""
+    got = 0
+    async for delta in stream:
+        got += len(delta.token_ids)
+        if got >= num_tokens:
+            break
+    await stream.aclose()
+
+
 def run_all(reqs, decode, prefill=None, layerwise=False):
     """Run requests concurrently to the end; one (tokens, deltas) per request."""
     async def main():
@@ -25,10 +36,21 @@ def run_all(reqs, decode, prefill=None, layerwise=False):
     return asyncio.run(main())
 
 
-def wait_for(predicate, timeout_s=10.0, interval_s=0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
+class OneWorkerView:
+    """Just enough of a WorkerView for a RequestRouter over one decode worker."""
+    block_size = 16
+
+    def __init__(self, actor):
+        self.decode = actor
+
+    def route(self, block_hashes, num_tokens, excluded, **options):
+        return RouteDecision(Placement("decode-0", 0, 0.0), None, "only worker")
+
+    def begin(self, decision, request_id, num_tokens):
+        pass
+
+    def end(self, decision, request_id):
+        pass
+
+    def actor(self, worker_id):
+        return self.decode

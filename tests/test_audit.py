@@ -16,7 +16,7 @@ from engine.sampling_params import SamplingParams, StructuredOutputs
 from router.audit import sampling_from_record, sampling_record
 from router.audit_sink import AuditWriter
 from router.metrics import Metrics
-from tests.ingress.conftest import wait_for
+from tests.helpers import wait_for
 
 
 def writer(sink: str, max_queue: int = 100) -> tuple[AuditWriter, Metrics]:

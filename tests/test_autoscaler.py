@@ -1,7 +1,6 @@
 """The autoscaler: its policy on synthetic snapshots, and the actor, started by `cluster.app.build_app` from
 the config's `autoscaler` section, resizing a real pool under real load sent through the ingress."""
 import asyncio
-import time
 
 import pytest
 import ray
@@ -13,6 +12,7 @@ from cluster.scaling_policy import LatencyWindow, ScalingPolicy, Thresholds, poo
 from worker_runtime.protocol import WorkerStats
 from router.metrics import Metrics
 from tests.cluster_load import LoadClient, failures, serve_tandem
+from tests.helpers import wait_for, wait_for_async
 
 DECODE = {"kv_usage": Thresholds(0.8, 0.3), "num_running": Thresholds(32, 8),
           "itl_s": Thresholds(0.1, 0.03, per_worker=False)}
@@ -149,19 +149,15 @@ def test_load_scales_the_decode_pool_up_and_idleness_scales_it_back_down(cluster
     async def load_until_scaled_up():
         stop = asyncio.Event()
         load = asyncio.create_task(client.run(stop, max_requests=300, interval_s=0.05))
-        deadline = time.monotonic() + 120
-        while len(decode_workers(controller)) < 2:
-            assert time.monotonic() < deadline, "load did not scale the decode pool up"
-            await asyncio.sleep(0.2)
+        assert await wait_for_async(lambda: len(decode_workers(controller)) >= 2, 120, interval_s=0.2), \
+            "load did not scale the decode pool up"
         stop.set()
         await load
 
     asyncio.run(load_until_scaled_up())
     assert failures(client.outcomes) == []
-    deadline = time.monotonic() + 60
-    while len(decode_workers(controller)) > 1:
-        assert time.monotonic() < deadline, "idleness did not scale the decode pool down"
-        time.sleep(0.2)
+    assert wait_for(lambda: len(decode_workers(controller)) <= 1, 60, interval_s=0.2), \
+        "idleness did not scale the decode pool down"
 
     decisions = ray.get(autoscaler.recent_decisions.remote())
     assert [(d.action, d.current, d.desired) for d in decisions] == [("scale_up", 1, 2), ("scale_down", 2, 1)]

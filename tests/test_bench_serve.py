@@ -15,6 +15,7 @@ from bench.serve_client import Target, counter_deltas, parse_counters, run_workl
 from bench.serve_data import Session, TokenSpace, Turn
 from bench.serve_metrics import (RequestResult, format_slowest, max_rate_meeting_slos, parse_slos, percentile,
                                  slowest_ttfts, summarize, summarize_by_kind)
+from tests.helpers import wait_for
 
 BODIES = web.AppKey("bodies", list)
 SPACE = TokenSpace(vocab_size=1000, special_ids=frozenset({0, 1, 2}))
@@ -236,7 +237,7 @@ async def _fake_stream(request: web.Request) -> web.StreamResponse:
             continue
         await resp.write(_sse({"choices": [{"index": 0, "finish_reason": "length" if i == n - 1 else None,
                                             **piece}]}))
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0.001)  # the behaviour: tokens arrive spread out, as a server streams them
     last = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": n}}
     if request.headers.get("X-Tandem-Trace") == "1":  # tandem's timeline rides on the last chunk
         times = {"arrival": 100.0, "routed": 100.004, "prefill_queued": 100.006, "prefill_started": 100.2,
@@ -326,7 +327,7 @@ def test_multi_turn_sends_the_conversation_so_far(fake_server):
 
 def test_a_request_past_its_deadline_fails_and_the_run_ends():
     async def slow(request):
-        await asyncio.sleep(1)
+        await asyncio.sleep(1)  # the behaviour: a server slower than the client's deadline
         return web.Response()
 
     async def scenario():
@@ -376,29 +377,29 @@ def test_compare_stops_the_server_alone_then_kills_what_it_left(tmp_path):
     killed after it exits."""
     import os
     import subprocess
-    import time
 
     from bench.compare import stop
 
-    marker = tmp_path / "child_got_sigterm"
+    marker, ready = tmp_path / "child_got_sigterm", tmp_path / "child_ready"
     child = ("import signal, sys, time; "
              f"signal.signal(signal.SIGTERM, lambda *a: (open({str(marker)!r}, 'w').close(), sys.exit(0))); "
-             "time.sleep(60)")
+             f"open({str(ready)!r}, 'w').close(); time.sleep(60)")
     parent = (f"import signal, subprocess, sys; c = subprocess.Popen([sys.executable, '-c', {child!r}]); "
               "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); print(c.pid, flush=True); c.wait()")
     proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True, start_new_session=True)
     child_pid = int(proc.stdout.readline())
-    time.sleep(0.5)  # the child's handler is installed
-    stop(proc, grace_s=10)
-    assert proc.returncode == 0 and not marker.exists()  # the child was not sent SIGTERM ...
-    for _ in range(50):  # ... but did not outlive the stop either
+
+    def child_alive() -> bool:
         try:
             os.kill(child_pid, 0)
         except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("the server's child outlived stop()")
+            return False
+        return True
+
+    assert wait_for(ready.exists), "the child never installed its SIGTERM handler"
+    stop(proc, grace_s=10)
+    assert proc.returncode == 0 and not marker.exists()  # the child was not sent SIGTERM ...
+    assert wait_for(lambda: not child_alive()), "the server's child outlived stop()"  # ... nor outlived it
 
 
 def test_handoff_breakdown_splits_the_first_gap_of_remote_requests():

@@ -2,16 +2,13 @@
 `tandem serve` end to end in its own process while a client keeps sending requests."""
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import ray
@@ -23,24 +20,9 @@ from cluster.cli import main
 from cluster.config import ClusterConfig
 from cluster.controller import get_controller, start_controller
 from worker_runtime.cpu_cores import node_cores
+from tests.helpers import free_port, wait_for
 
 ADMIN_KEY = "admin-secret"
-
-
-def free_port() -> int:
-    """A free port below the ephemeral range: a port the kernel hands out (bind to 0) can be handed out again,
-    to a Ray gRPC server say, before the test's server binds it (test_cli_signals failed so, once)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.Random().sample(range(20000, max(low, 20001)), min(200, max(low - 20000, 1))):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cli(capsys, *argv):
@@ -175,8 +157,7 @@ def admin_url(ray_cluster, tiny_llama_dir):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    assert wait_for(lambda: server.started), "the admin API server never started"
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(timeout=10)
@@ -384,10 +365,7 @@ class ServingIsolation:
         self.server_pid, self.lock_dir = server_pid, str(tmp_path / "cpu")
         self.node = {cpu for core in node_cores() for cpu in core}
         log = tmp_path / "serve.log"
-        deadline = time.monotonic() + 30
-        while "now run on CPUs" not in log.read_text():
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
+        assert wait_for(lambda: "now run on CPUs" in log.read_text(), interval_s=0.5), log.read_text()
         listed = log.read_text().split("now run on CPUs ")[1].split(", off")[0]
         self.serving = {int(cpu) for cpu in listed.split(",")}
         assert self.serving and self.serving < self.node

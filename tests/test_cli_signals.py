@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from cluster.local_ray_watchdog import Family, family, kill_marked
-from tests.test_cli import free_port
+from tests.helpers import free_port, wait_for
 
 RUN_ENV = "TANDEM_TEST_RUN"
 RAY_LINE = re.compile(r"^(\x1b\[\d+m)?\(\w")
@@ -110,9 +110,7 @@ class Relay:
             assert code == 0, output
             assert "tandem: stopping" in output and "tandem: stopped" in output, output
             assert "Traceback" not in server.own_output(), output
-        deadline = time.monotonic() + LEFTOVER_BOUND_S
-        while server.leftovers(recorded) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for(lambda: not server.leftovers(recorded), LEFTOVER_BOUND_S, interval_s=0.2)
         assert server.leftovers(recorded) == [], "outlived tandem serve"
         self.server = None
         return took

@@ -11,7 +11,8 @@ from cluster.pools import Pools
 from engine import SamplingParams
 from worker_runtime.cpu_cores import node_cores
 from worker_runtime.protocol import GenerateRequest
-from tests.pool_helpers import collect, only, run_all, wait_for
+from tests.helpers import wait_for
+from tests.pool_helpers import collect, only, run_all
 
 pytestmark = pytest.mark.skipif(len(node_cores()) < 2, reason="pinning two workers apart needs two cores")
 
@@ -83,11 +84,10 @@ def test_prefill_keeps_to_its_own_core_while_decode_runs(pools):
         streams = [asyncio.ensure_future(collect(GenerateRequest(f"busy-{i}", [5 + i] * 8, long), decode))
                    for i in range(4)]
         try:
-            while placement(decode)["lending"]:
-                await asyncio.sleep(0.01)
+            assert await asyncio.to_thread(wait_for, lambda: not placement(decode)["lending"], interval_s=0.01)
             own = placement(prefill)["cores"]
-            while placement(decode)["borrowed"] != own:  # decode runs on the idle prefill core too
-                await asyncio.sleep(0.01)
+            # decode runs on the idle prefill core too
+            assert await asyncio.to_thread(wait_for, lambda: placement(decode)["borrowed"] == own, interval_s=0.01)
             await prefill.prefill.remote(GenerateRequest("while-busy", list(range(100, 180)),
                                                          SamplingParams(temperature=0.0, max_tokens=1)))
             return placement(prefill), placement(decode), (await prefill.stats.remote()).step_costs

@@ -17,7 +17,8 @@ from worker_runtime.protocol import GenerateRequest
 from kv_transfer import KVServerConfig, KVTransferServer
 from router.dispatch import run_request
 from tests.hf_reference import hf_greedy
-from tests.pool_helpers import collect, only, run_all, wait_for
+from tests.helpers import wait_for
+from tests.pool_helpers import close_after, only, run_all
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -103,12 +104,7 @@ def test_abort_mid_stream_returns_blocks_to_baseline_on_both_workers(pools):
 
     async def main():
         stream = run_request(GenerateRequest("abort-1", prompts(1, seed=2)[0], params), decode, prefill)
-        got = 0
-        async for delta in stream:
-            got += len(delta.token_ids)
-            if got >= 5:
-                break
-        await stream.aclose()
+        await close_after(stream, 5)
 
     asyncio.run(main())
     assert wait_for(lambda: ray.get(decode.stats.remote()).num_active_blocks == 0)

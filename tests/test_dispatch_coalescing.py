@@ -3,18 +3,18 @@
 import asyncio
 
 import pytest
-import ray
 
 from cluster.config import ClusterConfig
 from cluster.pools import Pools
 from engine import SamplingParams
 from worker_runtime.protocol import GenerateRequest
+from router import feeds
 from router.dispatch import run_request
 from router.latency_report import LatencyReporter
 from router.metrics import Metrics
-from router.policy import Placement, RouteDecision
 from router.request_router import RequestRouter
-from tests.pool_helpers import collect, only, wait_for
+from tests.helpers import wait_for_async
+from tests.pool_helpers import OneWorkerView, collect, only
 
 PROMPT = [11, 23, 5, 81, 402, 77, 19, 3, 260, 14, 9, 55]
 
@@ -28,14 +28,17 @@ def decode(ray_cluster, tiny_llama_dir):
     pools.shutdown()
 
 
+def all_delivered() -> bool:
+    """Whether every request on this event loop's feeds has all its deltas on this side: a feed drops a
+    request's stream once the worker's last item for it has arrived (router/feeds.py)."""
+    return not any(feed.streams for feed in feeds._feeds.get(asyncio.get_running_loop(), {}).values())
+
+
 def read_slowly(decode, request: GenerateRequest) -> list:
-    """The first delta, then the rest only once the worker is done with the request."""
+    """The first delta, then the rest only once all of them have reached this side."""
     async def main() -> list:
         deltas = [await anext(stream := run_request(request, decode))]
-        # The worker stays busy with a request until its last delta is handed to Ray; then give the
-        # deltas in flight a moment to land on this side.
-        await asyncio.to_thread(wait_for, lambda: ray.get(decode.num_in_flight.remote()) == 0)
-        await asyncio.sleep(0.5)
+        assert await wait_for_async(all_delivered), "the request's last delta never reached this side"
         deltas += [d async for d in stream]
         return deltas
 
@@ -69,26 +72,6 @@ def test_a_stop_string_in_coalesced_deltas_still_ends_the_text_before_it(decode)
     assert slow[-1].finish_reason == "stop" and stop not in "".join(d.text for d in slow)
 
 
-class OneWorkerView:
-    """Just enough of a WorkerView for a RequestRouter over one decode worker."""
-    block_size = 16
-
-    def __init__(self, actor):
-        self.decode = actor
-
-    def route(self, block_hashes, num_tokens, excluded, **options):
-        return RouteDecision(Placement("decode-0", 0, 0.0), None, "only worker")
-
-    def begin(self, decision, request_id, num_tokens):
-        pass
-
-    def end(self, decision, request_id):
-        pass
-
-    def actor(self, worker_id):
-        return self.decode
-
-
 def test_itl_is_still_counted_per_token_when_deltas_coalesce(decode):
     metrics = Metrics()
     requests = RequestRouter(OneWorkerView(decode), metrics, LatencyReporter(controller=None))
@@ -96,8 +79,7 @@ def test_itl_is_still_counted_per_token_when_deltas_coalesce(decode):
 
     async def main() -> list:
         deltas = [await anext(stream := requests.stream(GenerateRequest("itl", PROMPT, params), []))]
-        await asyncio.to_thread(wait_for, lambda: ray.get(decode.num_in_flight.remote()) == 0)
-        await asyncio.sleep(0.5)
+        assert await wait_for_async(all_delivered), "the request's last delta never reached this side"
         return deltas + [d async for d in stream]
 
     deltas = asyncio.run(main())

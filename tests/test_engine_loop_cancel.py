@@ -8,6 +8,7 @@ import asyncio
 import threading
 
 from worker_runtime.engine_loop import EngineLoop
+from tests.helpers import wait_for_async
 
 
 class IdleEngine:
@@ -23,7 +24,7 @@ def test_a_cancelled_run_still_runs_its_command_and_the_loop_keeps_serving():
 
     async def cancelled_caller() -> None:
         task = asyncio.ensure_future(loop.run(ran.append, "reserved"))
-        await asyncio.sleep(0.05)  # queued behind the blocking command
+        assert await wait_for_async(lambda: len(loop.inbox) == 1)  # queued behind the blocking command
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         assert task.cancelled()
@@ -44,7 +45,7 @@ def test_a_cancelled_run_of_a_failing_command_does_not_end_the_loop():
 
     async def cancelled_caller() -> None:
         task = asyncio.ensure_future(loop.run(lambda: 1 / 0))
-        await asyncio.sleep(0.05)
+        assert await wait_for_async(lambda: len(loop.inbox) == 1)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 

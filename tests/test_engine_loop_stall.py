@@ -10,7 +10,7 @@ import pytest
 
 from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.serving import EngineServer, WorkerStalled
-from tests.pool_helpers import wait_for
+from tests.helpers import wait_for
 
 
 class IdleEngine:
@@ -18,15 +18,11 @@ class IdleEngine:
         return False
 
 
-def wait_until(predicate) -> bool:
-    return wait_for(predicate, timeout_s=30.0, interval_s=0.01)
-
-
 def test_an_idle_loop_is_not_stalled():
     loop = EngineLoop(IdleEngine())
     assert loop.submit(lambda: "ran").result(timeout=30) == "ran"
-    assert wait_until(lambda: loop.idle)
-    time.sleep(0.05)
+    assert wait_for(lambda: loop.idle)
+    time.sleep(0.05)  # the behaviour: time passing while the loop idles is not counted as a stall
     assert loop.stalled_s() == 0.0
     loop.stop()
 
@@ -36,10 +32,10 @@ def test_a_loop_stuck_in_a_command_reports_the_time_it_has_been_stuck_and_recove
     stuck, release = threading.Event(), threading.Event()
     loop.submit(lambda: (stuck.set(), release.wait(60)))
     assert stuck.wait(30)
-    assert wait_until(lambda: loop.stalled_s() > 0.2)
+    assert wait_for(lambda: loop.stalled_s() > 0.2)
     release.set()
     assert loop.submit(lambda: "alive").result(timeout=30) == "alive"
-    assert wait_until(lambda: loop.stalled_s() == 0.0)
+    assert wait_for(lambda: loop.stalled_s() == 0.0)
     loop.stop()
 
 
@@ -51,12 +47,12 @@ def test_ping_raises_worker_stalled_only_past_the_timeout():
     stuck, release = threading.Event(), threading.Event()
     server.loop.submit(lambda: (stuck.set(), release.wait(60)))
     assert stuck.wait(30)
-    assert wait_until(lambda: server.loop.stalled_s() > 0.2)
+    assert wait_for(lambda: server.loop.stalled_s() > 0.2)
     assert server.ping() == "decode-7"  # no timeout given: never stalled
     assert server.ping(stall_timeout_s=3600) == "decode-7"
     with pytest.raises(WorkerStalled, match="decode-7: the engine loop has made no progress"):
         server.ping(stall_timeout_s=0.1)
     release.set()
-    assert wait_until(lambda: server.loop.stalled_s() == 0.0)
+    assert wait_for(lambda: server.loop.stalled_s() == 0.0)
     assert server.ping(stall_timeout_s=0.1) == "decode-7"
     server.loop.stop()

@@ -13,7 +13,8 @@ from engine import SamplingParams
 from worker_runtime.protocol import GenerateRequest
 from worker_runtime.serving import WorkerDraining
 from router.dispatch import run_request
-from tests.pool_helpers import collect, only, run_all, wait_for
+from tests.helpers import wait_for
+from tests.pool_helpers import close_after, collect, only, run_all
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -60,8 +61,7 @@ def test_one_event_loop_opens_one_feed_for_all_its_requests(decode):
     async def main():
         first = asyncio.ensure_future(collect(GenerateRequest("one-a", prompt(7), PARAMS), decode))
         second = asyncio.ensure_future(collect(GenerateRequest("one-b", prompt(8), PARAMS), decode))
-        while not (await asyncio.to_thread(feed_stats, decode))["running"]:
-            await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(wait_for, lambda: feed_stats(decode)["running"], interval_s=0.01)
         open_now = (await asyncio.to_thread(feed_stats, decode))["open"]
         await asyncio.gather(first, second)
         return open_now
@@ -74,12 +74,7 @@ def test_closing_a_fed_stream_aborts_the_request_and_frees_its_blocks(decode):
 
     async def main():
         stream = run_request(GenerateRequest("fed-abort", prompt(3), long), decode)
-        got = 0
-        async for delta in stream:
-            got += len(delta.token_ids)
-            if got >= 3:
-                break
-        await stream.aclose()
+        await close_after(stream, 3)
         await asyncio.to_thread(wait_for, lambda: feed_stats(decode)["running"] == 0)
         return feed_stats(decode)
 

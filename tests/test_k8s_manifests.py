@@ -24,7 +24,7 @@ from ray.serve.schema import ServeDeploySchema
 from cluster.config import ClusterConfig
 from engine.config import resolve_dtype
 from kv_transfer.addresses import ADVERTISE_HOST_ENV
-from kv_transfer.server import KVServerConfig
+from kv_transfer.server_config import KVServerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"

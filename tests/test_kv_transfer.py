@@ -24,7 +24,7 @@ from kv_transfer import chunks, grpc_client
 from kv_transfer.grpc_client import GrpcKVClient
 from protos import kv_transfer_pb2 as pb
 from protos.kv_transfer_pb2_grpc import KVTransferStub
-from tests.pool_helpers import wait_for
+from tests.helpers import wait_for
 
 TOKEN = "test-token"
 LAYOUT = KVLayout("tiny", "float32", 16, 4, 2, 8)

@@ -24,7 +24,8 @@ from engine.layer_progress import decoder_layers
 from worker_runtime.protocol import GenerateRequest
 from router.dispatch import run_request
 from tests.hf_reference import hf_greedy
-from tests.pool_helpers import collect, only, run_all, wait_for
+from tests.helpers import wait_for
+from tests.pool_helpers import close_after, collect, only, run_all
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # Small token budget: prompts over 32 tokens are prefilled in several chunks.
@@ -156,12 +157,7 @@ def test_abort_mid_stream_frees_blocks_and_leases_on_both_workers(layerwise):
     async def main():
         stream = run_request(GenerateRequest("abort-ds", prompt(42, 60), params), only(layerwise.decode),
                              only(layerwise.prefill), layerwise=True)
-        got = 0
-        async for delta in stream:
-            got += len(delta.token_ids)
-            if got >= 5:
-                break
-        await stream.aclose()
+        await close_after(stream, 5)
 
     asyncio.run(main())
     assert_nothing_held(layerwise)

@@ -10,6 +10,7 @@ import sys
 import time
 
 from cluster.local_ray_watchdog import FOLLOW_INTERVAL_S, family
+from tests.helpers import wait_for
 
 # A stand-in for `tandem serve`: starts its watchdog, then a marked child and an unmarked one (what an agent
 # looks like after setting its title), each in a session of its own as Ray starts its processes.
@@ -40,17 +41,22 @@ def _start_server() -> tuple[subprocess.Popen, str, int, int]:
     return server, marker, int(marked), int(bare)
 
 
-def _wait_gone(pids: list[int], bound_s: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + bound_s
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
+def _wait_gone(pids: list[int]) -> list[int]:
+    """The pids still alive once all are gone or the wait gave up."""
+    wait_for(lambda: not any(_alive(pid) for pid in pids), interval_s=0.1)
     return [pid for pid in pids if _alive(pid)]
+
+
+def _let_the_watchdog_record_the_family() -> None:
+    # The behaviour under test: the watchdog records the family on its own clock, every FOLLOW_INTERVAL_S,
+    # and shows no one when it has; a child it has not recorded yet is not expected to die with the server.
+    time.sleep(3 * FOLLOW_INTERVAL_S)
 
 
 def test_kill_9_of_the_server_takes_marked_and_unmarked_descendants_with_it():
     server, marker, marked, bare = _start_server()
     try:
-        time.sleep(3 * FOLLOW_INTERVAL_S)  # the watchdog has recorded the family
+        _let_the_watchdog_record_the_family()
         assert set(family(marker, root=server.pid)) >= {marked, bare}
         server.kill()
         server.wait()
@@ -64,7 +70,7 @@ def test_kill_9_of_the_server_takes_marked_and_unmarked_descendants_with_it():
 def test_a_clean_exit_of_the_server_ends_its_family_too():
     server, _marker, marked, bare = _start_server()
     try:
-        time.sleep(3 * FOLLOW_INTERVAL_S)
+        _let_the_watchdog_record_the_family()
         server.stdin.close()  # the stand-in returns normally
         server.wait(timeout=30)
         assert _wait_gone([marked, bare]) == []

@@ -1,7 +1,6 @@
 """/metrics after real traffic through the real ingress, read the way Prometheus reads it: the series of
 DESIGN.md §3 exist, and their values agree with the traffic that was sent."""
 import math
-import socket
 import time
 import urllib.request
 from collections import defaultdict
@@ -11,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import ClusterConfig
+from tests.helpers import free_port
 
 MODEL = "tiny"
 MAX_TOKENS = 7
@@ -28,9 +28,7 @@ def app_url(ray_cluster, tiny_llama_dir):
     config = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="metrics", namespace="tandem-tests",
                            engine={"num_kv_blocks": 128}, router={"max_local_prefill_length": 0},
                            prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5}, ingress_replicas=2)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     try:
         # The apps first: their cluster controllers start the workers, which load while Serve starts.
         app = build_app(config)

@@ -1,4 +1,4 @@
-"""tandem across hosts: simulated hosts (network namespaces on a bridge, tests/netns.py), one Ray node each,
+"""tandem across hosts: simulated hosts (network namespaces on a bridge, bench/netns.py), one Ray node each,
 `tandem serve --address` on the head, the prefill pool pinned to host b and the decode pool to host c (and d).
 
 Each host has its own loopback, so a KV server advertising 127.0.0.1 cannot be reached from another host, as

@@ -9,6 +9,7 @@ from router.latency_report import LatencyReporter
 from router.metrics import Metrics
 from router.policy import Placement, RouteDecision
 from router.request_router import RequestRouter
+from tests.helpers import wait_for_async
 
 LENGTHS = {"first": 40, "second": 41, "third": 42, "gone": 43}  # the view tells requests apart by length
 CACHED = 8
@@ -65,12 +66,12 @@ def test_waiters_count_as_queued_for_those_behind_them_and_take_slots_in_order()
         tasks = []
         for name in ("first", "second", "third"):
             tasks.append(asyncio.create_task(route(name)))
-            await asyncio.sleep(0.01)
+            assert await wait_for_async(lambda: name in router.slot_waiters)
         assert list(router.slot_waiters) == ["first", "second", "third"]
         assert router.slot_waiters["first"] == ("p0", 40 - CACHED)
-        for _ in range(3):
+        for placed in range(1, 4):
             view.open_slot()
-            await asyncio.sleep(0.05)
+            assert await wait_for_async(lambda: len(view.order) == placed)
         await asyncio.gather(*tasks)
 
     asyncio.run(main())
@@ -89,8 +90,7 @@ def test_a_request_that_stops_waiting_by_error_leaves_no_backlog_behind():
 
     async def main():
         task = asyncio.create_task(router._route(request("gone"), [], set()))
-        await asyncio.sleep(0.02)
-        assert "gone" in router.slot_waiters
+        assert await wait_for_async(lambda: "gone" in router.slot_waiters)
         task.cancel()  # the client went away while it waited
         try:
             await task

@@ -9,6 +9,7 @@ import pytest
 from engine import Engine, EngineConfig, SamplingParams
 from worker_runtime.protocol import GenerateRequest
 from worker_runtime.serving import EngineServer
+from tests.helpers import wait_for_async
 
 PROMPT = [5, 17, 42, 99, 123, 7, 64, 250, 31, 8]
 GREEDY = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -48,8 +49,7 @@ def read_slowly(server: EngineServer, params: SamplingParams, request_id: str, p
         async for out in server.stream(request, engine_req):
             outputs.append(out)
             if len(outputs) == 1:
-                while engine_req.finish_reason is None:
-                    await asyncio.sleep(0.01)
+                assert await wait_for_async(lambda: engine_req.finish_reason is not None)
                 # The loop thread handed the last step's outputs over before it runs this command.
                 await server.loop.run(lambda: None)
         return outputs

@@ -18,8 +18,8 @@ satisfies a condition, or its KV export): the test waits for the worker to say i
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
-import random
 import signal
 import threading
 
@@ -40,8 +40,9 @@ from router.metrics import Metrics
 from router.policy import DisaggConfig, Router
 from router.request_router import RequestRouter
 from router.worker_view import WorkerView
-from tests import pool_helpers
+from tests import helpers
 from tests.cluster_load import serve_tandem
+from tests.helpers import metric, token_prompt
 
 pytestmark = pytest.mark.slow
 
@@ -68,11 +69,6 @@ def app(ray_cluster, tiny_llama_dir):
 # ---- helpers ----------------------------------------------------------------------------------------
 
 
-def token_prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(n)]
-
-
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
 
@@ -91,9 +87,8 @@ def pid_of(handle) -> int:
     return ray.get(handle.__ray_call__.remote(lambda worker: os.getpid()), timeout=120)
 
 
-def wait_for(predicate, timeout_s: float = 180.0, interval_s: float = 0.1) -> bool:
-    """tests.pool_helpers.wait_for with this module's generous default: workers here restart after kills."""
-    return pool_helpers.wait_for(predicate, timeout_s, interval_s)
+# Workers here restart after kills: a state takes far longer to come about than in other tests.
+wait_for = functools.partial(helpers.wait_for, timeout_s=180.0, interval_s=0.1)
 
 
 def ready(worker_id: str) -> bool:
@@ -111,12 +106,6 @@ def ready(worker_id: str) -> bool:
 def schedulable(worker_id: str) -> bool:
     from ray import serve
     return serve.get_app_handle(NAME).workers.remote().result().get(worker_id, {}).get("schedulable", False)
-
-
-def metric(url: str, name: str, **labels) -> float:
-    text = requests.get(f"{url}/metrics", timeout=30).text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def failures(url: str) -> dict[str, float]:
@@ -151,7 +140,7 @@ def _freeze_kv_export(worker) -> None:
         worker.frozen.set()
         threading.Event().wait()
 
-    worker.kv_server.export_chunk = freeze
+    worker.kv_server.export.export_chunk = freeze
     worker.kv_server.leases.release = freeze
 
 

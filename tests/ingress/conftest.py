@@ -1,4 +1,4 @@
-"""Two tandem applications on one real Serve instance (loopback, ephemeral port), shared by the ingress
+"""Two tandem applications on one real Serve instance (loopback, a free port), shared by the ingress
 tests: `main` (disaggregated; two tenants' keys and an admin key; one prefill and two decode workers;
 OpenTelemetry spans exported to an in-process OTLP collector) and
 `aux` (colocated; no keys; three decode workers; an admission bound of two sequences), and `pair`
@@ -8,14 +8,14 @@ The last tests of test_routing_e2e drain and kill aux's workers, so the modules 
 name) order."""
 from __future__ import annotations
 
-import socket
-import time
 from dataclasses import dataclass
 
 import openai
 import pytest
 import ray
 import requests
+
+from tests.helpers import free_port
 
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 ADMIN_KEY = "admin-secret"
@@ -63,25 +63,10 @@ class App:
         return dict(zip(actors, ray.get([a.stats.remote() for a in actors.values()])))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
-
-
 @pytest.fixture(scope="package")
 def otlp_collector():
     """Where main's ingress and workers export their spans."""
-    from tests.otlp_collector import OTLPCollector
+    from bench.otlp_collector import OTLPCollector
     collector = OTLPCollector().start()
     yield collector
     collector.stop()

@@ -13,7 +13,8 @@ import requests
 
 from engine.model_loader import model_revision
 from router.audit import input_digest, text_digest, token_digest
-from tests.ingress.conftest import MODEL, wait_for
+from tests.helpers import wait_for
+from tests.ingress.conftest import MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 # Longer than main's max_local_prefill_length (48 tokens): prefilled on the prefill worker.

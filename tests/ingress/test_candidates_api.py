@@ -4,8 +4,8 @@ score order as the offline engine finds it, and what beam search does not suppor
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
+from tests.helpers import token_prompt
 from tests.ingress.conftest import MODEL
-from tests.ingress.test_openai_api import token_prompt
 
 SAMPLE = {"model": MODEL, "max_tokens": 6, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
 

@@ -7,7 +7,8 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.ingress.conftest import MODEL, wait_for
+from tests.helpers import wait_for
+from tests.ingress.conftest import MODEL
 
 COMPLETION = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}

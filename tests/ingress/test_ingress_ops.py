@@ -4,7 +4,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.controller import get_controller
-from tests.ingress.conftest import ADMIN_KEY, MODEL, wait_for
+from tests.helpers import wait_for
+from tests.ingress.conftest import ADMIN_KEY, MODEL
 
 
 def samples(app) -> dict[tuple[str, tuple], float]:

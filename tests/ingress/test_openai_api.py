@@ -1,20 +1,15 @@
 """The OpenAI API through the official `openai` client, against a real Serve app on real workers."""
 import json
-import random
 
 import pytest
 import ray
 import requests
 
 from engine import SamplingParams
+from tests.helpers import token_prompt
 from tests.ingress.conftest import MODEL
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-def token_prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(n)]
 
 
 def sse_lines(response) -> list[str]:

@@ -9,7 +9,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.cli import main as tandem
-from tests.ingress.conftest import ADMIN_KEY, MODEL, wait_for
+from tests.helpers import wait_for
+from tests.ingress.conftest import ADMIN_KEY, MODEL
 
 # main routes by Dynamo's thresholds with max_local_prefill_length 48: a longer uncached prompt is
 # prefilled on the prefill worker and its KV pulled by decode.

@@ -1,6 +1,5 @@
 """Placement through the real ingress: prefixes go where they are cached, unrelated requests spread,
 tenants never share blocks, every view of the cluster keeps an exact index, dead workers drop out."""
-import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,14 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.controller import get_controller
 from engine.hashing import block_hashes
 from router.auth import cache_salt
-from tests.ingress.conftest import MODEL, wait_for
+from tests.helpers import token_prompt, wait_for
+from tests.ingress.conftest import MODEL
 
 BLOCK = 16
-
-
-def token_prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(n)]
 
 
 def complete(client, prompt: list[int], **kwargs):

@@ -11,10 +11,10 @@ from router.auth import Authenticator
 from router.latency_report import LatencyReporter
 from router.metrics import Metrics
 from router.openai_api import APIError
-from router.policy import Placement, RouteDecision
 from router.request_router import RequestRouter
 from router.service import ModelInfo, OpenAIService
 from tests.ingress.conftest import MODEL
+from tests.pool_helpers import OneWorkerView
 
 DEADLINE_S = 60.0
 
@@ -36,26 +36,6 @@ class GatedTokenizer:
 
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
-
-
-class OneWorkerView:
-    """Just enough of a WorkerView for a RequestRouter over one decode worker."""
-    block_size = 16
-
-    def __init__(self, actor):
-        self.decode = actor
-
-    def route(self, block_hashes, num_tokens, excluded, **options):
-        return RouteDecision(Placement("decode-0", 0, 0.0), None, "only worker")
-
-    def begin(self, decision, request_id, num_tokens):
-        pass
-
-    def end(self, decision, request_id):
-        pass
-
-    def actor(self, worker_id):
-        return self.decode
 
 
 def test_a_stream_keeps_its_tokens_while_a_huge_prompt_is_tokenized(pair_app, tokenizer):

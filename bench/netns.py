@@ -1,5 +1,5 @@
 """Simulated hosts: Linux network namespaces on a bridge, each with its own IP and its own loopback, so that
-127.0.0.1 on one host is not another host's. Tests of what crosses hosts start one Ray node per host.
+127.0.0.1 on one host is not another host's. Tests and benchmarks of what crosses hosts start one Ray node per host.
 
     with SimulatedHosts("abc", workdir) as hosts:
         hosts.start_ray_head("a", num_cpus=4, resources={"host_a": 1})

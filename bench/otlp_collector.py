@@ -1,4 +1,4 @@
-"""A tiny OTLP/HTTP trace collector on 127.0.0.1 for tests: it keeps every span the processes export."""
+"""A tiny OTLP/HTTP trace collector on 127.0.0.1 for tests and benchmarks: it keeps every span exported to it."""
 from __future__ import annotations
 
 import threading
