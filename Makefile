@@ -19,12 +19,19 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/tandem serve
 
-# pytest exits 5 when no test ran; make treats that as the failure it is.
+# The suite's two tiers (tests/conftest.py): the tests that start no Ray, in parallel (pytest-xdist, one
+# worker per core), then those that start Ray (one Ray cluster at a time) and the slow ones, serially.
+# `make test` runs both and fails if either failed; pytest exits 5 when no test ran, a failure too.
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+PARALLEL_TIER := -n auto -m "not ray and not slow"
+SERIAL_TIER := -m "ray or slow"
+
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PYTEST) $(PARALLEL_TIER); parallel=$$?; $(PYTEST) $(SERIAL_TIER); serial=$$?; \
+	test $$parallel -eq 0 && test $$serial -eq 0
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) $(PARALLEL_TIER)
 
 protos: $(STAMP)
 	$(PY) -m protos.generate

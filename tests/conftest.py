@@ -1,7 +1,13 @@
-"""Shared fixtures: tiny random-weight models built once per session, and the default model."""
+"""Shared fixtures: tiny random-weight models built once per session, the default model and the Ray cluster;
+and the two test tiers. A test that starts Ray is marked `ray` (automatically when it uses a fixture in
+RAY_FIXTURES) and runs in the serial tier with the `slow` tests; the rest is the parallel tier
+(`make test-fast`: pytest-xdist, `-m "not ray and not slow"`), where starting Ray fails the test."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +18,41 @@ os.environ.setdefault("TANDEM_CPU_AUTO_DTYPE", "float32")
 # Tests talk to 127.0.0.1 only: keep Ray on loopback too, and skip its token auth prompt.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+# Fixtures that start Ray: a test using one, directly or through another fixture, is marked `ray`.
+RAY_FIXTURES = {"ray_cluster", "simulated_hosts"}
+RAY_TRAP = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if RAY_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.ray)
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` deselected: these are the tests this process runs
+def pytest_collection_finish(session):
+    """In a run of the parallel tier alone, Ray's temp dir moves to an empty trap dir (in this process and
+    every process it starts, `tandem serve` included), so that a Ray start anywhere leaves a trace there."""
+    if any(item.get_closest_marker("ray") or item.get_closest_marker("slow") for item in session.items):
+        return
+    trap = Path(tempfile.mkdtemp(prefix="tdm-noray-"))  # short: Ray's socket paths live under it
+    os.environ["RAY_TMPDIR"] = str(trap)
+    session.config.stash[RAY_TRAP] = trap
+    session.config.add_cleanup(lambda: shutil.rmtree(trap, ignore_errors=True))
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_in_the_parallel_tier(request):
+    """Fails a test that started Ray in a run of the parallel tier: that Ray would hold none of the machine's
+    Ray lock, and share the cores with the other workers' tests."""
+    yield
+    trap = request.config.stash.get(RAY_TRAP, None)
+    if trap is not None and (trap / "ray").exists():
+        shutil.rmtree(trap / "ray", ignore_errors=True)  # one failure per Ray start, not one per later test
+        pytest.fail("this test started Ray: use the ray_cluster fixture, or mark it `ray` "
+                    "(pytestmark = pytest.mark.ray) so that it runs in the serial tier", pytrace=False)
 
 
 @pytest.fixture(scope="session")
