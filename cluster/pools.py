@@ -7,35 +7,29 @@ import logging
 import os
 import re
 import secrets
+import time
 from dataclasses import dataclass, replace
 
 import ray
 
 from cluster.config import ClusterConfig, PoolConfig
+from cluster.health import Ping
 from engine.errors import WorkerStalled
 from worker_runtime.tracing import tracing_env
 from kv_transfer.config import TransferConfig
+from worker_runtime.membership import WorkerEntry
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class WorkerInfo:
-    worker_id: str
-    pool: str
-    actor: ray.actor.ActorHandle
+class WorkerInfo(WorkerEntry):
+    """A pool member as the controller keeps it: its membership entry (what routers see: id, pool, actor,
+    health, draining), extended by what only the controller tracks. One record per worker; routers get
+    copies of the entry part (`Roster.membership`)."""
     ready: bool = False  # model loaded; only ready workers are routed to or health-checked
-    healthy: bool = False
-    draining: bool = False
-    died: int = 0  # health checks in a row that found the actor dead (not restarting)
+    died: int = 0  # health checks in a row that found the actor dead (not restarting); see cluster/health.py
     stalled: str | None = None  # why the last health check found its engine loop stuck
-
-    @property
-    def dead(self) -> bool:
-        """Dead for good: Ray will not restart it (restarts used up, or killed). Two checks in a row, as a
-        ping in flight when the process crashed fails alike even if Ray restarts it; a ping sent while it
-        restarts waits for the new process instead."""
-        return self.died >= 2
 
 
 # glibc gives every thread that allocates its own arena, each faulted in anew; KV messages are handled by
@@ -141,34 +135,36 @@ class WorkerPool:
         for info in infos:
             info.ready = info.healthy = True
 
-    def check_health(self, timeout_s: float = 5.0) -> dict[str, bool]:
-        """Ping every ready worker; a worker that fails, times out or reports its engine loop stalled (over
-        the pool's `stall_timeout_s`) is marked unhealthy. Stalled ones are also listed in `info.stalled`."""
+    def ping(self, timeout_s: float = 5.0) -> dict[str, Ping]:
+        """Ping every ready worker (asking whether its engine loop has stalled past the pool's
+        `stall_timeout_s`); a ping that times out or fails is not `ok`."""
         # A snapshot: the controller may add or remove workers while the pings are out.
         stall = self.pool_config.stall_timeout_s
         refs = {wid: info.actor.ping.remote(stall) for wid, info in list(self.workers.items()) if info.ready}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         ready = set(ready)
-        health = {}
-        for wid, ref in refs.items():
-            ok, died, stalled = ref in ready, False, None
-            if ok:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.ActorDiedError:
-                    ok, died = False, True
-                except ray.exceptions.RayTaskError as exc:
-                    ok = False
-                    if isinstance(exc.cause, WorkerStalled):
-                        stalled = str(exc.cause)
-                except ray.exceptions.RayError:
-                    ok = False
-            health[wid] = ok
-            if (info := self.workers.get(wid)) is not None:
-                info.healthy = ok
-                info.died = info.died + 1 if died else 0
-                info.stalled = stalled
-        return health
+        return {wid: _ping_outcome(ref) if ref in ready else Ping(False) for wid, ref in refs.items()}
+
+    def active(self) -> list[WorkerInfo]:
+        """The workers not draining (starting ones included)."""
+        return [w for w in list(self.workers.values()) if not w.draining]
+
+    def drain_and_wait(self, infos: list[WorkerInfo], timeout_s: float) -> None:
+        """Make the workers refuse new requests, then wait (up to `timeout_s`) until none has any in flight."""
+        for info in infos:
+            try:
+                ray.get(info.actor.drain.remote(), timeout=10)
+            except ray.exceptions.RayError:
+                pass  # a dead worker has nothing in flight; a stuck one is waited for below
+        deadline = time.monotonic() + timeout_s
+        pending = list(infos)
+        while pending and time.monotonic() < deadline:
+            pending = [info for info in pending if in_flight(info) > 0]
+            if pending:
+                time.sleep(0.1)  # polling the workers: they have no call that waits for their last request
+        if pending:
+            logger.warning("drain timed out after %.0f s; removing %s with requests in flight", timeout_s,
+                           [info.worker_id for info in pending])
 
     def restart(self, worker_id: str) -> None:
         """End a worker's process so Ray starts it again in place (counts against its `max_restarts`); its
@@ -213,9 +209,45 @@ class Pools:
     def pools(self) -> list[WorkerPool]:
         return [p for p in (self.prefill, self.decode) if p is not None]
 
+    def get(self, name: str) -> WorkerPool:
+        pool = self.prefill if name == "prefill" else self.decode if name == "decode" else None
+        if pool is None:
+            raise ValueError(f"no {name!r} pool in {self.config.mode} mode (pools: prefill, decode)")
+        return pool
+
+    def find(self, worker_id: str) -> tuple[WorkerPool, WorkerInfo]:
+        """The pool and record of a ready worker; KeyError naming the command that lists them."""
+        for pool in self.pools():
+            info = pool.workers.get(worker_id)
+            if info is not None and info.ready:
+                return pool, info
+        raise KeyError(f"no worker {worker_id!r}; `tandem status` lists them")
+
     def shutdown(self) -> None:
         for pool in self.pools():
             pool.shutdown()
+
+
+def _ping_outcome(ref) -> Ping:
+    try:
+        ray.get(ref)
+    except ray.exceptions.ActorDiedError:
+        return Ping(False, died=True)
+    except ray.exceptions.RayTaskError as exc:
+        return Ping(False, stalled=str(exc.cause) if isinstance(exc.cause, WorkerStalled) else None)
+    except ray.exceptions.RayError:
+        return Ping(False)
+    return Ping(True)
+
+
+def in_flight(info: WorkerInfo) -> int:
+    """The requests a worker has in flight; one that is too busy to answer counts as busy, a dead one as idle."""
+    try:
+        return ray.get(info.actor.num_in_flight.remote(), timeout=10)
+    except ray.exceptions.GetTimeoutError:
+        return 1
+    except ray.exceptions.RayError:
+        return 0
 
 
 def stop_worker(info: WorkerInfo) -> None:

@@ -21,6 +21,7 @@ import ray
 
 from router.metrics import Metrics
 from worker_runtime.engine_loop import EngineStopped
+from worker_runtime.membership import Membership
 from worker_runtime.protocol import WorkerStats
 from router.index import PrefixIndex
 from router.policy import EXPECTED_OUTPUT_TOKENS, RouteDecision, Router, WorkerLoad
@@ -203,7 +204,7 @@ class WorkerView:
 
     # ---- following the cluster ----------------------------------------------------------------
 
-    def _apply(self, membership) -> None:
+    def _apply(self, membership: Membership) -> None:
         self.version = membership.version
         current = set()
         for entry in membership.workers:

@@ -53,25 +53,42 @@ async def wait_until(predicate, timeout_s=60.0):
 
 
 def under_load(app, operations, seed, max_requests=800, interval_s=0.08, max_tokens=(64, 128), max_in_flight=48):
-    """Run `operations()` while a LoadClient sends a request to the app every `interval_s`; let the load
-    run on for a second afterwards, stop it and wait for every request to end. Requests are long enough
-    (`max_tokens`) that every worker has some in flight at any moment, even the least loaded one, which is
-    the one a scale-down drains. On a loaded machine starting a worker can take most of a minute, and the
-    load must still run when it is ready: `max_requests` only bounds the loop, and `max_in_flight` keeps
-    the work that piles up meanwhile bounded."""
+    """Run `operations(client)` while a LoadClient sends a request to the app every `interval_s`; let the
+    load run on until a few more requests have ended, stop it and wait for every request to end. Requests
+    are long enough (`max_tokens`) that every worker has some in flight at any moment, even the least
+    loaded one, which is the one a scale-down drains. On a loaded machine starting a worker can take most
+    of a minute, and the load must still run when it is ready: `max_requests` only bounds the loop, and
+    `max_in_flight` keeps the work that piles up meanwhile bounded."""
     client = LoadClient(app[0], MODEL, seed=seed, max_tokens=max_tokens)
 
     async def main():
         stop = asyncio.Event()
         load = asyncio.create_task(client.run(stop, max_requests, interval_s, max_in_flight))
         await wait_until(lambda: len(client.outcomes) >= 5)
-        await operations()
-        await asyncio.sleep(1.0)
+        await operations(client)
+        await served_more(client, max_requests)
         stop.set()
         await load
 
     asyncio.run(main())
     return client
+
+
+async def served_more(client: LoadClient, max_requests: int, n: int = 5) -> None:
+    """Wait until `n` more requests of the load (which sends `max_requests` at most) have ended: the cluster
+    serves on after a change."""
+    target = min(len(client.outcomes) + n, max_requests)
+    await wait_until(lambda: len(client.outcomes) >= target)
+
+
+def wait_for_membership(controller, predicate, timeout_s: float = 120.0):
+    """Follow the controller's membership long poll until `predicate(membership)` holds; returns it."""
+    deadline = time.monotonic() + timeout_s
+    membership = ray.get(controller.membership.remote())
+    while not predicate(membership):
+        assert time.monotonic() < deadline, "the membership did not reach the state in time"
+        membership = ray.get(controller.membership.remote(membership.version, 5.0))
+    return membership
 
 
 def scale_down_watching(controller, pool: str, replicas: int, steps: dict):
@@ -84,7 +101,7 @@ def scale_down_watching(controller, pool: str, replicas: int, steps: dict):
 def test_decode_scales_up_then_down_under_load_without_failed_requests(app, controller):
     steps = {}
 
-    async def operations():
+    async def operations(client):
         steps["up"] = await controller.scale.remote("decode", 2)
         new = actors(controller, "decode")[steps["up"].added[0]]
         await wait_until(lambda: has_served(new))  # registered workers take traffic
@@ -105,7 +122,7 @@ def test_decode_scales_up_then_down_under_load_without_failed_requests(app, cont
 def test_prefill_scales_up_then_down_under_load_without_failed_requests(app, controller):
     steps = {}
 
-    async def operations():
+    async def operations(client):
         steps["up"] = await controller.scale.remote("prefill", 2)
         new = actors(controller, "prefill")[steps["up"].added[0]]
         await wait_until(lambda: has_served(new))
@@ -121,7 +138,7 @@ def test_prefill_scales_up_then_down_under_load_without_failed_requests(app, con
 def test_draining_a_busy_worker_mid_load_lets_its_requests_finish(app, controller):
     steps = {}
 
-    async def operations():
+    async def operations(client):
         steps["added"] = (await controller.scale.remote("decode", 2)).added[0]
         steps["actor"] = actors(controller, "decode")[steps["added"]]
         await wait_until(lambda: in_flight(steps["actor"]) >= 2)
@@ -176,11 +193,9 @@ def test_a_worker_that_dies_for_good_is_replaced_by_a_new_one(controller):
     [victim] = [w for w in membership.workers if w.pool == "decode"]
     since = time.time()
     ray.kill(victim.actor, no_restart=True)
-    deadline = time.monotonic() + 120
-    while (workers := members(controller, "decode")) in ([victim.worker_id], []):
-        assert time.monotonic() < deadline, "no replacement"
-        time.sleep(0.2)
-    [new] = workers
+    replaced = wait_for_membership(controller, lambda m: [w.worker_id for w in m.workers if w.pool == "decode"]
+                                   not in ([victim.worker_id], []))
+    [new] = [w.worker_id for w in replaced.workers if w.pool == "decode"]
     events = [(e.action, e.worker_id, e.reason) for e in ray.get(controller.scaling_events.remote(since))]
     assert ("remove", victim.worker_id, "died") in events
     assert ("add", new, f"replacing {victim.worker_id}") in events

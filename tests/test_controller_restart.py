@@ -15,11 +15,12 @@ from cluster.app import shutdown_cluster
 from cluster.config import ClusterConfig
 from cluster.controller import get_controller
 from tests.cluster_load import failures, has_served, serve_tandem
-from tests.test_controller import MODEL, under_load, wait_until
+from tests.test_controller import MODEL, served_more, under_load, wait_until
 
 pytestmark = pytest.mark.slow
 
 NAME, NAMESPACE = "restartable", "tandem-tests"
+MAX_REQUESTS = 5000  # only bounds the load's loop: the test's stop ends it
 
 
 @pytest.fixture(scope="module")
@@ -51,21 +52,21 @@ def test_the_controller_killed_under_load_comes_back_with_its_workers_and_scales
     pid = controller_pid(controller)
     steps = {}
 
-    async def operations():
+    async def operations(client):
         since = time.time()
         os.kill(pid, signal.SIGKILL)
         await wait_until(lambda: controller_pid(controller) not in (None, pid), timeout_s=180)
         steps["after"] = await asyncio.to_thread(workers, controller)
         steps["events"] = [(e.action, e.worker_id, e.reason)
                            for e in await controller.scaling_events.remote(since)]
-        await asyncio.sleep(2.0)  # the load keeps running on the adopted workers
+        await served_more(client, MAX_REQUESTS)  # the load keeps running on the adopted workers
         steps["up"] = await controller.scale.remote("decode", 2)
         new = {w.worker_id: w.actor for w in (await controller.membership.remote()).workers}[steps["up"].added[0]]
         # The ingress routes to workers the new controller adds (on a loaded machine the restart and the
         # scale-up take minutes, so the load must run on until then: its bound is the stop, not a count).
         await wait_until(lambda: has_served(new), timeout_s=180)
 
-    client = under_load(app, operations, seed=21, max_tokens=(16, 48), max_requests=5000)
+    client = under_load(app, operations, seed=21, max_tokens=(16, 48), max_requests=MAX_REQUESTS)
     assert failures(client.outcomes) == []
     assert len(client.outcomes) >= 20
     assert steps["after"] == before  # the same workers, same ids

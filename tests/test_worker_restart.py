@@ -7,7 +7,8 @@ import time
 import ray
 
 from cluster.config import ClusterConfig
-from cluster.pools import Pools
+from cluster.health import HealthChanges, observe
+from cluster.pools import Pools, WorkerPool
 from engine import SamplingParams
 from worker_runtime.protocol import GenerateRequest
 from router.dispatch import run_request
@@ -15,6 +16,11 @@ from router.dispatch import run_request
 
 def pid_of(actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+
+
+def health_check(pool: WorkerPool, timeout_s: float) -> HealthChanges:
+    """One round of the controller's health check on `pool`."""
+    return observe(list(pool.workers.values()), pool.ping(timeout_s))
 
 
 def test_killed_decode_worker_is_restarted_and_serves_again(ray_cluster, tiny_llama_dir):
@@ -25,10 +31,10 @@ def test_killed_decode_worker_is_restarted_and_serves_again(ray_cluster, tiny_ll
         info = next(iter(pools.decode.workers.values()))
         old_pid = pid_of(info.actor)
         os.kill(old_pid, signal.SIGKILL)
-        assert pools.decode.check_health(timeout_s=2)[info.worker_id] is False
+        assert health_check(pools.decode, timeout_s=2).flipped == {info.worker_id: False}
         deadline = time.monotonic() + 120
-        while not pools.decode.check_health(timeout_s=5)[info.worker_id]:
-            assert not info.dead, "a restarting worker must not be replaced"
+        while not (changes := health_check(pools.decode, timeout_s=5)).flipped.get(info.worker_id):
+            assert not changes.dead, "a restarting worker must not be replaced"
             assert time.monotonic() < deadline, "worker did not come back"
             time.sleep(0.5)
         assert pid_of(info.actor) != old_pid

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class WorkerEntry:
-    """One ready worker as routers see it; `draining` ones take no new requests."""
+    """One ready worker as routers see it; `draining` ones take no new requests. The controller keeps each
+    pool member as this entry extended by its own fields (cluster/pools.py `WorkerInfo`)."""
     worker_id: str
     pool: str
     actor: object
-    healthy: bool
-    draining: bool
+    healthy: bool = False
+    draining: bool = False
 
 
 @dataclass(slots=True)
