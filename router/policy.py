@@ -33,6 +33,7 @@ from typing import Literal
 from engine.step_costs import (MIN_CHUNK_TOKENS, PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, StepCosts, pull_seconds,
                                 stall_free_budget)
 from router.index import PrefixIndex
+from worker_runtime.protocol import DispatchPath, GenerateRequest
 
 
 @dataclass(slots=True)
@@ -335,6 +336,19 @@ class RouteDecision:
     reason: str
     wait: bool = False
     predicted_ttft_s: float | None = None
+
+
+def dispatch_path(request: GenerateRequest, remote: bool, layerwise: bool) -> DispatchPath:
+    """How a request placed with (`remote`) or without a prefill worker runs across its workers, when the
+    prefill workers lease KV before the first token (`layerwise`, transfer.layerwise) or after it. Decode
+    starts beside the prefill unless it needs the first token first: a single-token request never reaches
+    decode (nothing to pull, so no early lease either), and a group of candidates forks from the first
+    one's token."""
+    if not remote:
+        return DispatchPath.LOCAL
+    if request.num_outputs > 1 or request.sampling_params.max_tokens == 1:
+        return DispatchPath.SEQUENTIAL
+    return DispatchPath.LAYERWISE if layerwise else DispatchPath.REMOTE
 
 
 class Router:

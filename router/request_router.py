@@ -22,7 +22,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from enum import Enum
 
 import ray
 
@@ -35,7 +36,7 @@ from worker_runtime.timeline import RequestTimeline
 from router.dispatch import run_request
 from router.streams import merge_streams
 from router.latency_report import LatencyReporter
-from router.policy import EXPECTED_OUTPUT_TOKENS, NoDecodeWorker, RouteDecision
+from router.policy import EXPECTED_OUTPUT_TOKENS, NoDecodeWorker, RouteDecision, dispatch_path
 from router.worker_view import WorkerView
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,38 @@ logger = logging.getLogger(__name__)
 PREFILL_SLOT_POLL_S = 0.1
 # Likewise a request waiting for a decode worker (every membership change and load report wakes it).
 DECODE_WAIT_POLL_S = 0.5
+
+
+class _Next(Enum):
+    """What follows a placement that ended."""
+    END = "end"  # the stream is over: finished, given up, or the client went away
+    REROUTE = "reroute"  # a worker failed before anything reached the client: place the request again
+    MIGRATE = "migrate"  # its decode worker failed mid-stream: resume on another one
+    SPLIT = "split"  # a group's decode worker failed mid-stream: each unfinished candidate migrates alone
+
+
+@dataclass(slots=True)
+class _Routing:
+    """One request's routing state across its placements (re-routes and migrations)."""
+    request: GenerateRequest
+    block_hashes: Sequence[int]  # of its context: the prompt, and after a migration the tokens streamed
+    excluded: set[str] = field(default_factory=set)  # draining workers it failed on
+    token_times: list[list[float]] = field(init=False)  # per candidate, when each token arrived
+    streamed: list[list[int]] = field(init=False)  # per candidate, what the client has
+    done: set[int] = field(default_factory=set)  # candidates finished
+    attempts: int = 0  # placements before the first token
+    migrations: int = 0
+    failure: tuple[str, Exception] | None = None  # the worker and error that ended the last placement
+    next: _Next = _Next.END
+
+    def __post_init__(self):
+        self.token_times = [[] for _ in range(self.request.num_outputs)]
+        self.streamed = [[] for _ in range(self.request.num_outputs)]
+
+    @property
+    def started(self) -> bool:
+        """Whether any token reached the client."""
+        return any(self.token_times)
 
 
 class RequestRouter:
@@ -68,101 +101,125 @@ class RequestRouter:
         Raises NoDecodeWorker when no decode worker can take it (none came within `decode_wait_s`), and
         InvalidRequestError when a worker refuses it (both before anything was yielded). When several
         candidates' decode worker fails mid-stream, each unfinished one migrates alone."""
-        excluded: set[str] = set()
-        token_times: list[list[float]] = [[] for _ in range(request.num_outputs)]
-        streamed: list[list[int]] = [[] for _ in range(request.num_outputs)]  # what the client has, per candidate
-        done: set[int] = set()  # candidates finished
-        attempts = migrations = 0
-        times = request.times
-        failure: tuple[str, Exception] | None = None  # the worker and error that ended the last placement
-        while attempts < self.max_attempts:
+        state = _Routing(request, block_hashes)
+        while state.attempts < self.max_attempts:
             try:
-                decision = await self._route(request, block_hashes, excluded)
+                decision = await self._route(request, state.block_hashes, state.excluded)
             except NoDecodeWorker as exc:
-                if not token_times[0]:
+                if not state.token_times[0]:
                     raise
-                yield self._give_up(request, *failure, token_times[0], str(exc))  # nowhere to migrate to
+                yield self._give_up(state, str(exc))  # nowhere to migrate to
                 return
-            decode = decision.decode.worker_id
-            prefill = decision.prefill.worker_id if decision.prefill else None
-            migrating = False
-            try:
-                actors = self.view.actor(decode), prefill and self.view.actor(prefill)
-                async with aclosing(run_request(request, *actors, layerwise=self.layerwise)) as deltas:
-                    async for delta in deltas:
-                        if delta.token_ids:
-                            # A coalesced delta's tokens arrive together: one stamp each, so ITL is
-                            # still counted per token and averages to TPOT.
-                            now = time.time()
-                            token_times[delta.index].extend([now] * len(delta.token_ids))
-                            streamed[delta.index].extend(delta.token_ids)
-                            times.setdefault("first_token", now)
-                            times["last_token"] = now
-                        # Each worker stamps its own copy of the request; gather the stages here.
-                        request.timeline.merge(delta.timeline)
-                        if delta.finished:
-                            done.add(delta.index)
-                            if len(done) == request.num_outputs:
-                                request.stamp("finished")
-                            self._observe(decode, request.timeline, token_times[delta.index], delta.finish_reason)
-                        yield delta
+            async with aclosing(self._attempt(state, decision)) as deltas:
+                async for delta in deltas:
+                    yield delta
+            if state.next is _Next.END:
                 return
-            except (WorkerDraining, ray.exceptions.RayActorError) as exc:
-                started = any(token_times)
-                # Before the first delta, only the prefill call (when there is one) has run.
-                failed = prefill if prefill is not None and not started else decode
-                if isinstance(exc, ray.exceptions.RayActorError):
-                    # Unschedulable until a later call succeeds: a worker Ray restarts may take it again.
-                    self.view.lost(failed, type(exc).__name__)
-                else:
-                    excluded.add(failed)
-                failure = failed, exc
-                if not started:
-                    attempts += 1
-                    pool = "prefill" if failed == prefill else "decode"
-                    cause = "draining" if isinstance(exc, WorkerDraining) else "failed"
-                    self.metrics.reroutes.labels(pool, failed, cause).inc()
-                    logger.info("re-routing %s away from %s (attempt %d): %s", request.request_id, failed,
-                                attempts, type(exc).__name__)
-                    continue
-                if request.num_outputs > 1:
-                    migrating = True
-                    break
-                if migrations == self.migration_limit:
-                    done.add(0)
-                    yield self._give_up(request, decode, exc, token_times[0], f"{migrations} migrations already")
-                    return
-                migrations += 1
-                migrating = True
-                self.metrics.migrations.labels(failed).inc()
-                logger.warning("migrating %s from %s after %d tokens (migration %d): %s", request.request_id,
-                               failed, len(streamed[0]), migrations, type(exc).__name__)
-                block_hashes = self._resume(request, block_hashes, streamed[0])
-            finally:
-                self.view.end(decision, request.request_id)
-                if not migrating:  # the client went away mid-stream
-                    for i, stamps in enumerate(token_times):
-                        if stamps and i not in done:
-                            self._observe(decode, request.timeline, stamps, "abort")
+            if state.next is _Next.SPLIT:
+                break
         else:
             self.metrics.rejected.labels("no_decode_worker").inc()
             raise NoDecodeWorker(f"no worker could take the request in {self.max_attempts} attempts")
-        async for delta in self._migrate_candidates(request, block_hashes, streamed, done, failure[0]):
+        async for delta in self._migrate_candidates(state):
             yield delta
 
-    async def _migrate_candidates(self, request: GenerateRequest, block_hashes: Sequence[int],
-                                  streamed: list[list[int]], done: set[int], failed: str) -> AsyncIterator[TokenDelta]:
-        """Each unfinished candidate of `request` as a request of its own with the tokens it streamed (placed
-        and migrated alone from here on), their deltas under the candidates' indexes."""
+    async def _attempt(self, state: _Routing, decision: RouteDecision) -> AsyncIterator[TokenDelta]:
+        """Run the request on one placement, yielding its deltas; when a worker fails, `state.next` says
+        what follows (the give-up delta, when that is what follows, is the last one yielded)."""
+        request = state.request
+        decode = decision.decode.worker_id
+        prefill = decision.prefill.worker_id if decision.prefill else None
+        state.next = _Next.END
+        try:
+            actors = self.view.actor(decode), prefill and self.view.actor(prefill)
+            async with aclosing(run_request(request, *actors)) as deltas:
+                async for delta in deltas:
+                    self._received(state, decode, delta)
+                    yield delta
+        except (WorkerDraining, ray.exceptions.RayActorError) as exc:
+            give_up = self._failed(state, decode, prefill, exc)
+            if give_up is not None:
+                yield give_up
+        finally:
+            self.view.end(decision, request.request_id)
+            if state.next not in (_Next.MIGRATE, _Next.SPLIT):  # the client went away mid-stream
+                for i, stamps in enumerate(state.token_times):
+                    if stamps and i not in state.done:
+                        self._observe(decode, request.timeline, stamps, "abort")
+
+    def _received(self, state: _Routing, decode: str, delta: TokenDelta) -> None:
+        """Time a delta's tokens and keep them (a migration resumes after them); observe a finished candidate."""
+        request = state.request
+        if delta.token_ids:
+            # A coalesced delta's tokens arrive together: one stamp each, so ITL is still counted per
+            # token and averages to TPOT.
+            now = time.time()
+            state.token_times[delta.index].extend([now] * len(delta.token_ids))
+            state.streamed[delta.index].extend(delta.token_ids)
+            request.times.setdefault("first_token", now)
+            request.times["last_token"] = now
+        # Each worker stamps its own copy of the request; gather the stages here.
+        request.timeline.merge(delta.timeline)
+        if delta.finished:
+            state.done.add(delta.index)
+            if len(state.done) == request.num_outputs:
+                request.stamp("finished")
+            self._observe(decode, request.timeline, state.token_times[delta.index], delta.finish_reason)
+
+    def _failed(self, state: _Routing, decode: str, prefill: str | None, exc: Exception) -> TokenDelta | None:
+        """Route around the worker that failed: place the request again if nothing reached the client yet,
+        else migrate it. Returns the give-up delta when it can move no more."""
+        started = state.started
+        # Before the first delta, only the prefill call (when there is one) has run.
+        failed = prefill if prefill is not None and not started else decode
+        if isinstance(exc, ray.exceptions.RayActorError):
+            # Unschedulable until a later call succeeds: a worker Ray restarts may take it again.
+            self.view.lost(failed, type(exc).__name__)
+        else:
+            state.excluded.add(failed)
+        state.failure = failed, exc
+        if started:
+            return self._migrate(state, failed, exc)
+        state.attempts += 1
+        state.next = _Next.REROUTE
+        pool = "prefill" if failed == prefill else "decode"
+        cause = "draining" if isinstance(exc, WorkerDraining) else "failed"
+        self.metrics.reroutes.labels(pool, failed, cause).inc()
+        logger.info("re-routing %s away from %s (attempt %d): %s", state.request.request_id, failed,
+                    state.attempts, type(exc).__name__)
+        return None
+
+    def _migrate(self, state: _Routing, failed: str, exc: Exception) -> TokenDelta | None:
+        """The migration step, once tokens went out: a group of candidates splits (each migrates alone); a
+        single sequence resumes after its streamed tokens, unless it used up `migration_limit`."""
+        request = state.request
+        if request.num_outputs > 1:
+            state.next = _Next.SPLIT
+            return None
+        if state.migrations == self.migration_limit:
+            state.done.add(0)
+            return self._give_up(state, f"{state.migrations} migrations already")
+        state.migrations += 1
+        state.next = _Next.MIGRATE
+        self.metrics.migrations.labels(failed).inc()
+        logger.warning("migrating %s from %s after %d tokens (migration %d): %s", request.request_id,
+                       failed, len(state.streamed[0]), state.migrations, type(exc).__name__)
+        state.block_hashes = self._resume(request, state.block_hashes, state.streamed[0])
+        return None
+
+    async def _migrate_candidates(self, state: _Routing) -> AsyncIterator[TokenDelta]:
+        """Each unfinished candidate of the request as a request of its own with the tokens it streamed
+        (placed and migrated alone from here on), their deltas under the candidates' indexes."""
+        request, failed = state.request, state.failure[0]
         params = request.sampling_params
-        indexes = [i for i in range(request.num_outputs) if i not in done]
+        indexes = [i for i in range(request.num_outputs) if i not in state.done]
         streams = []
         for i in indexes:
             self.metrics.migrations.labels(failed).inc()
             alone = GenerateRequest(candidate_id(request.request_id, i), request.prompt_token_ids,
                                     replace(params, n=1, seed=candidate_seed(params.seed, i)), request.cache_salt,
                                     request.timeline.copy(), placements=request.placements)
-            streams.append(self.stream(alone, self._resume(alone, block_hashes, streamed[i])))
+            streams.append(self.stream(alone, self._resume(alone, state.block_hashes, state.streamed[i])))
         logger.warning("migrating %d candidates of %s from %s, each alone", len(indexes), request.request_id, failed)
         async with aclosing(merge_streams(streams)) as merged:
             async for k, delta in merged:
@@ -176,14 +233,15 @@ class RequestRouter:
         context = request.prompt_token_ids + request.output_token_ids
         return hashing.extend_block_hashes(list(block_hashes), context, self.view.block_size, request.cache_salt)
 
-    def _give_up(self, request: GenerateRequest, worker: str, exc: Exception, token_times: list[float],
-                 why: str) -> TokenDelta:
+    def _give_up(self, state: _Routing, why: str) -> TokenDelta:
         """The last delta of a stream that cannot go on: finish_reason "error", naming the failed worker and
         why the request could not move on."""
-        self._observe(worker, request.timeline, token_times, "error")
+        worker, exc = state.failure
+        state.next = _Next.END
+        self._observe(worker, state.request.timeline, state.token_times[0], "error")
         error = f"worker {worker} failed mid-stream ({type(exc).__name__}) and the request cannot move on: {why}"
-        logger.warning("%s: %s", request.request_id, error)
-        return TokenDelta(request.request_id, [], "", finished=True, finish_reason="error", error=error)
+        logger.warning("%s: %s", state.request.request_id, error)
+        return TokenDelta(state.request.request_id, [], "", finished=True, finish_reason="error", error=error)
 
     async def _route(self, request: GenerateRequest, block_hashes: Sequence[int], excluded: set[str]) -> RouteDecision:
         """Place the request. While the prefill queue is full and the remote path still meets the TTFT SLO,
@@ -222,6 +280,7 @@ class RequestRouter:
             self.metrics.prefill_queue_wait.labels("remote" if decision.prefill else "local").observe(
                 time.monotonic() - waited_since)
         request.stamp("routed")
+        request.dispatch = dispatch_path(request, decision.prefill is not None, self.layerwise)
         request.placements.append({"prefill": decision.prefill.worker_id if decision.prefill else None,
                                    "decode": decision.decode.worker_id})
         _record(request.timeline, decision, self.view.block_size)

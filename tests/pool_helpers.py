@@ -5,6 +5,7 @@ import asyncio
 import time
 
 from router.dispatch import run_request
+from router.policy import dispatch_path
 
 
 def only(pool):
@@ -12,9 +13,16 @@ def only(pool):
     return next(iter(pool.workers.values())).actor
 
 
+def placed(request, remote, layerwise=False):
+    """`request` with the dispatch path the router gives it when placed with (`remote`) or without a
+    prefill worker."""
+    request.dispatch = dispatch_path(request, remote, layerwise)
+    return request
+
+
 async def collect(request, decode, prefill=None, layerwise=False):
     """(all token ids, the deltas) of one request."""
-    deltas = [d async for d in run_request(request, decode, prefill, layerwise=layerwise)]
+    deltas = [d async for d in run_request(placed(request, prefill is not None, layerwise), decode, prefill)]
     return [t for d in deltas for t in d.token_ids], deltas
 
 

@@ -24,7 +24,7 @@ from engine.layer_progress import decoder_layers
 from worker_runtime.protocol import GenerateRequest
 from router.dispatch import run_request
 from tests.hf_reference import hf_greedy
-from tests.pool_helpers import collect, only, run_all, wait_for
+from tests.pool_helpers import collect, only, placed, run_all, wait_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # Small token budget: prompts over 32 tokens are prefilled in several chunks.
@@ -154,8 +154,8 @@ def test_abort_mid_stream_frees_blocks_and_leases_on_both_workers(layerwise):
     params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
 
     async def main():
-        stream = run_request(GenerateRequest("abort-ds", prompt(42, 60), params), only(layerwise.decode),
-                             only(layerwise.prefill), layerwise=True)
+        stream = run_request(placed(GenerateRequest("abort-ds", prompt(42, 60), params), True, layerwise=True),
+                             only(layerwise.decode), only(layerwise.prefill))
         got = 0
         async for delta in stream:
             got += len(delta.token_ids)

@@ -2,11 +2,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.step_costs import PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, StepCosts
 from worker_runtime.timeline import RequestTimeline
+
+
+class DispatchPath(str, Enum):
+    """How a placed request runs across its workers: decided once, when the router places it
+    (router/placement/routing.py `dispatch_path`), and followed by the dispatcher and both workers."""
+    LOCAL = "local"  # the decode worker prefills the prompt itself
+    # Decode starts with the prefill: it reserves the prompt's blocks meanwhile and pulls when the prefill
+    # worker's result (first token and KV handle) arrives.
+    REMOTE = "remote"
+    # The prefill worker leases the KV before the first token exists; decode pulls while it still computes.
+    LAYERWISE = "layerwise"
+    # Decode starts from the prefill worker's first token: a group of candidates (decode forks the others
+    # from it) or a single-token request (which never reaches decode).
+    SEQUENTIAL = "sequential"
 
 
 @dataclass(slots=True)
@@ -26,6 +41,7 @@ class GenerateRequest:
     # Where the ingress placed it, in order: {"prefill": worker id or None, "decode": worker id} per
     # placement (more than one after a re-route or a migration). Workers ignore it.
     placements: list[dict] = field(default_factory=list)
+    dispatch: DispatchPath = DispatchPath.LOCAL  # set by the router's placement; workers follow it
 
     def __post_init__(self):
         if self.timeline is None:
