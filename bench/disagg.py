@@ -2,7 +2,7 @@
 
 Both sides run the same prompts one at a time with greedy decoding on the same model and thread count.
 The bare engine is stepped in a child process without Ray; the disaggregated path is a prefill actor and
-a decode actor on a local Ray (KV over gRPC), driven through router.dispatch.run_request as the ingress
+a decode actor on a local Ray (KV over gRPC), driven through router.placement.dispatch.run_request as the ingress
 does. Each prompt runs on both paths back to back, in alternating order, so that the drifts of a shared
 machine hit both. "KV pull" is the decode worker's own measure of the pull (part of the first gap).
 
@@ -32,8 +32,8 @@ from cluster.config import ClusterConfig  # noqa: E402
 from cluster.pools import Pools  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from worker_runtime.protocol import GenerateRequest  # noqa: E402
-from router.dispatch import run_request  # noqa: E402
-from router.policy import dispatch_path  # noqa: E402
+from router.placement.dispatch import run_request  # noqa: E402
+from router.placement.routing import dispatch_path  # noqa: E402
 
 
 def timing(start: float, stamps: list[float]) -> tuple[float, float, float, float]:

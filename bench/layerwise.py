@@ -3,7 +3,7 @@
 Two disaggregated clusters of the same model run side by side on a local Ray: one leases the KV after
 the first token (normal), one leases it when the prompt's last chunk is scheduled and streams layers as
 the forward writes them (`transfer.layerwise`). Requests go one at a time through
-router.dispatch.run_request, alternating between the two, each with a fresh random prompt (no prefix
+router.placement.dispatch.run_request, alternating between the two, each with a fresh random prompt (no prefix
 hits, so decode pulls every block). Medians over the requests of each prompt length.
 
     .venv/bin/python bench/layerwise.py --requests 7 --prompt-lens 1024 2048
@@ -31,8 +31,8 @@ from cluster.config import ClusterConfig  # noqa: E402
 from cluster.pools import Pools  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 from worker_runtime.protocol import GenerateRequest  # noqa: E402
-from router.dispatch import run_request  # noqa: E402
-from router.policy import dispatch_path  # noqa: E402
+from router.placement.dispatch import run_request  # noqa: E402
+from router.placement.routing import dispatch_path  # noqa: E402
 
 MODES = ("normal", "layerwise")
 WIDTHS = (9, 11, 11, 9)

@@ -34,7 +34,7 @@ class DecodeWorker(FeedServer, EngineServer):
     prefill worker) it prefills locally. A failed pull falls back to local recompute, counted per reason.
 
     An ingress process multiplexes its requests over one feed instead (`open_feed`, `start`, `abort`): a
-    step's deltas for all of them cross Ray as one item, not one item per request (router/feeds.py)."""
+    step's deltas for all of them cross Ray as one item, not one item per request (router/placement/feeds.py)."""
 
     pool = "decode"
 

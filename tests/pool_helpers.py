@@ -1,11 +1,11 @@
-"""Helpers shared by the tests that drive real prefill/decode actors through router.dispatch.run_request."""
+"""Helpers shared by the tests that drive real prefill/decode actors through router.placement.dispatch.run_request."""
 from __future__ import annotations
 
 import asyncio
 import time
 
-from router.dispatch import run_request
-from router.policy import dispatch_path
+from router.placement.dispatch import run_request
+from router.placement.routing import dispatch_path
 
 
 def only(pool):

@@ -15,7 +15,7 @@ from engine import SamplingParams
 from engine.kv_cache import KVCache
 from worker_runtime.protocol import GenerateRequest
 from kv_transfer import KVServerConfig, KVTransferServer
-from router.dispatch import run_request
+from router.placement.dispatch import run_request
 from tests.hf_reference import hf_greedy
 from tests.pool_helpers import collect, only, placed, run_all, wait_for
 

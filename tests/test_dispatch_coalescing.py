@@ -9,11 +9,12 @@ from cluster.config import ClusterConfig
 from cluster.pools import Pools
 from engine import SamplingParams
 from worker_runtime.protocol import GenerateRequest
-from router.dispatch import run_request
-from router.latency_report import LatencyReporter
+from router.placement.dispatch import run_request
+from router.placement.latency_report import LatencyReporter
 from router.metrics import Metrics
-from router.policy import Placement, RouteDecision
-from router.request_router import RequestRouter
+from router.placement.pool_policy import Placement
+from router.placement.routing import RouteDecision
+from router.placement.request_router import RequestRouter
 from tests.pool_helpers import collect, only, wait_for
 
 PROMPT = [11, 23, 5, 81, 402, 77, 19, 3, 260, 14, 9, 55]

@@ -12,7 +12,7 @@ from cluster.pools import Pools
 from engine import SamplingParams
 from worker_runtime.protocol import GenerateRequest
 from worker_runtime.serving import WorkerDraining
-from router.dispatch import run_request
+from router.placement.dispatch import run_request
 from tests.pool_helpers import collect, only, run_all, wait_for
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -22,7 +22,7 @@ from engine import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.layer_progress import decoder_layers
 from worker_runtime.protocol import GenerateRequest
-from router.dispatch import run_request
+from router.placement.dispatch import run_request
 from tests.hf_reference import hf_greedy
 from tests.pool_helpers import collect, only, placed, run_all, wait_for
 

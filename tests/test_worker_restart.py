@@ -10,7 +10,7 @@ from cluster.config import ClusterConfig
 from cluster.pools import Pools
 from engine import SamplingParams
 from worker_runtime.protocol import GenerateRequest
-from router.dispatch import run_request
+from router.placement.dispatch import run_request
 
 
 def pid_of(actor) -> int:

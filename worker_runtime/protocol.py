@@ -65,7 +65,7 @@ class GenerateRequest:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
-# The last item of a request on a decode worker's feed (DecodeWorker.open_feed, router/feeds.py) when it is
+# The last item of a request on a decode worker's feed (DecodeWorker.open_feed, router/placement/feeds.py) when it is
 # not a delta: the request ended, or failed (its error is fetched with DecodeWorker.feed_error).
 FEED_END, FEED_FAILED = "end", "failed"
 
@@ -141,6 +141,42 @@ class WorkerStats:
     @property
     def kv_usage(self) -> float:
         return self.num_active_blocks / self.num_total_blocks
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """One worker's load as last reported to the router."""
+    worker_id: str
+    queued_prefill_tokens: int = 0  # prompt tokens accepted but not yet computed
+    num_waiting: int = 0  # requests not yet scheduled (vllm:num_requests_waiting)
+    num_running: int = 0  # sequences in the running batch (vllm:num_requests_running)
+    num_active_blocks: int = 0  # KV blocks held by its requests; cached free blocks excluded
+    num_total_blocks: int = 0
+    healthy: bool = True
+    draining: bool = False
+    step_costs: StepCosts = field(default_factory=StepCosts)  # measured by the worker (priors until then)
+    kv_bytes_per_token: int = 0
+    kv_pull_gbps: float = PRIOR_KV_PULL_GBPS  # a decode worker's measured pulls: bandwidth and fixed cost
+    kv_pull_latency_s: float = PRIOR_KV_PULL_LATENCY_S
+    # A CPU prefill worker's threads if it started a forward now, borrowing the cores that the decode
+    # workers of its node lend while idle, as the router sees them now (`lent_threads`); None: unknown.
+    borrow_threads_now: int | None = None
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running, waiting or queued: a lending decode worker's cores are lent."""
+        return not (self.num_running or self.num_waiting or self.queued_prefill_tokens)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use, as vllm:kv_cache_usage_perc."""
+        return self.num_active_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
+
+    @property
+    def schedulable(self) -> bool:
+        """Unhealthy and draining workers receive no new requests."""
+        return self.healthy and not self.draining
+
 
 
 @dataclass(slots=True)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import ray
 
 from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult, TokenDelta
-from router import feeds
-from router.feeds import FedStream
+from router.placement import feeds
+from router.placement.feeds import FedStream
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIt
     `prefill` is the prefill worker's actor on every path but LOCAL). With a prefill worker, its first token
     is yielded before decode's. Closing the iterator (client gone) aborts the request on the decode worker and
     frees its blocks on both workers. Decode's deltas come over this process's feed from that worker
-    (router/feeds.py).
+    (router/placement/feeds.py).
 
     REMOTE: decode starts with the prefill: it reserves the prompt's blocks meanwhile and receives the
     prefill's result (the first token and the KV handle) straight from the prefill worker, so neither a hop
@@ -58,7 +58,7 @@ async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIt
             run.stream = feeds.start(decode, request, run.result)
         if run.result is not None:
             yield run.result.first
-        # Deltas that arrived while this consumer was busy come as one (router/feeds.py).
+        # Deltas that arrived while this consumer was busy come as one (router/placement/feeds.py).
         async for delta in run.stream:
             run.running -= delta.finished
             run.finished = not run.running

@@ -24,20 +24,19 @@ from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
 from engine.structured import validate_structured
 from worker_runtime.timeline import RequestTimeline
 from worker_runtime.tracing import end_request_span
-from router.admission import Admission, Ticket
-from router.audit import Audit, AuditConfig, AuditEntry, AuditRecorder, chat_options
-from router.auth import Authenticator, cache_salt
-from router.chat_output import ChatParsing
-from router.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, error_event, parse_body,
-                               sse)
-from router.openai_responses import (ChatFormatter, Choice, CompletionFormatter, Formatter, ModelCard, ModelList,
-                                     usage)
-from router.policy import NoDecodeWorker
-from router.request_limits import RequestLimits, TokenizerPool
-from router.request_router import RequestRouter
-from router.request_trace import Trace
+from router.api.admission import Admission, Ticket
+from router.api.audit import Audit, AuditConfig, AuditEntry, AuditRecorder, chat_options
+from router.api.auth import Authenticator, cache_salt
+from router.api.chat_output import ChatParsing
+from router.api.openai_api import APIError, ChatCompletionRequest, CompletionRequest, error_event, parse_body, sse
+from router.api.openai_responses import (ChatFormatter, Choice, CompletionFormatter, Formatter, ModelCard, ModelList,
+                                         usage)
+from router.placement.routing import NoDecodeWorker
+from router.api.request_limits import RequestLimits, TokenizerPool
+from router.placement.request_router import RequestRouter
+from router.api.request_trace import Trace
 from router.trace_store import TraceStore, timeline_body
-from router.streams import cancel, merge_streams
+from router.placement.streams import cancel, merge_streams
 
 logger = logging.getLogger(__name__)
 

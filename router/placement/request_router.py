@@ -33,18 +33,17 @@ from worker_runtime.protocol import GenerateRequest, TokenDelta
 from engine.sampling_params import candidate_id, candidate_seed
 from worker_runtime.serving import WorkerDraining
 from worker_runtime.timeline import RequestTimeline
-from router.dispatch import run_request
-from router.streams import merge_streams
-from router.latency_report import LatencyReporter
-from router.policy import EXPECTED_OUTPUT_TOKENS, NoDecodeWorker, RouteDecision, dispatch_path
-from router.worker_view import WorkerView
+from router.placement.dispatch import run_request
+from router.placement.streams import merge_streams
+from router.placement.latency_report import LatencyReporter
+from router.placement.routing import NoDecodeWorker, RouteDecision, dispatch_path, expected_output_tokens
+from router.placement.decode_wait import DecodeWait
+from router.placement.worker_view import WorkerView
 
 logger = logging.getLogger(__name__)
 
 # A request waiting for a prefill slot routes again on every load report, and at least this often.
 PREFILL_SLOT_POLL_S = 0.1
-# Likewise a request waiting for a decode worker (every membership change and load report wakes it).
-DECODE_WAIT_POLL_S = 0.5
 
 
 class _Next(Enum):
@@ -261,7 +260,7 @@ class RequestRouter:
                                                output_tokens=expected_output_tokens(request),
                                                prefill_backlog=self._backlog_ahead_of(request.request_id))
                 except NoDecodeWorker:
-                    decode_wait = decode_wait or _DecodeWait(request, self.decode_wait_s, self.metrics)
+                    decode_wait = decode_wait or DecodeWait(request, self.decode_wait_s, self.metrics)
                     if await decode_wait.wait(self.view):
                         continue
                     self.metrics.rejected.labels("no_decode_worker").inc()
@@ -283,7 +282,7 @@ class RequestRouter:
         request.dispatch = dispatch_path(request, decision.prefill is not None, self.layerwise)
         request.placements.append({"prefill": decision.prefill.worker_id if decision.prefill else None,
                                    "decode": decision.decode.worker_id})
-        _record(request.timeline, decision, self.view.block_size)
+        decision.record(request.timeline, self.view.block_size)
         self.view.begin(decision, request.request_id, request.num_context_tokens)
         return decision
 
@@ -302,67 +301,3 @@ class RequestRouter:
                  finish_reason: str | None) -> None:
         self.metrics.observe_finished("decode", worker, timeline, token_times, finish_reason)
         self.latencies.add(timeline.times.get("arrival"), token_times)
-
-
-def expected_output_tokens(request: GenerateRequest) -> int:
-    """What the request will likely still generate, for placement: its remaining max_tokens, capped."""
-    max_tokens = request.sampling_params.max_tokens
-    if max_tokens is None:
-        return EXPECTED_OUTPUT_TOKENS
-    return max(1, min(max_tokens - len(request.output_token_ids), EXPECTED_OUTPUT_TOKENS))
-
-
-def _record(timeline: RequestTimeline, decision: RouteDecision, block_size: int) -> None:
-    """The routing decision, in the request's timeline."""
-    timeline.decode_worker = decision.decode.worker_id
-    timeline.decode_overlap_blocks = decision.decode.cached_tokens // block_size
-    if decision.prefill is not None:
-        timeline.prefill_worker = decision.prefill.worker_id
-        timeline.prefill_overlap_blocks = decision.prefill.cached_tokens // block_size
-        timeline.prefill_path = "remote"
-    else:
-        timeline.prefill_worker, timeline.prefill_overlap_blocks = None, 0
-        timeline.prefill_path = "local"
-    timeline.routing_reason = decision.reason
-    timeline.predicted_ttft_s = decision.predicted_ttft_s
-
-
-class _DecodeWait:
-    """One request's wait for a schedulable decode worker, bounded by `limit_s`, counted by how it ended."""
-
-    def __init__(self, request: GenerateRequest, limit_s: float, metrics: Metrics):
-        self.request = request
-        self.stage = "migration" if request.output_token_ids else "arrival"
-        self.metrics = metrics
-        self.deadline = time.monotonic() + limit_s
-        self.limit_s = limit_s
-        self.waiting = False
-        self.reason = ""
-
-    async def wait(self, view: WorkerView) -> bool:
-        """Wait a little for the decode pool to change; False (with `reason` set) once waiting is pointless:
-        the pool cannot heal, or the bound passed."""
-        remaining = self.deadline - time.monotonic()
-        if not view.can_heal("decode"):
-            self.reason = "no decode worker is healthy and every one is draining"
-            return self._end("unhealable")
-        if remaining <= 0:
-            self.reason = f"no decode worker became available within {self.limit_s:g} s"
-            return self._end("timeout")
-        if not self.waiting:
-            self.waiting = True
-            logger.warning("%s: no decode worker is schedulable; waiting up to %g s for one (%s)",
-                           self.request.request_id, remaining, self.stage)
-        await view.wait_for_loads(min(remaining, DECODE_WAIT_POLL_S))
-        return True
-
-    def found(self) -> None:
-        if self.waiting:
-            logger.info("%s: a decode worker is back; going on", self.request.request_id)
-            self._end("found")
-
-    def _end(self, outcome: str) -> bool:
-        if self.waiting:
-            self.waiting = False
-            self.metrics.decode_waits.labels(self.stage, outcome).inc()
-        return False

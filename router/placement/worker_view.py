@@ -22,8 +22,9 @@ import ray
 from router.metrics import Metrics
 from worker_runtime.engine_loop import EngineStopped
 from worker_runtime.protocol import WorkerStats
-from router.index import PrefixIndex
-from router.policy import EXPECTED_OUTPUT_TOKENS, RouteDecision, Router, WorkerLoad
+from router.placement.index import PrefixIndex
+from router.placement.routing import EXPECTED_OUTPUT_TOKENS, RouteDecision, Router
+from worker_runtime.protocol import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
