@@ -15,6 +15,7 @@ from worker_runtime.protocol import WorkerStats
 from router.placement.index import PrefixIndex
 from router.placement.routing import Router
 from router.placement.worker_view import WorkerState, WorkerView
+from worker_runtime.membership import WorkerEntry
 
 BLOCK = 16
 PROMPT = list(range(100, 140))  # two full blocks and a partial one
@@ -23,7 +24,8 @@ PROMPT = list(range(100, 140))  # two full blocks and a partial one
 def view_with(*workers: str) -> WorkerView:
     view = WorkerView(controller=None, router=Router(PrefixIndex(), BLOCK, rng=random.Random(0)), metrics=Metrics(), colocated=False)
     for worker_id in workers:
-        view.workers[worker_id] = WorkerState(worker_id, "decode", actor=None, healthy=True, draining=False)
+        view.workers[worker_id] = WorkerState(WorkerEntry(worker_id, "decode", actor=None, healthy=True,
+                                                             draining=False))
         view.workers[worker_id].report(WorkerStats(worker_id, "decode", num_total_blocks=64), time.monotonic())
     return view
 

@@ -1,4 +1,5 @@
-"""What crosses actor boundaries: the request created once at the ingress, and what workers return."""
+"""What crosses actor boundaries: the request created once at the ingress, and what workers return; and the
+load record the router derives from a worker's reported stats."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -145,7 +146,8 @@ class WorkerStats:
 
 @dataclass(slots=True)
 class WorkerLoad:
-    """One worker's load as last reported to the router."""
+    """One worker's load as the router places against it: derived from its last `WorkerStats`
+    (`reported`), plus what the router adds (requests it routed there since, lent cores it sees)."""
     worker_id: str
     queued_prefill_tokens: int = 0  # prompt tokens accepted but not yet computed
     num_waiting: int = 0  # requests not yet scheduled (vllm:num_requests_waiting)
@@ -161,6 +163,18 @@ class WorkerLoad:
     # A CPU prefill worker's threads if it started a forward now, borrowing the cores that the decode
     # workers of its node lend while idle, as the router sees them now (`lent_threads`); None: unknown.
     borrow_threads_now: int | None = None
+
+    @classmethod
+    def reported(cls, worker_id: str, stats: WorkerStats | None, healthy: bool) -> WorkerLoad:
+        """The load `stats` report (None before the first report: idle, at prior costs); `healthy` is the
+        router's word on whether the worker takes requests."""
+        if stats is None:
+            return cls(worker_id, healthy=healthy)
+        return cls(worker_id, queued_prefill_tokens=stats.queued_prefill_tokens, num_waiting=stats.num_waiting,
+                   num_running=stats.num_running, num_active_blocks=stats.num_active_blocks,
+                   num_total_blocks=stats.num_total_blocks, healthy=healthy, step_costs=stats.step_costs,
+                   kv_bytes_per_token=stats.kv_bytes_per_token, kv_pull_gbps=stats.kv_pull_gbps,
+                   kv_pull_latency_s=stats.kv_pull_latency_s)
 
     @property
     def idle(self) -> bool:
