@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from dataclasses import replace
 
 import ray
 
@@ -19,7 +18,6 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult, TokenDelta
 from engine.request import Request
-from engine.sampling_params import candidate_seed
 from worker_runtime.request_log import set_request_id
 from worker_runtime.serving import EngineServer, WorkerDraining
 from worker_runtime.tracing import emit_spans
@@ -81,9 +79,7 @@ class PrefillWorker(EngineServer):
     def build_request(self, req: GenerateRequest) -> Request:
         """The n candidates of a prompt are prefilled as their first one, under the request's id (its lease);
         decode forks the others from the pulled prompt."""
-        params = req.sampling_params
-        if params.n > 1:
-            params = replace(params, n=1, seed=candidate_seed(params.seed, 0))
+        params = req.candidate_params(0) if req.num_outputs > 1 else req.sampling_params
         return self.engine.make_request(req.request_id, req.prompt_token_ids, params, req.cache_salt)
 
     async def first_token(self, request_id: str) -> TokenDelta:

@@ -2,10 +2,10 @@
 load record the router derives from a worker's reported stats."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.step_costs import PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, StepCosts
 from worker_runtime.timeline import RequestTimeline
@@ -59,6 +59,18 @@ class GenerateRequest:
     def num_outputs(self) -> int:
         """Sequences the request streams: its n candidates (or n best beams), each under its own `index`."""
         return self.sampling_params.n
+
+    def candidate_params(self, index: int) -> SamplingParams:
+        """The sampling params of candidate `index` of the request's n, run alone: its own seed
+        (candidate_seed), as on a prefill, a decode or a migration target alike."""
+        params = self.sampling_params
+        return replace(params, n=1, seed=candidate_seed(params.seed, index))
+
+    def candidate(self, index: int) -> GenerateRequest:
+        """Candidate `index` of the request as a request of its own (placed, run and migrated alone): its own
+        id and params, the same prompt, context and salt, a copy of the timeline."""
+        return GenerateRequest(candidate_id(self.request_id, index), self.prompt_token_ids,
+                               self.candidate_params(index), self.cache_salt, self.timeline.copy())
 
     @property
     def num_context_tokens(self) -> int:

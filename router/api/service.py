@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.errors import InvalidRequestError
 from engine.hashing import block_hashes
 from worker_runtime.protocol import GenerateRequest, TokenDelta
-from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
+from engine.sampling_params import SamplingParams
 from engine.structured import validate_structured
 from worker_runtime.timeline import RequestTimeline
 from worker_runtime.tracing import end_request_span
@@ -325,12 +325,10 @@ def _candidates(request_id: str, prompt: int, ids: list[int], params: SamplingPa
     under a grammar or a reasoning budget (which forked candidates do not carry yet), n requests of one
     candidate each, seeded candidate_seed(seed, i) alike."""
     first = prompt * params.n
+    request = GenerateRequest(request_id, ids, params, salt, timeline.copy())
     if params.n == 1 or (params.structured is None and params.max_reasoning_tokens is None):
-        return [Candidates([Choice(first + i, prompt) for i in range(params.n)],
-                           GenerateRequest(request_id, ids, params, salt, timeline.copy()), hashes)]
-    return [Candidates([Choice(first + i, prompt)], GenerateRequest(
-        candidate_id(request_id, i), ids, replace(params, n=1, seed=candidate_seed(params.seed, i)), salt,
-        timeline.copy()), hashes) for i in range(params.n)]
+        return [Candidates([Choice(first + i, prompt) for i in range(params.n)], request, hashes)]
+    return [Candidates([Choice(first + i, prompt)], request.candidate(i), hashes) for i in range(params.n)]
 
 
 def with_controls(params: SamplingParams, controls: dict) -> SamplingParams:

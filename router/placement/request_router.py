@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 
 import ray
@@ -30,7 +30,6 @@ import ray
 from router.metrics import Metrics
 from engine import hashing
 from worker_runtime.protocol import GenerateRequest, TokenDelta
-from engine.sampling_params import candidate_id, candidate_seed
 from worker_runtime.serving import WorkerDraining
 from worker_runtime.timeline import RequestTimeline
 from router.placement.dispatch import run_request
@@ -210,14 +209,12 @@ class RequestRouter:
         """Each unfinished candidate of the request as a request of its own with the tokens it streamed
         (placed and migrated alone from here on), their deltas under the candidates' indexes."""
         request, failed = state.request, state.failure[0]
-        params = request.sampling_params
         indexes = [i for i in range(request.num_outputs) if i not in state.done]
         streams = []
         for i in indexes:
             self.metrics.migrations.labels(failed).inc()
-            alone = GenerateRequest(candidate_id(request.request_id, i), request.prompt_token_ids,
-                                    replace(params, n=1, seed=candidate_seed(params.seed, i)), request.cache_salt,
-                                    request.timeline.copy(), placements=request.placements)
+            alone = request.candidate(i)
+            alone.placements = request.placements  # where the group and each candidate went, in one list
             streams.append(self.stream(alone, self._resume(alone, state.block_hashes, state.streamed[i])))
         logger.warning("migrating %d candidates of %s from %s, each alone", len(indexes), request.request_id, failed)
         async with aclosing(merge_streams(streams)) as merged:
