@@ -248,6 +248,18 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
     async def chat_completions(request: Request) -> Response:
         return await _generation(request, service.chat, limits, echo_request_id)
 
+    _add_model_routes(app, service)
+    for path, run, body_model in (("/tokenize", tokenize_api.tokenize, tokenize_api.TokenizeRequest),
+                                  ("/detokenize", tokenize_api.detokenize, tokenize_api.DetokenizeRequest)):
+        app.add_api_route(path, _utility_route(service, run, limits), methods=["POST"],
+                          openapi_extra=request_body_schema(body_model), name=path.strip("/"))
+
+    _add_operator_routes(app, view, scrape)
+    return app
+
+
+def _add_model_routes(app: FastAPI, service: OpenAIService) -> None:
+    """/v1/models, one model's card, and /version: what a client may ask before it generates."""
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
@@ -270,11 +282,9 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
             return error_response(exc)
         return JSONResponse({"version": tandem_version()})
 
-    for path, run, body_model in (("/tokenize", tokenize_api.tokenize, tokenize_api.TokenizeRequest),
-                                  ("/detokenize", tokenize_api.detokenize, tokenize_api.DetokenizeRequest)):
-        app.add_api_route(path, _utility_route(service, run, limits), methods=["POST"],
-                          openapi_extra=request_body_schema(body_model), name=path.strip("/"))
 
+def _add_operator_routes(app: FastAPI, view: WorkerView, scrape: Callable[[], Awaitable[bytes]]) -> None:
+    """/health for load balancers and /metrics for Prometheus (`scrape` makes its body)."""
     @app.get("/health")
     async def health() -> Response:
         """200 while at least one decode worker takes requests (what a load balancer needs to know)."""
@@ -286,8 +296,6 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(await scrape(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 async def _generation(request: Request, endpoint, limits: RequestLimits, echo_request_id: bool) -> Response:
