@@ -56,11 +56,10 @@ class DecodeWorker(FeedServer, EngineServer):
                        pending: list | None = None):
         """Yield TokenDelta items until the request finishes; cancel the stream to abort it.
 
-        On the REMOTE dispatch path, `pending` (a list holding the ObjectRef of the prefill worker's
-        PrefillResult, so that Ray hands it over unresolved) comes instead of `prefill`, and decode starts
-        alongside the prefill: the prompt's blocks are reserved while the prefill worker computes it, and the
-        pull starts the moment its result arrives. If the prefill fails, the reservation is freed and its
-        error ends this stream too.
+        On the REMOTE dispatch path `pending` (a list holding the ObjectRef of the prefill worker's
+        PrefillResult, so that Ray hands it over unresolved) comes instead of `prefill`: the prompt's blocks
+        are reserved while the prefill worker computes it, and the pull starts the moment its result arrives.
+        If the prefill fails, the reservation is freed and its error ends this stream too.
 
         Layer-wise, `prefill.first` is None: the pull starts at once, while the prefill worker still
         writes the KV, and the request joins the batch once the first token (`prefill.first_ref`) arrives;
