@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from worker_runtime.membership import ScalingReport
 from worker_runtime.protocol import WorkerStats
 from worker_runtime.timeline import RequestTimeline
 from router.trace_store import TraceStore
@@ -117,8 +118,8 @@ class Metrics:
             self.stages.labels(stage, stage_pool, stage_worker).observe(seconds)
         self.requests.labels(pool, worker, finish_reason or "unknown").inc()
 
-    def observe_scaling(self, report) -> None:
-        """Mirror the controller's `scaling_report()` (worker_runtime.membership.ScalingReport)."""
+    def observe_scaling(self, report: ScalingReport) -> None:
+        """Mirror the controller's `scaling_report()`."""
         self.scaling.report = report
 
     def own_series(self) -> bytes:
@@ -191,7 +192,7 @@ class ScalingCollector:
     pool's current and desired size."""
 
     def __init__(self):
-        self.report = None
+        self.report: ScalingReport | None = None
 
     def collect(self) -> Iterable[Metric]:
         events = CounterMetricFamily("tandem:scaling_events", "Scaling decisions (scale_up, scale_down) and worker "
