@@ -2,7 +2,7 @@
 
 Both sides run the same prompts one at a time with greedy decoding on the same model and thread count.
 The bare engine is stepped in a child process without Ray; the disaggregated path is a prefill actor and
-a decode actor on a local Ray (KV over gRPC), driven through router.dispatch.run_request as the ingress
+a decode actor on a local Ray (KV over gRPC), driven through router.placement.dispatch.run_request as the ingress
 does. Each prompt runs on both paths back to back, in alternating order, so that the drifts of a shared
 machine hit both. "KV pull" is the decode worker's own measure of the pull (part of the first gap).
 
@@ -32,7 +32,8 @@ from cluster.config import ClusterConfig  # noqa: E402
 from cluster.pools import Pools  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from worker_runtime.protocol import GenerateRequest  # noqa: E402
-from router.dispatch import run_request  # noqa: E402
+from router.placement.dispatch import run_request  # noqa: E402
+from router.placement.routing import dispatch_path  # noqa: E402
 
 
 def timing(start: float, stamps: list[float]) -> tuple[float, float, float, float]:
@@ -66,10 +67,12 @@ def bare_request(request_id: str, prompt: list[int], params: SamplingParams) -> 
 
 
 async def disaggregated_request(request_id: str, prompt: list[int], params: SamplingParams, decode,
-                                prefill) -> tuple[float, ...]:
+                                prefill, layerwise: bool) -> tuple[float, ...]:
     start = time.perf_counter()
     stamps, times = [], {}
-    async for delta in run_request(GenerateRequest(request_id, prompt, params), decode, prefill):
+    request = GenerateRequest(request_id, prompt, params)
+    request.dispatch = dispatch_path(request, True, layerwise)
+    async for delta in run_request(request, decode, prefill):
         stamps.extend([time.perf_counter()] * len(delta.token_ids))
         times = delta.times or times
     pull = times.get("transfer_done", 0.0) - times.get("transfer_started", 0.0)
@@ -108,7 +111,8 @@ def main() -> None:
             first_bare = i % 2 == 0
             if first_bare:
                 bare.append(child.apply(bare_request, (f"bare-{name}-{i}", prompt, params)))
-            dis.append(await disaggregated_request(f"dis-{name}-{i}", prompt, params, decode, prefill))
+            dis.append(await disaggregated_request(f"dis-{name}-{i}", prompt, params, decode, prefill,
+                                                   args.layerwise))
             if not first_bare:
                 bare.append(child.apply(bare_request, (f"bare-{name}-{i}", prompt, params)))
         if name != "warm-up":

@@ -31,7 +31,7 @@ from cluster.controller import get_controller  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 from engine.model_loader import build_random_model, load_tokenizer  # noqa: E402
 from worker_runtime.protocol import GenerateRequest  # noqa: E402
-from router.dispatch import run_request  # noqa: E402
+from router.placement.dispatch import run_request  # noqa: E402
 from local_serve import serve_app  # noqa: E402  (bench/, beside this script)
 
 PROMPT = "Benchmarks measure what the ingress adds to every request, " * 2

@@ -3,7 +3,7 @@
 Two disaggregated clusters of the same model run side by side on a local Ray: one leases the KV after
 the first token (normal), one leases it when the prompt's last chunk is scheduled and streams layers as
 the forward writes them (`transfer.layerwise`). Requests go one at a time through
-router.dispatch.run_request, alternating between the two, each with a fresh random prompt (no prefix
+router.placement.dispatch.run_request, alternating between the two, each with a fresh random prompt (no prefix
 hits, so decode pulls every block). Medians over the requests of each prompt length.
 
     .venv/bin/python bench/layerwise.py --requests 7 --prompt-lens 1024 2048
@@ -31,7 +31,8 @@ from cluster.config import ClusterConfig  # noqa: E402
 from cluster.pools import Pools  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 from worker_runtime.protocol import GenerateRequest  # noqa: E402
-from router.dispatch import run_request  # noqa: E402
+from router.placement.dispatch import run_request  # noqa: E402
+from router.placement.routing import dispatch_path  # noqa: E402
 
 MODES = ("normal", "layerwise")
 WIDTHS = (9, 11, 11, 9)
@@ -48,16 +49,20 @@ def start(mode: str, args) -> Pools:
 
 
 def actors(pools: Pools):
-    return (next(iter(pools.decode.workers.values())).actor, next(iter(pools.prefill.workers.values())).actor)
+    """(decode actor, prefill actor, whether the prefill worker leases layer-wise)."""
+    return (next(iter(pools.decode.workers.values())).actor, next(iter(pools.prefill.workers.values())).actor,
+            pools.config.transfer.layerwise)
 
 
-async def one(name: str, prompt: list[int], decode, prefill) -> tuple[float, float, float]:
+async def one(name: str, prompt: list[int], decode, prefill, layerwise: bool) -> tuple[float, float, float]:
     """Seconds from dispatch to the first and to the second token, and the prefill worker's own time
     from queueing the request to sampling its first token."""
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     start = time.perf_counter()
     stamps, prefill_s = [], 0.0
-    async for delta in run_request(GenerateRequest(name, prompt, params), decode, prefill):
+    request = GenerateRequest(name, prompt, params)
+    request.dispatch = dispatch_path(request, True, layerwise)
+    async for delta in run_request(request, decode, prefill):
         stamps.extend([time.perf_counter() - start] * len(delta.token_ids))
         if "prefill_done" in delta.times:
             prefill_s = delta.times["prefill_done"] - delta.times["prefill_queued"]

@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.hashing import block_hashes, extend_block_hashes  # noqa: E402
 from engine.kv_events import KVEvent, KVEventBatch  # noqa: E402
-from router.index import PrefixIndex  # noqa: E402
-from router.policy import PoolPolicy, WorkerLoad  # noqa: E402
+from router.placement.index import PrefixIndex  # noqa: E402
+from router.placement.pool_policy import PoolPolicy  # noqa: E402
+from worker_runtime.protocol import WorkerLoad  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -275,7 +276,7 @@ class LeastLoaded:
 
 
 class Ours:
-    """router.policy.PoolPolicy over the exact index the workers' KV events feed."""
+    """router.placement.pool_policy.PoolPolicy over the exact index the workers' KV events feed."""
 
     def __init__(self, workers: list[SimWorker], rng: random.Random, index: PrefixIndex):
         self.policy = PoolPolicy(index, BLOCK_SIZE, rng=rng)

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from worker_runtime.auth import bearer_token, token_matches
 from engine.errors import first_field_error
-from router.request_trace import MAX_REQUEST_ID_LENGTH
+from router.api.request_trace import MAX_REQUEST_ID_LENGTH
 
 
 class AdminError(Exception):

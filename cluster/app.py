@@ -22,10 +22,10 @@ from cluster.autoscaler import start_autoscaler
 from cluster.config import ClusterConfig, ConfigError
 from cluster.controller import CONTROLLER_NAME, ON_HEAD, get_controller, start_controller
 from cluster.pools import stop_named_workers
-from router.ingress import Ingress, IngressConfig
+from router.api.ingress import Ingress, IngressConfig
 from router.metrics import MetricsHub
-from router.audit import AuditConfig
-from router.policy import DisaggConfig
+from router.api.audit import AuditConfig
+from router.placement.cost_model import DisaggConfig
 
 logger = logging.getLogger(__name__)
 

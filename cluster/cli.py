@@ -318,7 +318,7 @@ def _api_key(text: str) -> tuple[str, str]:
 
 
 def _audit_sink(text: str) -> str:
-    from router.audit_sink import check_sink
+    from router.api.audit_sink import check_sink
     try:
         return check_sink(text)
     except ValueError as exc:

@@ -18,10 +18,10 @@ from cluster.scaling_policy import Thresholds
 from kv_transfer.config import TLSFiles, TransferConfig
 from kv_transfer.addresses import check_host
 from kv_transfer.tls import check_files
-from router.audit_sink import check_sink
-from router.reasoning_parser import ReasoningOptions
-from router.request_limits import RequestLimits
-from router.tool_parsers import TOOL_PARSERS
+from router.api.audit_sink import check_sink
+from router.api.reasoning_parser import ReasoningOptions
+from router.api.request_limits import RequestLimits
+from router.api.tool_parsers import TOOL_PARSERS
 
 
 class _Strict(BaseModel):
@@ -227,7 +227,7 @@ class AutoscalerConfig(_Strict):
 
 
 class AuditOptions(_Strict):
-    """Audit records (router/audit.py): one JSON line per finished request to `sink`, "stdout" or
+    """Audit records (router/api/audit.py): one JSON line per finished request to `sink`, "stdout" or
     "file:/absolute/path" (None: off). Prompts and outputs are SHA-256 digests unless `log_inputs`, which
     adds their text and token ids. `max_queue` bounds the records waiting for the writer thread; beyond it
     records are dropped and counted (tandem:audit_records_dropped)."""

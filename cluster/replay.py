@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cluster.admin_client import CLIError
 from cluster.replay_runners import OfflineRunner, Output, ServerRunner
-from router.audit import RECORD_KIND, input_digest, text_digest, token_digest
+from router.api.audit import RECORD_KIND, input_digest, text_digest, token_digest
 
 
 @dataclass(slots=True)
@@ -154,7 +154,7 @@ def _read_messages(path: str) -> list[dict]:
     """A chat's messages as the server's chat template reads them (the form the record's digest is of)."""
     from pydantic import ValidationError
 
-    from router.openai_api import APIError, ChatTemplateControls
+    from router.api.openai_api import APIError, ChatTemplateControls
     try:
         messages = json.loads(_read_text(path))
         return ChatTemplateControls(messages=messages).template_messages()

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 from cluster.admin_client import AdminClient, CLIError
-from router.audit import sampling_from_record
+from router.api.audit import sampling_from_record
 
 
 @dataclass(slots=True)
@@ -53,7 +53,7 @@ class OfflineRunner:
         return model_revision(self.model_dir)
 
     def tokenize(self, record: dict, given) -> list[int]:
-        from router.service import render_chat
+        from router.api.service import render_chat
         if self._tokenizer is None:
             from engine.model_loader import load_tokenizer
             self._tokenizer = load_tokenizer(self.model_dir)

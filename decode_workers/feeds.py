@@ -1,4 +1,4 @@
-"""The decode worker's side of feeds (router/feeds.py): many requests' deltas over one Ray stream per
+"""The decode worker's side of feeds (router/placement/feeds.py): many requests' deltas over one Ray stream per
 ingress event loop. `open_feed` is that stream; `start` runs a request's `generate` as a task that writes
 to it under the caller's key; `abort` cancels one; `feed_error` hands over the error that ended one."""
 from __future__ import annotations

@@ -5,7 +5,7 @@ import asyncio
 import logging
 
 from engine.config import EngineConfig
-from worker_runtime.protocol import GenerateRequest, PrefillResult, WorkerStats
+from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult, WorkerStats
 from engine.request import Request
 from worker_runtime.request_log import set_request_id
 from worker_runtime.serving import EngineServer, WorkerDraining
@@ -34,7 +34,7 @@ class DecodeWorker(FeedServer, EngineServer):
     prefill worker) it prefills locally. A failed pull falls back to local recompute, counted per reason.
 
     An ingress process multiplexes its requests over one feed instead (`open_feed`, `start`, `abort`): a
-    step's deltas for all of them cross Ray as one item, not one item per request (router/feeds.py)."""
+    step's deltas for all of them cross Ray as one item, not one item per request (router/placement/feeds.py)."""
 
     pool = "decode"
 
@@ -56,10 +56,10 @@ class DecodeWorker(FeedServer, EngineServer):
                        pending: list | None = None):
         """Yield TokenDelta items until the request finishes; cancel the stream to abort it.
 
-        With `pending` (a list holding the ObjectRef of the prefill worker's PrefillResult, so that Ray hands
-        it over unresolved) decode starts alongside the prefill: the prompt's blocks are reserved while the
-        prefill worker computes it, and the pull starts the moment its result arrives. If the prefill fails,
-        the reservation is freed and its error ends this stream too.
+        On the REMOTE dispatch path `pending` (a list holding the ObjectRef of the prefill worker's
+        PrefillResult, so that Ray hands it over unresolved) comes instead of `prefill`: the prompt's blocks
+        are reserved while the prefill worker computes it, and the pull starts the moment its result arrives.
+        If the prefill fails, the reservation is freed and its error ends this stream too.
 
         Layer-wise, `prefill.first` is None: the pull starts at once, while the prefill worker still
         writes the KV, and the request joins the batch once the first token (`prefill.first_ref`) arrives;
@@ -72,7 +72,7 @@ class DecodeWorker(FeedServer, EngineServer):
         self.in_flight.add(request.request_id)
         try:
             reserved = None
-            if pending is not None:
+            if request.dispatch is DispatchPath.REMOTE:
                 prefill, reserved = await self._reserve_during_prefill(engine_req, pending[0])
                 if prefill is None:
                     return

@@ -11,15 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from dataclasses import replace
 
 import ray
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from worker_runtime.protocol import GenerateRequest, PrefillResult, TokenDelta
+from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult, TokenDelta
 from engine.request import Request
-from engine.sampling_params import candidate_seed
 from worker_runtime.request_log import set_request_id
 from worker_runtime.serving import EngineServer, WorkerDraining
 from worker_runtime.tracing import emit_spans
@@ -64,7 +62,8 @@ class PrefillWorker(EngineServer):
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
         """Compute the prompt's KV and its first token; the returned handle lets decode pull the KV.
 
-        Layer-wise, the result may come back before the first token (`first` None): see `first_token`."""
+        On the LAYERWISE dispatch path the result may come back before the first token (`first` None): see
+        `first_token`."""
         if self.draining:
             raise WorkerDraining(f"prefill worker {self.worker_id} is draining")
         if request.output_token_ids:
@@ -74,18 +73,14 @@ class PrefillWorker(EngineServer):
         request.stamp("prefill_queued")
         engine_req = self.build_request(request)
         engine_req.do_remote_decode = True
-        # A single-token request never reaches decode: nothing to pull, so no early lease either. Nor does
-        # a group of candidates lease early: decode needs to know the first one's token before it forks.
-        if self.layer_progress is None or engine_req.max_tokens == 1 or request.num_outputs > 1:
+        if request.dispatch is not DispatchPath.LAYERWISE:
             return PrefillResult(*await self._run_to_first_token(request, engine_req))
         return await self._prefill_layerwise(request, engine_req)
 
     def build_request(self, req: GenerateRequest) -> Request:
         """The n candidates of a prompt are prefilled as their first one, under the request's id (its lease);
         decode forks the others from the pulled prompt."""
-        params = req.sampling_params
-        if params.n > 1:
-            params = replace(params, n=1, seed=candidate_seed(params.seed, 0))
+        params = req.candidate_params(0) if req.num_outputs > 1 else req.sampling_params
         return self.engine.make_request(req.request_id, req.prompt_token_ids, params, req.cache_salt)
 
     async def first_token(self, request_id: str) -> TokenDelta:

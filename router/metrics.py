@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from worker_runtime.membership import ScalingReport
+from worker_runtime.protocol import WorkerStats
 from worker_runtime.timeline import RequestTimeline
 from router.trace_store import TraceStore
 
@@ -215,10 +216,10 @@ class WorkerStatsCollector:
     """Exports each worker's last reported stats (worker_runtime.protocol.WorkerStats) and transfer counters."""
 
     def __init__(self):
-        self.stats: dict[str, object] = {}
+        self.stats: dict[str, WorkerStats] = {}
         self.transfer: dict[str, dict] = {}
 
-    def update(self, stats, transfer: dict | None = None) -> None:
+    def update(self, stats: WorkerStats, transfer: dict | None = None) -> None:
         self.stats[stats.worker_id] = stats
         if transfer is not None:
             self.transfer[stats.worker_id] = transfer
@@ -228,67 +229,75 @@ class WorkerStatsCollector:
         self.transfer.pop(worker_id, None)
 
     def collect(self):
-        labels = ["pool", "worker"]
-        gauges = {
-            "vllm:num_requests_running": ("Sequences in the running batch.", lambda s: s.num_running),
-            "vllm:num_requests_waiting": ("Requests waiting to be scheduled.", lambda s: s.num_waiting),
-            "vllm:kv_cache_usage_perc": ("Fraction of KV blocks in use.", lambda s: s.kv_usage),
-            "tandem:queued_prefill_tokens": ("Prompt tokens accepted but not computed.",
-                                             lambda s: s.queued_prefill_tokens),
-        }
-        counters = {
-            "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
-                                          lambda s: s.prefix_cache_queries),
-            "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits),
-            "vllm:prompt_tokens": ("Prompt tokens processed.", lambda s: s.prompt_tokens),
-            "vllm:generation_tokens": ("Tokens generated.", lambda s: s.generation_tokens),
-            "vllm:num_preemptions": ("Requests preempted for lack of KV blocks.", lambda s: s.num_preemptions),
-        }
         stats = list(self.stats.values())
-        for name, (doc, get) in gauges.items():
-            family = GaugeMetricFamily(name, doc, labels=labels)
+        for name, (doc, get) in _STATS_GAUGES.items():
+            family = GaugeMetricFamily(name, doc, labels=_LABELS)
             for s in stats:
                 family.add_metric([s.pool, s.worker_id], float(get(s)))
             yield family
-        for name, (doc, get) in counters.items():
-            family = CounterMetricFamily(name, doc, labels=labels)
+        for name, (doc, get) in _STATS_COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=_LABELS)
             for s in stats:
                 family.add_metric([s.pool, s.worker_id], float(get(s)))
             yield family
         yield from _measured_costs(stats)
         yield from _spec_decode(stats)
-        transfer_bytes = CounterMetricFamily("tandem:kv_transfer_bytes", "KV bytes pulled by decode workers.",
-                                             labels=labels)
-        for worker_id, t in self.transfer.items():
-            if "bytes_pulled" in t:
-                transfer_bytes.add_metric(["decode", worker_id], float(t["bytes_pulled"]))
-        yield transfer_bytes
-        remote = CounterMetricFamily("tandem:prefills", "Prefills by where they ran (remote or local).",
-                                     labels=labels + ["where"])
-        for worker_id, t in self.transfer.items():
-            if "remote_prefills" in t:
-                remote.add_metric(["decode", worker_id, "remote"], float(t["remote_prefills"]))
-                remote.add_metric(["decode", worker_id, "local"], float(t["local_prefills"]))
-        yield remote
-        paths = CounterMetricFamily("tandem:kv_pulls", "KV pulls by path: shm (copied from a prefill worker's "
-                                    "shared cache on the same host) or network.", labels=labels + ["path"])
-        unavailable = CounterMetricFamily("tandem:kv_shm_unavailable", "Same-host KV pulls that could not map "
-                                          "the prefill worker's shared cache and went over the network.",
-                                          labels=labels)
-        for worker_id, t in self.transfer.items():
-            if "shm_pulls" in t:
-                paths.add_metric(["decode", worker_id, "shm"], float(t["shm_pulls"]))
-                paths.add_metric(["decode", worker_id, "network"], float(t["remote_prefills"] - t["shm_pulls"]))
-                unavailable.add_metric(["decode", worker_id], float(t["shm_unavailable"]))
-        yield paths
-        yield unavailable
-        failures = CounterMetricFamily("tandem:kv_transfer_failures",
-                                       "KV pulls that failed and fell back to local recompute, by reason.",
-                                       labels=labels + ["reason"])
-        for worker_id, t in self.transfer.items():
-            for reason, n in t.get("transfer_failures_by_reason", {}).items():
-                failures.add_metric(["decode", worker_id, reason], float(n))
-        yield failures
+        yield from _transfer(self.transfer)
+
+
+_LABELS = ["pool", "worker"]
+# The series each worker's stats give directly: name -> (help, value).
+_STATS_GAUGES = {
+    "vllm:num_requests_running": ("Sequences in the running batch.", lambda s: s.num_running),
+    "vllm:num_requests_waiting": ("Requests waiting to be scheduled.", lambda s: s.num_waiting),
+    "vllm:kv_cache_usage_perc": ("Fraction of KV blocks in use.", lambda s: s.kv_usage),
+    "tandem:queued_prefill_tokens": ("Prompt tokens accepted but not computed.", lambda s: s.queued_prefill_tokens),
+}
+_STATS_COUNTERS = {
+    "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),
+    "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits),
+    "vllm:prompt_tokens": ("Prompt tokens processed.", lambda s: s.prompt_tokens),
+    "vllm:generation_tokens": ("Tokens generated.", lambda s: s.generation_tokens),
+    "vllm:num_preemptions": ("Requests preempted for lack of KV blocks.", lambda s: s.num_preemptions),
+}
+
+
+def _transfer(transfer: dict[str, dict]) -> Iterable[Metric]:
+    """The decode workers' transfer counters: bytes pulled, prefills by where they ran, pulls by path,
+    and pulls that failed."""
+    labels = _LABELS
+    transfer_bytes = CounterMetricFamily("tandem:kv_transfer_bytes", "KV bytes pulled by decode workers.",
+                                         labels=labels)
+    for worker_id, t in transfer.items():
+        if "bytes_pulled" in t:
+            transfer_bytes.add_metric(["decode", worker_id], float(t["bytes_pulled"]))
+    yield transfer_bytes
+    remote = CounterMetricFamily("tandem:prefills", "Prefills by where they ran (remote or local).",
+                                 labels=labels + ["where"])
+    for worker_id, t in transfer.items():
+        if "remote_prefills" in t:
+            remote.add_metric(["decode", worker_id, "remote"], float(t["remote_prefills"]))
+            remote.add_metric(["decode", worker_id, "local"], float(t["local_prefills"]))
+    yield remote
+    paths = CounterMetricFamily("tandem:kv_pulls", "KV pulls by path: shm (copied from a prefill worker's "
+                                "shared cache on the same host) or network.", labels=labels + ["path"])
+    unavailable = CounterMetricFamily("tandem:kv_shm_unavailable", "Same-host KV pulls that could not map "
+                                      "the prefill worker's shared cache and went over the network.",
+                                      labels=labels)
+    for worker_id, t in transfer.items():
+        if "shm_pulls" in t:
+            paths.add_metric(["decode", worker_id, "shm"], float(t["shm_pulls"]))
+            paths.add_metric(["decode", worker_id, "network"], float(t["remote_prefills"] - t["shm_pulls"]))
+            unavailable.add_metric(["decode", worker_id], float(t["shm_unavailable"]))
+    yield paths
+    yield unavailable
+    failures = CounterMetricFamily("tandem:kv_transfer_failures",
+                                   "KV pulls that failed and fell back to local recompute, by reason.",
+                                   labels=labels + ["reason"])
+    for worker_id, t in transfer.items():
+        for reason, n in t.get("transfer_failures_by_reason", {}).items():
+            failures.add_metric(["decode", worker_id, reason], float(n))
+    yield failures
 
 
 def _measured_costs(stats: list) -> Iterable[Metric]:

@@ -1,11 +1,12 @@
-"""Helpers shared by the tests that drive real prefill/decode actors through router.dispatch.run_request or a
+"""Helpers shared by the tests that drive real prefill/decode actors through router.placement.dispatch.run_request or a
 RequestRouter."""
 from __future__ import annotations
 
 import asyncio
 
-from router.dispatch import run_request
-from router.policy import Placement, RouteDecision
+from router.placement.dispatch import run_request
+from router.placement.pool_policy import Placement
+from router.placement.routing import RouteDecision, dispatch_path
 
 
 def only(pool):
@@ -13,9 +14,16 @@ def only(pool):
     return next(iter(pool.workers.values())).actor
 
 
+def placed(request, remote, layerwise=False):
+    """`request` with the dispatch path the router gives it when placed with (`remote`) or without a
+    prefill worker."""
+    request.dispatch = dispatch_path(request, remote, layerwise)
+    return request
+
+
 async def collect(request, decode, prefill=None, layerwise=False):
     """(all token ids, the deltas) of one request."""
-    deltas = [d async for d in run_request(request, decode, prefill, layerwise=layerwise)]
+    deltas = [d async for d in run_request(placed(request, prefill is not None, layerwise), decode, prefill)]
     return [t for d in deltas for t in d.token_ids], deltas
 
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from router.auth import Authenticator
-from router.ingress import build_api
-from router.request_limits import RequestLimits
+from router.api.auth import Authenticator
+from router.api.ingress import build_api
+from router.api.request_limits import RequestLimits
 
 KEY = "key-a"
 DOCS = ["/openapi.json", "/docs", "/redoc"]

@@ -51,7 +51,7 @@ def test_the_control_plane_loads_without_torch():
 def test_a_stopping_ingress_replica_checks_its_requests_often_and_still_waits_for_them():
     # Serve's default sleeps 2 s before its first check, so an idle replica took 2 s to stop; the bound on
     # waiting for requests in flight stays Serve's (20 s).
-    from router.ingress import Ingress
+    from router.api.ingress import Ingress
 
     # As build_app deploys it: its options keep the drain settings.
     deployment = Ingress.options(num_replicas=2, max_ongoing_requests=64, max_queued_requests=64)._deployment_config

@@ -13,8 +13,8 @@ from cluster.cli import main
 from cluster.config import ConfigError, load_config
 from engine.model_loader import model_revision
 from engine.sampling_params import SamplingParams, StructuredOutputs
-from router.audit import sampling_from_record, sampling_record
-from router.audit_sink import AuditWriter
+from router.api.audit import sampling_from_record, sampling_record
+from router.api.audit_sink import AuditWriter
 from router.metrics import Metrics
 from tests.helpers import wait_for
 
@@ -109,10 +109,10 @@ def finished_record(tmp_path, error: BaseException | None, finish_reason: str | 
     """The record AuditEntry writes for one candidate that got two tokens and then `finish_reason` (None: it
     never finished) with `error` ending the request."""
     from worker_runtime.protocol import GenerateRequest, TokenDelta
-    from router.audit import Audit, AuditConfig
-    from router.openai_api import CompletionRequest
-    from router.openai_responses import Choice
-    from router.service import Candidates
+    from router.api.audit import Audit, AuditConfig
+    from router.api.openai_api import CompletionRequest
+    from router.api.openai_responses import Choice
+    from router.api.service import Candidates
 
     path = tmp_path / "audit.jsonl"
     sink, _ = writer(f"file:{path}")

@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from cluster.admin_api import build_admin_router
 from worker_runtime.auth import bearer_token, token_matches
 from kv_transfer.server import _BearerTokenAuth
-from router.auth import Authenticator
-from router.openai_api import APIError
+from router.api.auth import Authenticator
+from router.api.openai_api import APIError
 
 KEY = "s3cret-Key"
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 import requests
 
-from router.openai_api import ChatCompletionRequest
+from router.api.openai_api import ChatCompletionRequest
 
 MODEL = "tiny-agent"
 EFFORT = {"low": 3, "medium": 6, "high": 9}

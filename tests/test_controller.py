@@ -11,7 +11,7 @@ from cluster.config import ClusterConfig
 from cluster.controller import get_controller
 from engine import SamplingParams
 from worker_runtime.protocol import GenerateRequest
-from router.dispatch import run_request
+from router.placement.dispatch import run_request
 from tests.cluster_load import LoadClient, failures, has_served, in_flight, serve_tandem
 
 MODEL = "tiny"

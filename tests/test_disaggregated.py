@@ -15,10 +15,10 @@ from engine import SamplingParams
 from engine.kv_cache import KVCache
 from worker_runtime.protocol import GenerateRequest
 from kv_transfer import KVServerConfig, KVTransferServer
-from router.dispatch import run_request
+from router.placement.dispatch import run_request
 from tests.hf_reference import hf_greedy
 from tests.helpers import wait_for
-from tests.pool_helpers import close_after, only, run_all
+from tests.pool_helpers import close_after, only, placed, run_all
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -85,7 +85,8 @@ def test_first_token_arrives_while_decode_is_still_running(pools):
     decode = only(pools.decode)
 
     async def main():
-        stream = run_request(GenerateRequest("stream-1", prompts(1, seed=1)[0], params), decode, only(pools.prefill))
+        stream = run_request(placed(GenerateRequest("stream-1", prompts(1, seed=1)[0], params), True), decode,
+                             only(pools.prefill))
         first = await stream.__anext__()
         first_received = time.time()
         rest = [d async for d in stream]
@@ -103,7 +104,7 @@ def test_abort_mid_stream_returns_blocks_to_baseline_on_both_workers(pools):
     params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
 
     async def main():
-        stream = run_request(GenerateRequest("abort-1", prompts(1, seed=2)[0], params), decode, prefill)
+        stream = run_request(placed(GenerateRequest("abort-1", prompts(1, seed=2)[0], params), True), decode, prefill)
         await close_after(stream, 5)
 
     asyncio.run(main())

@@ -8,11 +8,11 @@ from cluster.config import ClusterConfig
 from cluster.pools import Pools
 from engine import SamplingParams
 from worker_runtime.protocol import GenerateRequest
-from router import feeds
-from router.dispatch import run_request
-from router.latency_report import LatencyReporter
+from router.placement import feeds
+from router.placement.dispatch import run_request
+from router.placement.latency_report import LatencyReporter
 from router.metrics import Metrics
-from router.request_router import RequestRouter
+from router.placement.request_router import RequestRouter
 from tests.helpers import wait_for_async
 from tests.pool_helpers import OneWorkerView, collect, only
 
@@ -30,7 +30,7 @@ def decode(ray_cluster, tiny_llama_dir):
 
 def all_delivered() -> bool:
     """Whether every request on this event loop's feeds has all its deltas on this side: a feed drops a
-    request's stream once the worker's last item for it has arrived (router/feeds.py)."""
+    request's stream once the worker's last item for it has arrived (router/placement/feeds.py)."""
     return not any(feed.streams for feed in feeds._feeds.get(asyncio.get_running_loop(), {}).values())
 
 

@@ -12,7 +12,7 @@ from cluster.pools import Pools
 from engine import SamplingParams
 from worker_runtime.protocol import GenerateRequest
 from worker_runtime.serving import WorkerDraining
-from router.dispatch import run_request
+from router.placement.dispatch import run_request
 from tests.helpers import wait_for
 from tests.pool_helpers import close_after, collect, only, run_all
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from cluster.admin_api import build_admin_router
 from cluster.config import ConfigError, load_config
 from engine.errors import FieldError, first_field_error
-from router.openai_api import APIError, CompletionRequest, parse_body
+from router.api.openai_api import APIError, CompletionRequest, parse_body
 
 
 class Inner(BaseModel):

@@ -22,10 +22,10 @@ from engine import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.layer_progress import decoder_layers
 from worker_runtime.protocol import GenerateRequest
-from router.dispatch import run_request
+from router.placement.dispatch import run_request
 from tests.hf_reference import hf_greedy
 from tests.helpers import wait_for
-from tests.pool_helpers import close_after, collect, only, run_all
+from tests.pool_helpers import close_after, collect, only, placed, run_all
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # Small token budget: prompts over 32 tokens are prefilled in several chunks.
@@ -155,8 +155,8 @@ def test_abort_mid_stream_frees_blocks_and_leases_on_both_workers(layerwise):
     params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
 
     async def main():
-        stream = run_request(GenerateRequest("abort-ds", prompt(42, 60), params), only(layerwise.decode),
-                             only(layerwise.prefill), layerwise=True)
+        stream = run_request(placed(GenerateRequest("abort-ds", prompt(42, 60), params), True, layerwise=True),
+                             only(layerwise.decode), only(layerwise.prefill))
         await close_after(stream, 5)
 
     asyncio.run(main())

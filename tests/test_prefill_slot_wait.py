@@ -5,10 +5,11 @@ import asyncio
 
 from engine import SamplingParams
 from worker_runtime.protocol import GenerateRequest
-from router.latency_report import LatencyReporter
+from router.placement.latency_report import LatencyReporter
 from router.metrics import Metrics
-from router.policy import Placement, RouteDecision
-from router.request_router import RequestRouter
+from router.placement.pool_policy import Placement
+from router.placement.routing import RouteDecision
+from router.placement.request_router import RequestRouter
 from tests.helpers import wait_for_async
 
 LENGTHS = {"first": 40, "second": 41, "third": 42, "gone": 43}  # the view tells requests apart by length

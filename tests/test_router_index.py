@@ -1,7 +1,7 @@
 """PrefixIndex: an exact block -> workers index fed by KV events."""
 from engine.hashing import block_hashes
 from engine.kv_events import KVEvent, KVEventBatch
-from router.index import PrefixIndex
+from router.placement.index import PrefixIndex
 
 BLOCK = 16
 PROMPT = list(range(1000, 1000 + 8 * BLOCK))  # 8 full blocks

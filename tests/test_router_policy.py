@@ -7,14 +7,17 @@ import pytest
 
 from engine.hashing import block_hashes
 from engine.kv_events import KVEvent, KVEventBatch
-from router.index import PrefixIndex
+from router.placement.index import PrefixIndex
 from engine.step_costs import (DECODE_WINDOW, PRIOR_BORROW_EFFICIENCY, PRIOR_DECODE_BATCH_SLOPE, PRIOR_DECODE_STEP_S,
                                PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, PRIOR_PREFILL_TOKENS_PER_S,
                                StepCosts, TransferSpeed)
-from router.policy import (EXPECTED_OUTPUT_TOKENS, CostWeights, DisaggConfig, NoDecodeWorker, PoolPolicy, PrefillDecision,
-                           Router, WorkerLoad, decode_seconds, displaced_seconds,
-                           decide_prefill, decide_prefill_by_cost, lent_threads, local_prefill_cost,
-                           remote_prefill_ttft, with_backlog)
+from router.placement.routing import EXPECTED_OUTPUT_TOKENS, NoDecodeWorker, Router, with_backlog
+from router.placement.pool_policy import CostWeights, PoolPolicy
+from router.placement.cost_model import (DisaggConfig, PrefillDecision, decode_seconds, displaced_seconds,
+                                         decide_prefill, decide_prefill_by_cost, local_prefill_cost,
+                                         remote_prefill_ttft)
+from worker_runtime.protocol import WorkerLoad
+from router.placement.cpu_lending import lent_threads
 
 BLOCK = 16
 DOC = list(range(5000, 5000 + 128 * BLOCK))  # a 2048-token shared document
@@ -685,7 +688,7 @@ def test_a_worker_that_measured_only_its_warm_up_does_not_take_every_request():
 def test_placement_expects_the_remaining_max_tokens_capped():
     from worker_runtime.protocol import GenerateRequest
     from engine.sampling_params import SamplingParams
-    from router.request_router import expected_output_tokens
+    from router.placement.routing import expected_output_tokens
     request = GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=40))
     assert expected_output_tokens(request) == 40
     request.output_token_ids = list(range(30))  # migrated after 30 tokens

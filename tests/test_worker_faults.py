@@ -34,12 +34,13 @@ from cluster.controller import get_controller
 from engine.hashing import block_hashes
 from worker_runtime.protocol import GenerateRequest
 from engine.sampling_params import SamplingParams
-from router.index import PrefixIndex
-from router.latency_report import LatencyReporter
+from router.placement.index import PrefixIndex
+from router.placement.latency_report import LatencyReporter
 from router.metrics import Metrics
-from router.policy import DisaggConfig, Router
-from router.request_router import RequestRouter
-from router.worker_view import WorkerView
+from router.placement.cost_model import DisaggConfig
+from router.placement.routing import Router
+from router.placement.request_router import RequestRouter
+from router.placement.worker_view import WorkerView
 from tests import helpers
 from tests.cluster_load import serve_tandem
 from tests.helpers import metric, token_prompt

@@ -11,7 +11,7 @@ from cluster.health import HealthChanges, observe
 from cluster.pools import Pools, WorkerPool
 from engine import SamplingParams
 from worker_runtime.protocol import GenerateRequest
-from router.dispatch import run_request
+from router.placement.dispatch import run_request
 
 
 def pid_of(actor) -> int:

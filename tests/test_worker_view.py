@@ -12,9 +12,10 @@ from worker_runtime.engine_loop import EngineLoop, EngineStopped
 from engine.hashing import block_hashes
 from engine.kv_events import KVEvent, KVEventBatch
 from worker_runtime.protocol import WorkerStats
-from router.index import PrefixIndex
-from router.policy import Router
-from router.worker_view import WorkerState, WorkerView
+from router.placement.index import PrefixIndex
+from router.placement.routing import Router
+from router.placement.worker_view import WorkerState, WorkerView
+from worker_runtime.membership import WorkerEntry
 
 BLOCK = 16
 PROMPT = list(range(100, 140))  # two full blocks and a partial one
@@ -23,7 +24,8 @@ PROMPT = list(range(100, 140))  # two full blocks and a partial one
 def view_with(*workers: str) -> WorkerView:
     view = WorkerView(controller=None, router=Router(PrefixIndex(), BLOCK, rng=random.Random(0)), metrics=Metrics(), colocated=False)
     for worker_id in workers:
-        view.workers[worker_id] = WorkerState(worker_id, "decode", actor=None, healthy=True, draining=False)
+        view.workers[worker_id] = WorkerState(WorkerEntry(worker_id, "decode", actor=None, healthy=True,
+                                                             draining=False))
         view.workers[worker_id].report(WorkerStats(worker_id, "decode", num_total_blocks=64), time.monotonic())
     return view
 
@@ -65,7 +67,7 @@ def test_a_request_routed_after_the_report_is_counted_once_and_forgotten_at_its_
 def test_a_worker_shutting_down_is_routed_around_without_an_error_log(caplog):
     view = view_with("decode-0", "decode-1")
     view.index.apply(KVEventBatch("decode-0", 0, [KVEvent("stored", block_hashes(PROMPT, BLOCK))]))
-    with caplog.at_level(logging.WARNING, logger="router.worker_view"):
+    with caplog.at_level(logging.WARNING, logger="router.placement.worker_view"):
         view._failed(view.workers["decode-0"], EngineStopped("the engine loop has stopped"))
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert "shutting down" in caplog.text and "Traceback" not in caplog.text

@@ -1,12 +1,28 @@
-"""What crosses actor boundaries: the request created once at the ingress, and what workers return."""
+"""What crosses actor boundaries: the request created once at the ingress, and what workers return; and the
+load record the router derives from a worker's reported stats."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import Enum
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.step_costs import PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, StepCosts
 from worker_runtime.timeline import RequestTimeline
+
+
+class DispatchPath(str, Enum):
+    """How a placed request runs across its workers: decided once, when the router places it
+    (router/placement/routing.py `dispatch_path`), and followed by the dispatcher and both workers."""
+    LOCAL = "local"  # the decode worker prefills the prompt itself
+    # Decode starts with the prefill: it reserves the prompt's blocks meanwhile and pulls when the prefill
+    # worker's result (first token and KV handle) arrives.
+    REMOTE = "remote"
+    # The prefill worker leases the KV before the first token exists; decode pulls while it still computes.
+    LAYERWISE = "layerwise"
+    # Decode starts from the prefill worker's first token: a group of candidates (decode forks the others
+    # from it) or a single-token request (which never reaches decode).
+    SEQUENTIAL = "sequential"
 
 
 @dataclass(slots=True)
@@ -26,6 +42,7 @@ class GenerateRequest:
     # Where the ingress placed it, in order: {"prefill": worker id or None, "decode": worker id} per
     # placement (more than one after a re-route or a migration). Workers ignore it.
     placements: list[dict] = field(default_factory=list)
+    dispatch: DispatchPath = DispatchPath.LOCAL  # set by the router's placement; workers follow it
 
     def __post_init__(self):
         if self.timeline is None:
@@ -43,13 +60,25 @@ class GenerateRequest:
         """Sequences the request streams: its n candidates (or n best beams), each under its own `index`."""
         return self.sampling_params.n
 
+    def candidate_params(self, index: int) -> SamplingParams:
+        """The sampling params of candidate `index` of the request's n, run alone: its own seed
+        (candidate_seed), as on a prefill, a decode or a migration target alike."""
+        params = self.sampling_params
+        return replace(params, n=1, seed=candidate_seed(params.seed, index))
+
+    def candidate(self, index: int) -> GenerateRequest:
+        """Candidate `index` of the request as a request of its own (placed, run and migrated alone): its own
+        id and params, the same prompt, context and salt, a copy of the timeline."""
+        return GenerateRequest(candidate_id(self.request_id, index), self.prompt_token_ids,
+                               self.candidate_params(index), self.cache_salt, self.timeline.copy())
+
     @property
     def num_context_tokens(self) -> int:
         """Tokens a worker must hold KV for before it samples: the prompt and any migrated output."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
-# The last item of a request on a decode worker's feed (DecodeWorker.open_feed, router/feeds.py) when it is
+# The last item of a request on a decode worker's feed (DecodeWorker.open_feed, router/placement/feeds.py) when it is
 # not a delta: the request ended, or failed (its error is fetched with DecodeWorker.feed_error).
 FEED_END, FEED_FAILED = "end", "failed"
 
@@ -125,6 +154,55 @@ class WorkerStats:
     @property
     def kv_usage(self) -> float:
         return self.num_active_blocks / self.num_total_blocks
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """One worker's load as the router places against it: derived from its last `WorkerStats`
+    (`reported`), plus what the router adds (requests it routed there since, lent cores it sees)."""
+    worker_id: str
+    queued_prefill_tokens: int = 0  # prompt tokens accepted but not yet computed
+    num_waiting: int = 0  # requests not yet scheduled (vllm:num_requests_waiting)
+    num_running: int = 0  # sequences in the running batch (vllm:num_requests_running)
+    num_active_blocks: int = 0  # KV blocks held by its requests; cached free blocks excluded
+    num_total_blocks: int = 0
+    healthy: bool = True
+    draining: bool = False
+    step_costs: StepCosts = field(default_factory=StepCosts)  # measured by the worker (priors until then)
+    kv_bytes_per_token: int = 0
+    kv_pull_gbps: float = PRIOR_KV_PULL_GBPS  # a decode worker's measured pulls: bandwidth and fixed cost
+    kv_pull_latency_s: float = PRIOR_KV_PULL_LATENCY_S
+    # A CPU prefill worker's threads if it started a forward now, borrowing the cores that the decode
+    # workers of its node lend while idle, as the router sees them now (`lent_threads`); None: unknown.
+    borrow_threads_now: int | None = None
+
+    @classmethod
+    def reported(cls, worker_id: str, stats: WorkerStats | None, healthy: bool) -> WorkerLoad:
+        """The load `stats` report (None before the first report: idle, at prior costs); `healthy` is the
+        router's word on whether the worker takes requests."""
+        if stats is None:
+            return cls(worker_id, healthy=healthy)
+        return cls(worker_id, queued_prefill_tokens=stats.queued_prefill_tokens, num_waiting=stats.num_waiting,
+                   num_running=stats.num_running, num_active_blocks=stats.num_active_blocks,
+                   num_total_blocks=stats.num_total_blocks, healthy=healthy, step_costs=stats.step_costs,
+                   kv_bytes_per_token=stats.kv_bytes_per_token, kv_pull_gbps=stats.kv_pull_gbps,
+                   kv_pull_latency_s=stats.kv_pull_latency_s)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running, waiting or queued: a lending decode worker's cores are lent."""
+        return not (self.num_running or self.num_waiting or self.queued_prefill_tokens)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use, as vllm:kv_cache_usage_perc."""
+        return self.num_active_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
+
+    @property
+    def schedulable(self) -> bool:
+        """Unhealthy and draining workers receive no new requests."""
+        return self.healthy and not self.draining
+
 
 
 @dataclass(slots=True)

@@ -43,7 +43,7 @@ class RequestTimeline:
     on the process that passed it."""
     request_id: str
     times: dict[str, float] = field(default_factory=lambda: {"arrival": time.time()})
-    # The routing decision (router/policy.py): the chosen workers, the prompt blocks each already caches,
+    # The routing decision (router/placement/routing.py): the chosen workers, the prompt blocks each already caches,
     # where the prompt is computed ("remote" on the prefill worker, "local" on the decode worker), why,
     # and the predicted seconds to the first token on the path taken.
     prefill_worker: str | None = None

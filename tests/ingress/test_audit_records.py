@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from engine.model_loader import model_revision
-from router.audit import input_digest, text_digest, token_digest
+from router.api.audit import input_digest, text_digest, token_digest
 from tests.helpers import wait_for
 from tests.ingress.conftest import MODEL
 

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 import ray
 
-from router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from router.api.openai_api import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from tests.ingress.conftest import MODEL
 
 PERSON = {"type": "object", "properties": {

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from router.request_limits import RequestLimits
+from router.api.request_limits import RequestLimits
 from tests.ingress.conftest import MODEL
 
 LIMITS = RequestLimits()

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from router.admission import Admission
-from router.auth import Authenticator, cache_salt
-from router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, parse_body
-from router.request_trace import Trace
+from router.api.admission import Admission
+from router.api.auth import Authenticator, cache_salt
+from router.api.openai_api import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from router.api.request_trace import Trace
 
 
 def test_tenants_get_distinct_salts_that_no_request_salt_can_forge():
@@ -99,7 +99,7 @@ def test_chat_template_kwargs_cannot_reach_apply_chat_templates_own_parameters(k
 
 def test_a_candidate_that_ends_in_error_gives_a_500_with_its_message_not_an_empty_200(tokenizer):
     from worker_runtime.protocol import TokenDelta
-    from router.service import ModelInfo, OpenAIService
+    from router.api.service import ModelInfo, OpenAIService
 
     class FailingRequests:  # what the RequestRouter yields when a worker died and nowhere could take over
         async def stream(self, request, block_hashes):

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.controller import get_controller
 from engine.hashing import block_hashes
-from router.auth import cache_salt
+from router.api.auth import cache_salt
 from tests.helpers import token_prompt, wait_for
 from tests.ingress.conftest import MODEL
 

@@ -6,13 +6,13 @@ import asyncio
 import json
 import threading
 
-from router.admission import Admission
-from router.auth import Authenticator
-from router.latency_report import LatencyReporter
+from router.api.admission import Admission
+from router.api.auth import Authenticator
+from router.placement.latency_report import LatencyReporter
 from router.metrics import Metrics
-from router.openai_api import APIError
-from router.request_router import RequestRouter
-from router.service import ModelInfo, OpenAIService
+from router.api.openai_api import APIError
+from router.placement.request_router import RequestRouter
+from router.api.service import ModelInfo, OpenAIService
 from tests.ingress.conftest import MODEL
 from tests.pool_helpers import OneWorkerView
 

@@ -7,11 +7,11 @@ import jsonschema
 import pytest
 
 from worker_runtime.protocol import TokenDelta
-from router.chat_output import ChatOutput, ChatParsing
-from router.openai_api import APIError, ChatCompletionRequest, parse_body
-from router.openai_responses import ChatFormatter, Choice, Usage
-from router.reasoning_parser import ReasoningOptions, ReasoningParser
-from router.tool_parsers import HermesToolParser, NamedToolParser, RequiredToolParser
+from router.api.chat_output import ChatOutput, ChatParsing
+from router.api.openai_api import APIError, ChatCompletionRequest, parse_body
+from router.api.openai_responses import ChatFormatter, Choice, Usage
+from router.api.reasoning_parser import ReasoningOptions, ReasoningParser
+from router.api.tool_parsers import HermesToolParser, NamedToolParser, RequiredToolParser
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

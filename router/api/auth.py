@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 
 from worker_runtime.auth import bearer_token
-from router.openai_api import APIError
+from router.api.openai_api import APIError
 
 
 class Authenticator:

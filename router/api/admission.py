@@ -1,7 +1,7 @@
 """Admission: a bounded number of sequences in flight per ingress replica; beyond it, 429."""
 from __future__ import annotations
 
-from router.openai_api import APIError
+from router.api.openai_api import APIError
 
 
 class Admission:

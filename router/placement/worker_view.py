@@ -21,22 +21,19 @@ import ray
 
 from router.metrics import Metrics
 from worker_runtime.engine_loop import EngineStopped
-from worker_runtime.membership import Membership
-from worker_runtime.protocol import WorkerStats
-from router.index import PrefixIndex
-from router.policy import EXPECTED_OUTPUT_TOKENS, RouteDecision, Router, WorkerLoad
+from worker_runtime.membership import Membership, WorkerEntry
+from worker_runtime.protocol import WorkerLoad, WorkerStats
+from router.placement.index import PrefixIndex
+from router.placement.routing import EXPECTED_OUTPUT_TOKENS, RouteDecision, Router
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class WorkerState:
-    """What this replica knows of one worker."""
-    worker_id: str
-    pool: str
-    actor: object
-    healthy: bool  # the controller's health check
-    draining: bool
+    """What this replica knows of one worker: its membership entry and its reported stats as they came,
+    and the router's own bookkeeping (reachability, the requests it routed there since those stats)."""
+    entry: WorkerEntry  # as the controller's membership last listed it
     reachable: bool = True  # False from a failed call until one made after it succeeds
     lost_at: float = float("-inf")  # monotonic time of the last failed call
     stats: WorkerStats | None = None
@@ -46,26 +43,27 @@ class WorkerState:
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
+    def worker_id(self) -> str:
+        return self.entry.worker_id
+
+    @property
+    def pool(self) -> str:
+        return self.entry.pool
+
+    @property
     def schedulable(self) -> bool:
-        return self.healthy and self.reachable and not self.leaving
+        return self.entry.healthy and self.reachable and not self.leaving
 
     @property
     def leaving(self) -> bool:
         """Draining, as the controller or the worker itself says: it will not take requests again."""
-        return self.draining or (self.stats is not None and self.stats.draining)
+        return self.entry.draining or (self.stats is not None and self.stats.draining)
 
     def load(self) -> WorkerLoad:
         """The last reported load plus what this replica routed here since that report was asked for,
         so a burst does not pile onto one worker between two stats polls, less the decode requests that
         ended since, so a worker that just finished does not look busy until the next poll."""
-        s = self.stats
-        load = WorkerLoad(self.worker_id, healthy=self.schedulable)
-        if s is not None:
-            load.queued_prefill_tokens, load.num_waiting, load.num_running = (
-                s.queued_prefill_tokens, s.num_waiting, s.num_running)
-            load.num_active_blocks, load.num_total_blocks = s.num_active_blocks, s.num_total_blocks
-            load.step_costs, load.kv_bytes_per_token, load.kv_pull_gbps, load.kv_pull_latency_s = (
-                s.step_costs, s.kv_bytes_per_token, s.kv_pull_gbps, s.kv_pull_latency_s)
+        load = WorkerLoad.reported(self.worker_id, self.stats, healthy=self.schedulable)
         for routed_at, prefill_tokens in self.pending.values():
             if routed_at >= self.stats_asked_at:
                 load.queued_prefill_tokens += prefill_tokens
@@ -177,7 +175,7 @@ class WorkerView:
         self._loads_changed = asyncio.Event()
 
     def actor(self, worker_id: str):
-        return self.workers[worker_id].actor
+        return self.workers[worker_id].entry.actor
 
     def lost(self, worker_id: str, reason: object = "") -> None:
         """A call to the worker failed: drop its index entries now and route around it."""
@@ -211,11 +209,10 @@ class WorkerView:
             current.add(entry.worker_id)
             w = self.workers.get(entry.worker_id)
             if w is None:
-                w = self.workers[entry.worker_id] = WorkerState(entry.worker_id, entry.pool, entry.actor,
-                                                                entry.healthy, entry.draining)
+                w = self.workers[entry.worker_id] = WorkerState(entry)
                 w.tasks = [asyncio.create_task(self._follow_events(w)), asyncio.create_task(self._poll_stats(w))]
             else:
-                w.healthy, w.draining = entry.healthy, entry.draining
+                w.entry = entry
         for worker_id in set(self.workers) - current:
             self._forget(worker_id)
         self._notify_loads()  # a worker may have become schedulable
@@ -243,7 +240,7 @@ class WorkerView:
         while True:
             asked = time.monotonic()
             try:
-                reply = await w.actor.kv_events.remote(after, self.events_timeout_s)
+                reply = await w.entry.actor.kv_events.remote(after, self.events_timeout_s)
             except Exception as exc:
                 self._failed(w, exc)
                 after = -1
@@ -266,7 +263,8 @@ class WorkerView:
         while True:
             asked = time.monotonic()
             try:
-                stats, transfer = await asyncio.gather(w.actor.stats.remote(), w.actor.transfer_stats.remote())
+                actor = w.entry.actor
+                stats, transfer = await asyncio.gather(actor.stats.remote(), actor.transfer_stats.remote())
             except Exception as exc:
                 self._failed(w, exc)
                 await asyncio.sleep(self.retry_s)

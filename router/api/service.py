@@ -20,24 +20,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.errors import InvalidRequestError
 from engine.hashing import block_hashes
 from worker_runtime.protocol import GenerateRequest, TokenDelta
-from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
+from engine.sampling_params import SamplingParams
 from engine.structured import validate_structured
 from worker_runtime.timeline import RequestTimeline
 from worker_runtime.tracing import end_request_span
-from router.admission import Admission, Ticket
-from router.audit import Audit, AuditConfig, AuditEntry, AuditRecorder, chat_options
-from router.auth import Authenticator, cache_salt
-from router.chat_output import ChatParsing
-from router.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, error_event, parse_body,
-                               sse)
-from router.openai_responses import (ChatFormatter, Choice, CompletionFormatter, Formatter, ModelCard, ModelList,
-                                     usage)
-from router.policy import NoDecodeWorker
-from router.request_limits import RequestLimits, TokenizerPool
-from router.request_router import RequestRouter
-from router.request_trace import Trace
+from router.api.admission import Admission, Ticket
+from router.api.audit import Audit, AuditConfig, AuditEntry, AuditRecorder, chat_options
+from router.api.auth import Authenticator, cache_salt
+from router.api.chat_output import ChatParsing
+from router.api.openai_api import APIError, ChatCompletionRequest, CompletionRequest, error_event, parse_body, sse
+from router.api.openai_responses import (ChatFormatter, Choice, CompletionFormatter, Formatter, ModelCard, ModelList,
+                                         usage)
+from router.placement.routing import NoDecodeWorker
+from router.api.request_limits import RequestLimits, TokenizerPool
+from router.placement.request_router import RequestRouter
+from router.api.request_trace import Trace
 from router.trace_store import TraceStore, timeline_body
-from router.streams import cancel, merge_streams
+from router.placement.streams import cancel, merge_streams
 
 logger = logging.getLogger(__name__)
 
@@ -326,12 +325,10 @@ def _candidates(request_id: str, prompt: int, ids: list[int], params: SamplingPa
     under a grammar or a reasoning budget (which forked candidates do not carry yet), n requests of one
     candidate each, seeded candidate_seed(seed, i) alike."""
     first = prompt * params.n
+    request = GenerateRequest(request_id, ids, params, salt, timeline.copy())
     if params.n == 1 or (params.structured is None and params.max_reasoning_tokens is None):
-        return [Candidates([Choice(first + i, prompt) for i in range(params.n)],
-                           GenerateRequest(request_id, ids, params, salt, timeline.copy()), hashes)]
-    return [Candidates([Choice(first + i, prompt)], GenerateRequest(
-        candidate_id(request_id, i), ids, replace(params, n=1, seed=candidate_seed(params.seed, i)), salt,
-        timeline.copy()), hashes) for i in range(params.n)]
+        return [Candidates([Choice(first + i, prompt) for i in range(params.n)], request, hashes)]
+    return [Candidates([Choice(first + i, prompt)], request.candidate(i), hashes) for i in range(params.n)]
 
 
 def with_controls(params: SamplingParams, controls: dict) -> SamplingParams:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-from router.markers import MarkerScanner
-from router.openai_responses import FunctionCall, ToolCall
+from router.api.markers import MarkerScanner
+from router.api.openai_responses import FunctionCall, ToolCall
 
 
 class HermesToolParser:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from router.openai_api import APIError, ChatTemplateControls, parse_body
-from router.service import OpenAIService, render_chat
+from router.api.openai_api import APIError, ChatTemplateControls, parse_body
+from router.api.service import OpenAIService, render_chat
 
 
 class TokenizeRequest(ChatTemplateControls):

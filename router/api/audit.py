@@ -7,7 +7,7 @@ and outputs appear as SHA-256 digests (of the text and of the token ids); with `
 as text and token ids too. `tandem replay` (cluster/replay.py) re-runs a record and compares digests.
 
 Records are built on the event loop when a request ends and written by an AuditWriter thread
-(router/audit_sink.py), so a slow disk never holds up a stream.
+(router/api/audit_sink.py), so a slow disk never holds up a stream.
 """
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ class AuditRecorder:
     entry: AuditEntry | None
     params: SamplingParams
     seeds: list[int]
-    candidates: list  # router.service.Candidates
+    candidates: list  # router.api.service.Candidates
     prompts: list[list[int]]
     error: BaseException | None = None  # what ended a stream after its headers went out
 
@@ -174,7 +174,7 @@ class Audit:
         self.config = config
         self.model_id = model_id
         self.revision = revision
-        self.writer = writer  # router.audit_sink.AuditWriter, or None when off
+        self.writer = writer  # router.api.audit_sink.AuditWriter, or None when off
 
     def entry(self, request_id: str, response_id: str, tenant: str | None, endpoint: str, req, inputs: list,
               options: dict) -> AuditEntry | None:

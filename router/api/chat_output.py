@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.openai_api import APIError
-from router.openai_responses import ToolCall
-from router.openai_tools import ToolUse
-from router.reasoning_parser import ReasoningOptions, ReasoningParser
-from router.tool_parsers import TOOL_PARSERS, NamedToolParser, RequiredToolParser
+from router.api.openai_api import APIError
+from router.api.openai_responses import ToolCall
+from router.api.openai_tools import ToolUse
+from router.api.reasoning_parser import ReasoningOptions, ReasoningParser
+from router.api.tool_parsers import TOOL_PARSERS, NamedToolParser, RequiredToolParser
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect, Request
 
 from engine.sampling_params import MAX_STOP_STRINGS
-from router.openai_api import APIError
+from router.api.openai_api import APIError
 
 T = TypeVar("T")
 

@@ -17,8 +17,8 @@ from transformers import PreTrainedTokenizerBase
 from engine.errors import InvalidRequestError, first_field_error
 from engine.sampling_params import SamplingParams, StructuredOutputs
 from engine.structured import validate_structured
-from router.openai_tools import ChatCompletionToolsParam, ToolChoice, ToolUse, tool_use
-from router.reasoning_parser import Effort
+from router.api.openai_tools import ChatCompletionToolsParam, ToolChoice, ToolUse, tool_use
+from router.api.reasoning_parser import Effort
 
 
 class APIError(Exception):

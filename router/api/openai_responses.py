@@ -246,7 +246,7 @@ class CompletionFormatter(Formatter):
 
 class ChatFormatter(Formatter):
     """/v1/chat/completions bodies and chunks. `new_output()` makes a choice's ChatOutput
-    (router/chat_output.py), which splits its text into reasoning, content and tool calls."""
+    (router/api/chat_output.py), which splits its text into reasoning, content and tool calls."""
 
     prefix = "chatcmpl"
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from worker_runtime.timeline import RequestTimeline
 from worker_runtime.tracing import end_request_span, start_request_span
-from router.openai_api import APIError
+from router.api.openai_api import APIError
 
 REQUEST_ID_HEADER = "X-Request-Id"
 TRACE_HEADER = "X-Tandem-Trace"

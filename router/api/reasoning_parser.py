@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.reasoning import ReasoningMarkers
-from router.markers import MarkerScanner
+from router.api.markers import MarkerScanner
 
 Effort = Literal["low", "medium", "high"]
 

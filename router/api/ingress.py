@@ -25,24 +25,25 @@ from transformers import AutoConfig
 from engine.model_loader import load_tokenizer, model_revision, resolve_model_dir
 from worker_runtime.request_log import install_request_log_records, set_request_id
 from worker_runtime.tracing import configure_tracing
-from router.admission import Admission
-from router.audit import Audit, AuditConfig
-from router.audit_sink import AuditWriter
-from router.auth import Authenticator
-from router.chat_output import ChatParsing
-from router.index import PrefixIndex
-from router.latency_report import LatencyReporter
+from router.api.admission import Admission
+from router.api.audit import Audit, AuditConfig
+from router.api.audit_sink import AuditWriter
+from router.api.auth import Authenticator
+from router.api.chat_output import ChatParsing
+from router.placement.index import PrefixIndex
+from router.placement.latency_report import LatencyReporter
 from router.metrics import Metrics
-from router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, request_body_schema
-from router.policy import DisaggConfig, Router
-from router.reasoning_parser import ReasoningOptions
-from router.request_limits import RequestLimits, read_body
-from router import tokenize_api
-from router.request_router import RequestRouter
-from router.request_trace import REQUEST_ID_HEADER, Trace
+from router.api.openai_api import APIError, ChatCompletionRequest, CompletionRequest, request_body_schema
+from router.placement.cost_model import DisaggConfig
+from router.placement.routing import Router
+from router.api.reasoning_parser import ReasoningOptions
+from router.api.request_limits import RequestLimits, read_body
+from router.api import tokenize_api
+from router.placement.request_router import RequestRouter
+from router.api.request_trace import REQUEST_ID_HEADER, Trace
 from router.trace_store import TraceStore, timeline_body
-from router.service import ModelInfo, OpenAIService, to_api_error
-from router.worker_view import WorkerView
+from router.api.service import ModelInfo, OpenAIService, to_api_error
+from router.placement.worker_view import WorkerView
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +72,12 @@ class IngressConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     model_aliases: tuple[str, ...] = ()  # more names requests may use for the model
     chat_template: str | None = None  # instead of the tokenizer's own
-    reasoning: ReasoningOptions | None = None  # the model's thinking markers (router/reasoning_parser.py)
-    tool_call_parser: str | None = "hermes"  # the format tool_choice auto reads (router/tool_parsers.py)
+    reasoning: ReasoningOptions | None = None  # the model's thinking markers (router/api/reasoning_parser.py)
+    tool_call_parser: str | None = "hermes"  # the format tool_choice auto reads (router/api/tool_parsers.py)
     otlp_endpoint: str | None = None  # OpenTelemetry spans go there (worker_runtime/tracing.py); None: no spans
     service_name: str = "tandem"
     recent_requests: int = 1000  # finished requests' timelines kept for `tandem trace`
-    audit: AuditConfig = field(default_factory=AuditConfig)  # per-request audit records (router/audit.py)
+    audit: AuditConfig = field(default_factory=AuditConfig)  # per-request audit records (router/api/audit.py)
 
 
 def load_model_info(config: IngressConfig):
@@ -247,6 +248,18 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
     async def chat_completions(request: Request) -> Response:
         return await _generation(request, service.chat, limits, echo_request_id)
 
+    _add_model_routes(app, service)
+    for path, run, body_model in (("/tokenize", tokenize_api.tokenize, tokenize_api.TokenizeRequest),
+                                  ("/detokenize", tokenize_api.detokenize, tokenize_api.DetokenizeRequest)):
+        app.add_api_route(path, _utility_route(service, run, limits), methods=["POST"],
+                          openapi_extra=request_body_schema(body_model), name=path.strip("/"))
+
+    _add_operator_routes(app, view, scrape)
+    return app
+
+
+def _add_model_routes(app: FastAPI, service: OpenAIService) -> None:
+    """/v1/models, one model's card, and /version: what a client may ask before it generates."""
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
@@ -269,11 +282,9 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
             return error_response(exc)
         return JSONResponse({"version": tandem_version()})
 
-    for path, run, body_model in (("/tokenize", tokenize_api.tokenize, tokenize_api.TokenizeRequest),
-                                  ("/detokenize", tokenize_api.detokenize, tokenize_api.DetokenizeRequest)):
-        app.add_api_route(path, _utility_route(service, run, limits), methods=["POST"],
-                          openapi_extra=request_body_schema(body_model), name=path.strip("/"))
 
+def _add_operator_routes(app: FastAPI, view: WorkerView, scrape: Callable[[], Awaitable[bytes]]) -> None:
+    """/health for load balancers and /metrics for Prometheus (`scrape` makes its body)."""
     @app.get("/health")
     async def health() -> Response:
         """200 while at least one decode worker takes requests (what a load balancer needs to know)."""
@@ -285,8 +296,6 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(await scrape(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 async def _generation(request: Request, endpoint, limits: RequestLimits, echo_request_id: bool) -> Response:

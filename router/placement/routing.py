@@ -1,0 +1,188 @@
+"""Placement policy: which worker of each pool gets a request, where its prefill runs, and how it is
+dispatched across them.
+
+The prefill and decode pools are placed separately, each by its own `PoolPolicy` over that pool's load
+snapshot (router/placement/pool_policy.py: Dynamo's token cost).
+
+With `placement: slo` (the default) the decode worker is chosen by what placing the request there
+costs in seconds (`decode_seconds`, router/placement/cost_model.py): its predicted time to first token on
+the path the SLO decision would take there, its own decode steps beside that worker's batch, and what it
+adds to the streams already running (a local prefill's stall, one more sequence per step). A prefix hit
+is then worth what its miss would cost on that worker, measured, rather than a token constant against
+running sequences, and a miss on a full cache also costs what it evicts there, at that worker's measured
+hit share (`displaced_seconds`), so a prefix stays with the worker that holds it unless the load says
+otherwise.
+
+`Router` ties the steps together for the ingress; `dispatch_path` then fixes how the placed request runs
+across its workers (carried in `GenerateRequest.dispatch`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from router.placement.cost_model import (DisaggConfig, PrefillDecision, decide_prefill, decide_prefill_by_cost,
+                                         decode_seconds, displaced_seconds)
+from router.placement.cpu_lending import lent_threads
+from router.placement.index import PrefixIndex
+from router.placement.pool_policy import CostWeights, Placement, PoolPolicy
+from worker_runtime.protocol import DispatchPath, GenerateRequest, WorkerLoad
+from worker_runtime.timeline import RequestTimeline
+
+# A request's output length for placement when its max_tokens says nothing smaller (a client's default
+# of the whole context must not make every batch look the same).
+EXPECTED_OUTPUT_TOKENS = 128
+TIE_TOLERANCE_S = 0.001  # costs this close count as equal; the worker with fewer sequences wins
+HIT_SHARE_ALPHA = 0.1  # weight of the newest placement in a decode worker's measured prefix-hit share
+
+
+class NoDecodeWorker(RuntimeError):
+    """No decode worker is healthy and accepting requests; the ingress answers 503."""
+
+
+@dataclass(slots=True)
+class RouteDecision:
+    """Where one request goes. `prefill` is None when the decode worker prefills locally; `wait`: the
+    chosen prefill worker's queue is full, and the ingress should wait for a slot and route again."""
+    decode: Placement
+    prefill: Placement | None
+    reason: str
+    wait: bool = False
+    predicted_ttft_s: float | None = None
+
+    def record(self, timeline: RequestTimeline, block_size: int) -> None:
+        """The decision, in the request's timeline."""
+        timeline.decode_worker = self.decode.worker_id
+        timeline.decode_overlap_blocks = self.decode.cached_tokens // block_size
+        if self.prefill is not None:
+            timeline.prefill_worker = self.prefill.worker_id
+            timeline.prefill_overlap_blocks = self.prefill.cached_tokens // block_size
+            timeline.prefill_path = "remote"
+        else:
+            timeline.prefill_worker, timeline.prefill_overlap_blocks = None, 0
+            timeline.prefill_path = "local"
+        timeline.routing_reason = self.reason
+        timeline.predicted_ttft_s = self.predicted_ttft_s
+
+
+def expected_output_tokens(request: GenerateRequest) -> int:
+    """What the request will likely still generate, for placement: its remaining max_tokens, capped."""
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is None:
+        return EXPECTED_OUTPUT_TOKENS
+    return max(1, min(max_tokens - len(request.output_token_ids), EXPECTED_OUTPUT_TOKENS))
+
+
+def dispatch_path(request: GenerateRequest, remote: bool, layerwise: bool) -> DispatchPath:
+    """How a request placed with (`remote`) or without a prefill worker runs across its workers, when the
+    prefill workers lease KV before the first token (`layerwise`, transfer.layerwise) or after it. Decode
+    starts beside the prefill unless it needs the first token first: a single-token request never reaches
+    decode (nothing to pull, so no early lease either), and a group of candidates forks from the first
+    one's token."""
+    if not remote:
+        return DispatchPath.LOCAL
+    if request.num_outputs > 1 or request.sampling_params.max_tokens == 1:
+        return DispatchPath.SEQUENTIAL
+    return DispatchPath.LAYERWISE if layerwise else DispatchPath.REMOTE
+
+
+class Router:
+    """Places a request on both pools and makes the conditional-disaggregation call."""
+
+    def __init__(self, index: PrefixIndex, block_size: int, disagg: DisaggConfig | None = None,
+                 prefill_weights: CostWeights | None = None, decode_weights: CostWeights | None = None,
+                 rng: random.Random | None = None, routing: Literal["prefix_aware", "round_robin"] = "prefix_aware"):
+        self.rng = rng = rng or random.Random()
+        self.index = index
+        self.block_size = block_size
+        self.disagg = disagg or DisaggConfig()
+        round_robin = routing == "round_robin"
+        self.prefill_policy = PoolPolicy(index, block_size, prefill_weights, rng, round_robin)
+        self.decode_policy = PoolPolicy(index, block_size, decode_weights, rng, round_robin)
+        # Per decode worker: of the prompt tokens placed there, the share it cached (an EWMA).
+        self.hit_share: dict[str, float] = {}
+        self._placements: dict[str, int] = {}
+
+    def route(self, block_hashes: Sequence[int], prompt_tokens: int, prefill_loads: Sequence[WorkerLoad],
+              decode_loads: Sequence[WorkerLoad], elapsed_s: float = 0.0,
+              output_tokens: int = EXPECTED_OUTPUT_TOKENS,
+              prefill_backlog: Mapping[str, tuple[int, int]] | None = None) -> RouteDecision:
+        """Pick the decode worker and decide whether a prefill worker computes the prompt. `elapsed_s`:
+        how long ago the request arrived (its TTFT runs from then); `output_tokens`: what it will likely
+        generate (its remaining max_tokens, at most EXPECTED_OUTPUT_TOKENS); `prefill_backlog`: per prefill
+        worker, the (requests, prompt tokens) waiting at the ingress for a slot there ahead of this one,
+        which it would queue behind (`with_backlog`)."""
+        if prefill_backlog:
+            prefill_loads = [with_backlog(load, prefill_backlog.get(load.worker_id)) for load in prefill_loads]
+        prefill = self.prefill_policy.place(block_hashes, prompt_tokens, prefill_loads)
+        prefill_load = None if prefill is None else lent_threads(_load_of(prefill, prefill_loads), decode_loads)
+        prefill_cached = prefill.cached_tokens if prefill else 0
+        if self.disagg.placement == "slo" and not self.decode_policy.round_robin:
+            decode, decision = self._place_decode_by_cost(block_hashes, prompt_tokens, prefill_cached, prefill_load,
+                                                          decode_loads, elapsed_s, output_tokens)
+        else:
+            decode = self.decode_policy.place(block_hashes, prompt_tokens, decode_loads)
+            if decode is None:
+                raise NoDecodeWorker("no decode worker is healthy and accepting requests")
+            if self.disagg.placement == "thresholds":
+                decision = decide_prefill(prompt_tokens, decode.cached_tokens, prefill_load, self.disagg)
+            else:
+                decision = decide_prefill_by_cost(prompt_tokens, decode.cached_tokens, prefill_cached,
+                                                  _load_of(decode, decode_loads), prefill_load, self.disagg, elapsed_s)
+        if not decision.wait and prompt_tokens > 0:
+            self._note_hit(decode.worker_id, decode.cached_tokens / prompt_tokens)
+        return RouteDecision(decode, prefill if decision.remote else None, decision.reason, decision.wait,
+                             decision.predicted_ttft_s)
+
+    def _note_hit(self, worker_id: str, share: float) -> None:
+        """Fold one placement into the worker's hit share: the mean of its first placements, then an EWMA."""
+        old, count = self.hit_share.get(worker_id, 0.0), self._placements.get(worker_id, 0) + 1
+        self._placements[worker_id] = count
+        self.hit_share[worker_id] = old + max(HIT_SHARE_ALPHA, 1 / count) * (share - old)
+
+    def _place_decode_by_cost(self, block_hashes: Sequence[int], prompt_tokens: int, prefill_cached: int,
+                              prefill: WorkerLoad | None, decode_loads: Sequence[WorkerLoad], elapsed_s: float,
+                              output_tokens: int) -> tuple[Placement, PrefillDecision]:
+        """The decode worker where the request costs least in seconds (`decode_seconds`), each with the
+        prefill decision it would get there; among costs within TIE_TOLERANCE_S, the worker with the fewest
+        sequences, then a random one."""
+        candidates = [load for load in decode_loads if load.schedulable]
+        if not candidates:
+            raise NoDecodeWorker("no decode worker is healthy and accepting requests")
+        overlaps = self.index.overlap(block_hashes, [load.worker_id for load in candidates])
+        options = []
+        for load in candidates:
+            cached = overlaps[load.worker_id] * self.block_size
+            decision = decide_prefill_by_cost(prompt_tokens, cached, prefill_cached, load, prefill, self.disagg,
+                                              elapsed_s)
+            displaced = displaced_seconds(prompt_tokens, cached, output_tokens, load,
+                                          self.index.num_blocks(load.worker_id),
+                                          self.hit_share.get(load.worker_id, 0.0), self.block_size)
+            seconds = decode_seconds(prompt_tokens, cached, load, decision, output_tokens, self.disagg,
+                                     self.block_size, elapsed_s, displaced)
+            options.append((seconds, load.num_running + load.num_waiting, load.worker_id, cached, decision))
+        best = min(option[0] for option in options)
+        near = [option for option in options if option[0] <= best + TIE_TOLERANCE_S]
+        fewest = min(option[1] for option in near)
+        tied = [option for option in near if option[1] == fewest]
+        seconds, _, worker_id, cached, decision = tied[0] if len(tied) == 1 else self.rng.choice(tied)
+        return Placement(worker_id, cached, seconds), decision
+
+
+def with_backlog(prefill: WorkerLoad, backlog: tuple[int, int] | None) -> WorkerLoad:
+    """`prefill` as a request sees it behind `backlog`, the (requests, prompt tokens) that wait at the
+    ingress for a slot on it and will take the next ones: they count as queued there, so a request
+    routed behind them predicts the remote path's wait (and its queue as full) as it will be."""
+    if not backlog or not backlog[0]:
+        return prefill
+    requests, tokens = backlog
+    return dataclasses.replace(prefill, num_waiting=prefill.num_waiting + requests,
+                               queued_prefill_tokens=prefill.queued_prefill_tokens + tokens)
+
+
+
+def _load_of(placement: Placement, loads: Sequence[WorkerLoad]) -> WorkerLoad:
+    return next(load for load in loads if load.worker_id == placement.worker_id)
