@@ -28,7 +28,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefill_budget: Callable[[int, int], int] | None = None  # (decodes, chunk start) -> tokens
-        self.step_token_cap: int | None = None  # this step's token budget, when smaller (a borrowed forward)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -36,8 +35,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[tuple[Request, int]]:
-        budget = min(self.max_num_batched_tokens, self.step_token_cap or self.max_num_batched_tokens)
+    def schedule(self, token_cap: int | None = None) -> list[tuple[Request, int]]:
+        """This step's (request, tokens to compute) pairs; `token_cap`, when given, is a smaller token budget
+        for this step (a forward on borrowed cores)."""
+        budget = min(self.max_num_batched_tokens, token_cap or self.max_num_batched_tokens)
         num_decodes = self._num_decodes() if self.prefill_budget is not None else 0
         prefill_budget = None  # set at the step's first prompt chunk, for where in its prompt that chunk starts
         scheduled: list[tuple[Request, int]] = []
