@@ -180,14 +180,8 @@ class Engine:
         req = self.outputs.pop(request_id)
         if req is None:
             return False
-        if req.beam_search is not None:
-            self.forking.finish_beams(req.beam_search, aborted=True)
-            return True
         self.waiting_for_grammar.discard(req)
-        req.finish_reason = "abort"
-        if req.pending_forks:
-            self.forking.abort_pending_parent(req)
-        self.scheduler.finish(req)
+        self.forking.abort(req)
         return True
 
     def warm_up(self, num_prompt_tokens: int = 256, num_decode_steps: int = 4) -> None:

@@ -81,12 +81,18 @@ class Forking:
         for child in children:
             child.num_computed_tokens -= 1
 
-    def abort_pending_parent(self, parent: Request) -> None:
-        """`parent` is aborted before its candidates forked: the first live one takes over its prompt."""
-        parent.pending_forks = [c for c in parent.pending_forks if c.finish_reason is None]
-        if parent.pending_forks:
-            heir = self.fork(parent, parent.pending_forks[0].take_pending(parent))
-            self.scheduler.replace(parent, heir)
+    def abort(self, req: Request) -> None:
+        """Stop `req` and free its blocks; a beam aborts its whole search, and candidates still waiting to
+        fork from `req` fork from the first live one of them instead, which takes over its prompt."""
+        if req.beam_search is not None:
+            self.finish_beams(req.beam_search, aborted=True)
+            return
+        req.finish_reason = "abort"
+        req.pending_forks = [c for c in req.pending_forks if c.finish_reason is None]
+        if req.pending_forks:
+            heir = self.fork(req, req.pending_forks[0].take_pending(req))
+            self.scheduler.replace(req, heir)
+        self.scheduler.finish(req)
 
     # ---- beam search ----------------------------------------------------------------------------
 
