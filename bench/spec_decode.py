@@ -136,7 +136,7 @@ def main() -> None:
                for m in ("ngram", "suffix")}
     engine = Engine(EngineConfig(model=args.model, speculative_config=configs["ngram"]))
     engine.warm_up()
-    speculators = {"ngram": engine.speculator, "suffix": Speculator(configs["suffix"], engine)}
+    speculators = {"ngram": engine.speculator, "suffix": engine.new_speculator(configs["suffix"])}
     print(f"threads={torch.get_num_threads()} k={args.num_speculative_tokens} output_len={args.output_len}")
     print(f"{'workload':<11} {'batch':>5} {'round':>5} {'plain tok/s':>11} {'ngram':>6} {'suffix':>6} "
           f"{'ngram x':>7} {'suffix x':>8} {'plain ITL':>9} {'ngram ITL':>9} {'suffix ITL':>10} "

@@ -2,7 +2,7 @@
 
 Each step every live beam offers its 2 x beam_width most likely next tokens (raw model log-probabilities,
 no temperature); a continuation ending in EOS is completed, the beam_width best of the others go on. A
-beam chosen k times is forked k - 1 times (Engine.fork: shared blocks, copy on write), a beam not chosen
+beam chosen k times is forked k - 1 times (Forking.fork: shared blocks, copy on write), a beam not chosen
 is freed. After max_tokens steps, or once no beam is live, the n best of the completed and live beams
 come back in score order: cumulative logprob / length ** length_penalty, where the length counts the
 prompt and the output without a final EOS (vLLM's `get_beam_search_score`).

@@ -102,6 +102,21 @@ class BlockManager:
         req.block_table.extend(self._pop_free() for _ in range(need))
         return True
 
+    def reserve_for_import(self, req: Request) -> list[int] | None:
+        """Give `req` blocks for its whole prompt, reusing locally cached prefix blocks.
+
+        Returns the indices (into `req.block_table`) of the blocks whose KV must be imported, or None when
+        the pool is short. The whole prompt's KV comes with the import, so every full prompt block may be
+        reused, whether or not the first token sampled elsewhere is already in `req` (decode may reserve
+        before it exists)."""
+        num_prompt = req.num_prompt_tokens
+        computed = self.get_computed_blocks(req, num_prompt + 1)
+        num_cached = len(computed) * self.block_size
+        if not self.allocate_slots(req, num_prompt - num_cached, computed):
+            return None
+        req.num_cached_tokens = num_cached
+        return list(range(len(computed), self.blocks_needed(num_prompt)))
+
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the blocks of `parent` (one more reference each) and its cache bookkeeping."""
         self.add_references(parent.block_table)

@@ -1,45 +1,57 @@
 """n candidates and beams of one prompt as forked requests: the prompt is computed once, its blocks are
 shared by reference count, and a fork copies a shared block only when it writes into it.
 
-The Engine mixes this in; it runs on the engine's thread like the rest of the step."""
+`Forking.sample` is the step's sampling stage: candidates fork from the row of the request they wait on,
+beams go to their search. It runs on the engine's thread like the rest of the step."""
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
 from engine.beam_search import BeamSearch
+from engine.block_manager import BlockManager
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
 
 
 class Forking:
-    """Engine methods that fork requests: n > 1 candidates after their prompt, beams every step."""
+    """Samples the step's rows and forks requests: n > 1 candidates after their prompt, beams every step."""
 
-    def candidate_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                           cache_salt: str | None, seed: int) -> Request:
-        """The first of n candidates, the others pending on it; candidate i draws from candidate_seed(seed, i)."""
-        candidates = []
-        for i in range(params.n):
-            p = replace(params, n=1, seed=candidate_seed(seed, i))
-            candidates.append(Request(candidate_id(request_id, i), prompt_ids, p, max_tokens, cache_salt,
-                                      self.generator(p, p.seed), index=i))
-        candidates[0].pending_forks = candidates[1:]
-        return candidates[0]
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, sampler: Sampler,
+                 outputs: OutputProcessor):
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.sampler = sampler
+        self.outputs = outputs
 
-    def beam_search_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                            cache_salt: str | None) -> Request:
-        """The first beam of a new search, which answers under `candidate_id(request_id, i)`."""
-        search = BeamSearch(request_id, len(prompt_ids), params.beam_width, params.n, params.length_penalty,
-                            frozenset(self.eos_token_ids))
-        root = Request(search.next_beam_id(), prompt_ids, params, max_tokens, cache_salt, beam_search=search)
-        search.beams = [root]
-        return root
+    def sample(self, sampled: list[Request], logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample each request's next token; candidates forking from a request sample from its row with
+        their own generators, and beams go to their search."""
+        beam_rows = [i for i, req in enumerate(sampled) if req.beam_search is not None]
+        outputs = self.advance_beams([sampled[i] for i in beam_rows], logits[beam_rows]) if beam_rows else []
+        rows = [i for i, req in enumerate(sampled) if req.beam_search is None]
+        reqs = [sampled[i] for i in rows]
+        for i in list(rows):
+            if sampled[i].pending_forks:
+                children = self.fork_pending(sampled[i])
+                reqs += children
+                rows += [i] * len(children)
+        if reqs:
+            same_rows = rows == list(range(len(sampled)))
+            tokens, logprobs = self.sampler(logits if same_rows else logits[rows], reqs)
+            append_token = self.outputs.append_token
+            outputs += [append_token(req, t, lp) for req, t, lp in zip(reqs, tokens, logprobs)]
+        return outputs
 
-    def generator(self, params: SamplingParams, seed: int) -> torch.Generator | None:
-        """The seeded generator a request samples from; None for greedy."""
-        return None if params.greedy else torch.Generator(self.runner.device).manual_seed(seed)
+    def fail(self, req: Request, exc: Exception) -> list[RequestOutput]:
+        """Fail `req` and the candidates waiting to fork from it; a beam fails its whole search."""
+        if req.beam_search is not None:
+            return self.finish_beams(req.beam_search, error=exc)
+        outputs = [self.outputs.fail(cand, exc) for cand in (req, *req.pending_forks)]
+        req.pending_forks = []
+        return outputs
 
     def fork(self, parent: Request, child: Request) -> Request:
         """Make `child` continue from `parent`'s tokens on `parent`'s blocks (shared, copy on write)."""
@@ -54,21 +66,33 @@ class Forking:
         self.scheduler.add_forked(children)
         return children
 
-    def fork_imported(self, parent: Request) -> None:
-        """After a KV import: the candidates share the prompt's blocks and recompute its last token, which
-        gives each the logits for a first token of its own (the parent's came from the prefill worker)."""
+    def add_first_sampled(self, parent: Request) -> None:
+        """`parent`'s first token was sampled elsewhere: with its prompt KV here (an import) the candidates
+        share it and recompute its last token, which gives each the logits for a first token of its own;
+        without (a fallback to local prefill) they go on their own."""
+        if not parent.num_computed_tokens:
+            for cand in parent.pending_forks:
+                self.scheduler.add(cand)
+            parent.pending_forks = []
+            return
         first = parent.all_token_ids.pop()
         children = self.fork_pending(parent)
         parent.all_token_ids.append(first)
         for child in children:
             child.num_computed_tokens -= 1
 
-    def abort_pending_parent(self, parent: Request) -> None:
-        """`parent` is aborted before its candidates forked: the first live one takes over its prompt."""
-        parent.pending_forks = [c for c in parent.pending_forks if c.finish_reason is None]
-        if parent.pending_forks:
-            heir = self.fork(parent, parent.pending_forks[0].take_pending(parent))
-            self.scheduler.replace(parent, heir)
+    def abort(self, req: Request) -> None:
+        """Stop `req` and free its blocks; a beam aborts its whole search, and candidates still waiting to
+        fork from `req` fork from the first live one of them instead, which takes over its prompt."""
+        if req.beam_search is not None:
+            self.finish_beams(req.beam_search, aborted=True)
+            return
+        req.finish_reason = "abort"
+        req.pending_forks = [c for c in req.pending_forks if c.finish_reason is None]
+        if req.pending_forks:
+            heir = self.fork(req, req.pending_forks[0].take_pending(req))
+            self.scheduler.replace(req, heir)
+        self.scheduler.finish(req)
 
     # ---- beam search ----------------------------------------------------------------------------
 
@@ -94,12 +118,8 @@ class Forking:
                 self.scheduler.finish(beam)  # pruned
         self.scheduler.add_forked(forks)
         search.beams = [target for target, _, _ in plan]
-        for target, token, cum in plan:
-            target.all_token_ids.append(token)
-            target.cumulative_logprob = cum
-        self.num_generation_tokens += len(plan)
-        beam = search.beams[0] if search.beams else None
-        if beam is None or beam.num_output_tokens >= beam.max_tokens or beam.num_tokens >= self.max_model_len:
+        self.outputs.append_beam_tokens(plan)
+        if not search.beams or self.outputs.length_reached(search.beams[0]):
             return self.finish_beams(search)
         return []
 
@@ -107,24 +127,12 @@ class Forking:
         return Request(search.next_beam_id(), parent.prompt_token_ids, parent.sampling_params, parent.max_tokens,
                        parent.cache_salt, beam_search=search, times=parent.times)
 
-    def finish_beams(self, search: BeamSearch, finish_reason: str | None = None) -> list[RequestOutput]:
-        """End a search: free its beams and return its n best as finished outputs (none when aborted or
-        failed, `finish_reason` given)."""
-        best = search.best() if finish_reason is None else []
+    def finish_beams(self, search: BeamSearch, aborted: bool = False,
+                     error: Exception | None = None) -> list[RequestOutput]:
+        """End a search: free its beams and return its n best as finished outputs (none when aborted, an
+        error under each output id when it failed)."""
+        best = search.best() if not aborted and error is None else []
         for beam in search.beams:
             self.scheduler.finish(beam)
         search.beams, search.rows = [], {}
-        ids = [candidate_id(search.request_id, i) for i in range(search.n)]
-        root = self.requests.get(ids[0])
-        for rid in ids:
-            self.requests.pop(rid, None)
-        if root is None or finish_reason is not None:
-            return []
-        skip = root.sampling_params.skip_special_tokens
-        outputs = []
-        for i, seq in enumerate(best):
-            text = self.tokenizer.decode(seq.tokens, skip_special_tokens=skip)
-            outputs.append(RequestOutput(ids[i], list(seq.tokens), text, list(seq.tokens), text, True,
-                                         seq.finish_reason, None, [], root.num_prompt_tokens, root.num_cached_tokens,
-                                         index=i, cumulative_logprob=seq.cum_logprob))
-        return outputs
+        return self.outputs.search_outputs(search, best, error)

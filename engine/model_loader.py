@@ -115,6 +115,16 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every token id that ends generation, from the model's generation config, its config and the tokenizer."""
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return ids
+
+
 def build_random_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, *, hidden_size: int = 64,
                        num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                        max_position_embeddings: int = 512) -> Path:

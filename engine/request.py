@@ -12,7 +12,7 @@ from engine.sampling_params import SamplingParams, candidate_id
 if TYPE_CHECKING:
     import torch
 
-    from engine.spec_decode.speculator import SpecState
+    from engine.spec_decode.state import SpecState
     from engine.structured import StructuredOutputRequest
 
 
@@ -57,11 +57,11 @@ class Request:
     stop_reason: int | str | None = None
     output_logprobs: list[dict] = field(default_factory=list)
     do_remote_decode: bool = False
-    reasoning: ReasoningBudget | None = None  # set by Engine.add when max_reasoning_tokens is given
+    reasoning: ReasoningBudget | None = None  # set by OutputProcessor.add when max_reasoning_tokens is given
     structured_output_request: StructuredOutputRequest | None = None  # its grammar state, when constrained
     times: RequestTimes = field(default_factory=RequestTimes)
     index: int = 0  # which of its prompt's n candidates (or returned beams) it is
-    # The other candidates of its prompt: forked from it once its prompt is computed (Engine.fork).
+    # The other candidates of its prompt: forked from it once its prompt is computed (Forking.fork).
     pending_forks: list["Request"] = field(default_factory=list)
     beam_search: object | None = None  # the BeamSearch this request is a beam of
     cumulative_logprob: float = 0.0  # of its output tokens, kept for beams

@@ -4,10 +4,24 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """What is left of one step's token budget, and of its prefill room once its first prompt chunk set it."""
+    tokens: int
+    num_decodes: int  # the running decodes the prefill room is sized for (0 without a `prefill_budget`)
+    prefill: int | None = None
+
+    def take(self, num_new: int, num_drafts: int = 0) -> None:
+        self.tokens -= num_new + num_drafts
+        if num_new > 1:
+            self.prefill -= num_new
 
 
 class Scheduler:
@@ -28,7 +42,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefill_budget: Callable[[int, int], int] | None = None  # (decodes, chunk start) -> tokens
-        self.step_token_cap: int | None = None  # this step's token budget, when smaller (a borrowed forward)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -36,22 +49,28 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[tuple[Request, int]]:
-        budget = min(self.max_num_batched_tokens, self.step_token_cap or self.max_num_batched_tokens)
-        num_decodes = self._num_decodes() if self.prefill_budget is not None else 0
-        prefill_budget = None  # set at the step's first prompt chunk, for where in its prompt that chunk starts
+    def schedule(self, token_cap: int | None = None) -> list[tuple[Request, int]]:
+        """This step's (request, tokens to compute) pairs; `token_cap`, when given, is a smaller token budget
+        for this step (a forward on borrowed cores)."""
+        budget = StepBudget(min(self.max_num_batched_tokens, token_cap or self.max_num_batched_tokens),
+                            self._num_decodes() if self.prefill_budget is not None else 0)
         scheduled: list[tuple[Request, int]] = []
+        if not self._schedule_running(budget, scheduled):
+            self._schedule_waiting(budget, scheduled)
+        return scheduled
+
+    def _schedule_running(self, budget: StepBudget, scheduled: list[tuple[Request, int]]) -> bool:
+        """Give running requests their next tokens (a decode, a draft to verify, or a prompt chunk), in order;
+        True when one of them had to preempt another for a block."""
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.tokens > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget.tokens)
             if num_new > 1:
-                if prefill_budget is None:
-                    prefill_budget = self._prefill_budget(num_decodes, req.num_computed_tokens)
-                num_new = min(num_new, prefill_budget)
+                num_new = self._chunk(budget, num_new, req.num_computed_tokens)
             elif req.spec_token_ids:  # a decode verifying its draft: 1 + k query tokens
-                del req.spec_token_ids[budget - 1:]
+                del req.spec_token_ids[budget.tokens - 1:]
             if not num_new:  # a prefill chunk over the cap, or a beam waiting for its siblings' step
                 i += 1
                 continue
@@ -66,14 +85,16 @@ class Scheduler:
                     break
             else:
                 scheduled.append((req, num_new + len(req.spec_token_ids)))
-                budget -= num_new + len(req.spec_token_ids)
-                if num_new > 1:
-                    prefill_budget -= num_new
+                budget.take(num_new, len(req.spec_token_ids))
                 i += 1
+        return preempted
+
+    def _schedule_waiting(self, budget: StepBudget, scheduled: list[tuple[Request, int]]) -> None:
+        """Admit waiting requests in order while the budget, `max_num_seqs` and free blocks allow."""
         passed = 0  # waiting prompts this step has no prefill room for
-        while passed < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while passed < len(self.waiting) and budget.tokens > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[passed]
-            if prefill_budget == 0 and not req.num_computed_tokens:
+            if budget.prefill == 0 and not req.num_computed_tokens:
                 # A prompt to compute, and this step's prefill room is spent (a running prompt's chunk took
                 # it): requests behind it whose KV was imported only decode, and need not wait for it.
                 passed += 1
@@ -81,27 +102,32 @@ class Scheduler:
             # A request whose prompt KV was imported arrives with blocks and computed tokens.
             computed = [] if req.num_computed_tokens else self.block_manager.get_computed_blocks(req)
             num_cached = req.num_computed_tokens or len(computed) * self.block_manager.block_size
-            num_new = min(req.num_tokens - num_cached, budget)
+            num_new = min(req.num_tokens - num_cached, budget.tokens)
             if num_new > 1:
-                if prefill_budget is None:
-                    prefill_budget = self._prefill_budget(num_decodes, num_cached)
-                num_new = min(num_new, prefill_budget)
+                num_new = self._chunk(budget, num_new, num_cached)
                 if not num_new:
                     break
             if not self.block_manager.allocate_slots(req, num_new, computed):
                 break
             del self.waiting[passed]
-            req.num_computed_tokens = num_cached
-            if req.times.first_scheduled is None:
-                req.num_cached_tokens = num_cached
-                req.times.first_scheduled = time.time()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._admit(req, num_cached)
             scheduled.append((req, num_new))
-            budget -= num_new
-            if num_new > 1:
-                prefill_budget -= num_new
-        return scheduled
+            budget.take(num_new)
+
+    def _chunk(self, budget: StepBudget, num_new: int, start: int) -> int:
+        """`num_new` prompt tokens from `start` on, cut to the step's prefill room (set at its first chunk,
+        for where in its prompt that chunk starts)."""
+        if budget.prefill is None:
+            budget.prefill = self._prefill_budget(budget.num_decodes, start)
+        return min(num_new, budget.prefill)
+
+    def _admit(self, req: Request, num_cached: int) -> None:
+        req.num_computed_tokens = num_cached
+        if req.times.first_scheduled is None:
+            req.num_cached_tokens = num_cached
+            req.times.first_scheduled = time.time()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def add_forked(self, children: list[Request]) -> None:
         """Queue forks first: they hold their parent's blocks and join the next step."""

@@ -21,6 +21,10 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 # Priors for a worker that has measured nothing yet: a small model on one CPU core.
 PRIOR_PREFILL_TOKENS_PER_S = 500.0
@@ -40,6 +44,19 @@ PRIOR_BORROW_EFFICIENCY = 0.85
 # every such step stalled the streams at 3x their decode step.
 MIN_CHUNK_TOKENS = 4
 DECODE_WINDOW = 64  # plain decode steps per batch-size bucket whose median is the bucket's step time
+
+
+def step_shape(scheduled: list[tuple[Request, int]]) -> tuple[int, int, int]:
+    """(decode tokens, prefill tokens, the longest context a prefill chunk ends at) of a schedule: what a
+    step's cost is measured and predicted by."""
+    decodes = prefill = context = 0
+    for req, n in scheduled:
+        if n == 1 and req.num_computed_tokens > 0:
+            decodes += 1
+        else:
+            prefill += n
+            context = max(context, req.num_computed_tokens + n)
+    return decodes, prefill, context
 
 
 def bucket(n: float) -> int:
@@ -176,6 +193,14 @@ class StepCosts:
         for _ in range(2):  # the speed depends on where the chunk ends, which depends on its length
             tokens = max(min_tokens, int(room * self.prefill_speed(start + max(tokens, 1), borrowing)))
         return tokens
+
+    def borrowed_step_cap(self, slice_ms: float | None, block_size: int) -> int | None:
+        """Prompt tokens a forward on borrowed cores may carry: what the borrowed speed computes within
+        `slice_ms` (at least a block), so a lender that turns busy waits at most about that long for its
+        core to be its own again. None without a slice (no cap)."""
+        if not slice_ms:
+            return None
+        return self.prefill_budget(0, slice_ms / 1000, block_size, borrowing=True)
 
     def copy(self) -> StepCosts:
         """A snapshot another thread may read (or pickle) while this one keeps measuring."""

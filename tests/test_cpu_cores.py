@@ -18,6 +18,7 @@ from engine.config import CpuBinding
 from worker_runtime.cpu_cores import PinnedCores, assign_cores, claim_cores, node_cores, pinning_is_safe
 from worker_runtime.engine_loop import watch_lenders
 from engine.layer_progress import decoder_layers
+from engine.step_context import StepContext
 
 CORES = [(0,), (1,), (2,), (3,), (4,), (5,)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -266,24 +267,25 @@ def test_a_borrowed_forward_gives_the_core_back_between_layers_once_its_owner_is
     decode = PinnedCores(CpuBinding(1, lend=True), directory=tmp_path)
     try:
         engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64))
-        watch_lenders(engine, prefill)
+        context = StepContext()
+        watch_lenders(engine.runner.model, prefill, context)
         layers = decoder_layers(engine.runner.model)
         if lender_turns_busy:  # decode gets a request while the prefill's first layer runs
             layers[0].register_forward_hook(lambda *args: decode.busy())
         decode.idle()
         prefill.busy()
         assert prefill.threads == 2 and threads[-1] == 2
-        engine.borrowing = True
+        context.borrowing = True
         engine.add_request("p", list(range(3, 60)), SamplingParams(temperature=0.0, max_tokens=4))
         observed = dict(engine.step_costs.borrowed_prefill_tokens_per_s)
-        engine.step()  # the prompt's one forward
+        engine.step(context)  # the prompt's one forward
         if lender_turns_busy:
             assert not prefill.borrowed and threads[-1] == 1 and prefill.reclaimed_midway == 1
-            assert engine.borrow_cut and not engine.borrowing
+            assert context.borrow_cut and not context.borrowing
             assert engine.step_costs.borrowed_prefill_tokens_per_s == observed  # a mixed step is not measured
         else:
             assert len(prefill.borrowed) == 1 and threads[-1] == 2 and prefill.reclaimed_midway == 0
-            assert not engine.borrow_cut
+            assert not context.borrow_cut
     finally:
         prefill.close()
         decode.close()

@@ -49,7 +49,7 @@ def test_a_chunked_prompt_counts_its_forwards_and_decode_steps_do_not(server):
 
 def test_forwards_on_borrowed_cores_are_counted_apart(server):
     def borrow(on: bool) -> None:
-        server.engine.borrowing = on  # what the engine loop sets from its PinnedCores before each step
+        server.loop.step_context.borrowing = on  # what the engine loop sets from its PinnedCores before each step
 
     server.loop.submit(borrow, True).result(timeout=10)
     try:

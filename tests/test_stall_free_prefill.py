@@ -4,8 +4,8 @@ what its steps cost."""
 import random
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.engine import step_shape
-from engine.step_costs import MIN_CHUNK_TOKENS, StepCosts, stall_free_budget
+from engine.step_context import StepContext
+from engine.step_costs import MIN_CHUNK_TOKENS, StepCosts, stall_free_budget, step_shape
 from tests.hf_reference import hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -21,8 +21,8 @@ def recorded_steps(engine: Engine) -> list[tuple[int, int, int]]:
     """(decodes, prompt tokens, context) of every step the engine's scheduler hands out from now on."""
     steps, schedule = [], engine.scheduler.schedule
 
-    def recording():
-        scheduled = schedule()
+    def recording(token_cap=None):
+        scheduled = schedule(token_cap)
         steps.append(step_shape(scheduled))
         return scheduled
 
@@ -111,18 +111,17 @@ def test_a_forward_on_borrowed_cores_carries_only_what_the_borrow_slice_computes
     steps = recorded_steps(engine)
     long = prompts(engine.runner.vocab_size, (300,), seed=3)[0]
     engine.add_request("long", long, GREEDY)
-    engine.borrowing = True
-    outs = engine.step()  # (its own time then updates the measured speeds)
+    outs = engine.step(StepContext(borrowing=True))  # (its own time then updates the measured speeds)
     assert [prefill for _, prefill, _ in steps] == [128]  # 0.08 s x 1600 tok/s
-    engine.borrowing = False
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert steps[1][1] == 300 - 128  # the rest in one forward on its own core
     assert [t for out in outs for t in out.new_token_ids] == hf_greedy(tiny_llama_dir, long, GREEDY.max_tokens)
     uncapped = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=512))
+    uncapped_steps = recorded_steps(uncapped)
     uncapped.add_request("long", long, GREEDY)
-    uncapped.borrowing = True
-    assert step_shape(uncapped.scheduler.schedule()) == (0, 300, 300)
+    uncapped.step(StepContext(borrowing=True))
+    assert uncapped_steps == [(0, 300, 300)]
 
 
 def test_a_request_with_imported_kv_joins_while_a_prompt_waits_for_prefill_room(tiny_llama_dir):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from worker_runtime.cpu_cores import PinnedCores
 from engine.outputs import RequestOutput
+from engine.step_context import StepContext
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -29,18 +30,18 @@ class EngineStopped(RuntimeError):
     """The worker is shutting down: its engine takes no more commands."""
 
 
-def watch_lenders(engine: Engine, cores: PinnedCores) -> None:
+def watch_lenders(model, cores: PinnedCores, context: StepContext) -> None:
     """Before each decoder layer of a forward on borrowed cores, give back the cores whose owner turned busy
     (`PinnedCores.give_back_reclaimed`): a forward cannot stop halfway, but it can shrink. Such a step ran
-    partly on borrowed cores, so it is measured as neither kind (`Engine.borrow_cut`)."""
+    partly on borrowed cores, so it is measured as neither kind (`StepContext.borrow_cut`)."""
     from engine.layer_progress import decoder_layers  # with the model, not in the control plane
 
     def check(module, args) -> None:
-        if engine.borrowing and cores.give_back_reclaimed():
-            engine.borrowing = False
-            engine.borrow_cut = True
+        if context.borrowing and cores.give_back_reclaimed():
+            context.borrowing = False
+            context.borrow_cut = True
 
-    for layer in decoder_layers(engine.runner.model):
+    for layer in decoder_layers(model):
         layer.register_forward_pre_hook(check)
 
 
@@ -58,8 +59,9 @@ class EngineLoop:
         self.stopped = False
         self.idle = True  # waiting for work, not stepping or running commands
         self.progress_at = time.monotonic()  # when the loop last finished a step or took up work
+        self.step_context = StepContext()  # whether the coming step runs on borrowed cores, told to each step
         if cores is not None and cores.binding.borrow and cores.owned:
-            watch_lenders(engine, cores)
+            watch_lenders(engine.runner.model, cores, self.step_context)
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
@@ -110,9 +112,9 @@ class EngineLoop:
                 continue
             if self.cores is not None:
                 self.cores.busy()
-                self.engine.borrowing = bool(self.cores.borrowed)
+                self.step_context.borrowing, self.step_context.borrow_cut = bool(self.cores.borrowed), False
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(self.step_context)
             except Exception:  # the loop must outlive any one bad step
                 logger.exception("engine step failed")
                 outputs = []

@@ -24,7 +24,7 @@ becomes predictable again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,32 +32,21 @@ import torch
 from engine.reasoning import force_reasoning_end
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model import DraftModelProposer
-from engine.spec_decode.ngram import NgramIndex, NgramProposer
+from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.stats import SpecDecodeStats
-from engine.spec_decode.suffix import SuffixProposer, SuffixTree
+from engine.spec_decode.suffix import SuffixProposer
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from engine.block_manager import BlockManager
+    from engine.config import EngineConfig
     from engine.outputs import RequestOutput
     from engine.request import Request
+    from engine.sampler import Sampler
+    from engine.step_costs import StepCosts
 
-PRIOR_ACCEPTANCE = 0.5
-ACCEPTANCE_ALPHA = 0.1  # weight of one position's outcome in a request's acceptance EWMA
 COST_ALPHA = 0.2
 MAX_THRESHOLD = 0.9  # a request accepting more than this always drafts, which re-measures the token cost
 PRIOR_CONTEXT = 512  # the context whose prefill speed prices a draft token before any is measured
-
-
-@dataclass(slots=True)
-class SpecState:
-    """One request's speculation: its n-gram index (method ngram) or suffix tree (method suffix), measured
-    acceptance, and a guess it did not draft."""
-    index: NgramIndex | SuffixTree | None
-    acceptance: float = PRIOR_ACCEPTANCE
-    shadow: int | None = None
-
-    def observe(self, accepted: bool) -> None:
-        self.acceptance += ACCEPTANCE_ALPHA * (float(accepted) - self.acceptance)
 
 
 def num_drafts(acceptance: float, threshold: float, max_k: int) -> int:
@@ -70,23 +59,27 @@ def num_drafts(acceptance: float, threshold: float, max_k: int) -> int:
     return k
 
 
-def new_spec_state(config: SpeculativeConfig) -> SpecState:
-    if config.method == "ngram":
-        return SpecState(NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max))
-    return SpecState(SuffixTree(config.suffix_decoding_max_tree_depth) if config.method == "suffix" else None)
-
-
 class Speculator:
-    """Drafts, verifies and rolls back on the engine's step loop (Engine.step calls it when it exists)."""
+    """Drafts, verifies and rolls back on the engine's step loop (Engine.step calls it when it exists).
 
-    def __init__(self, config: SpeculativeConfig, engine: Engine):
+    It samples with what the engine hands it: `sample` for the rows that drafted nothing (the engine's
+    plain sampling, forks included), and `sampler` and `append_token` for each position it verifies."""
+
+    def __init__(self, config: SpeculativeConfig, target: EngineConfig, block_manager: BlockManager,
+                 step_costs: StepCosts, sampler: Sampler,
+                 sample: Callable[[list[Request], torch.Tensor], list[RequestOutput]],
+                 append_token: Callable[[Request, int, dict | None], RequestOutput]):
         self.config = config
-        self.engine = engine
+        self.block_manager = block_manager
+        self.step_costs = step_costs
+        self.sampler = sampler
+        self.sample_plain = sample
+        self.append_token = append_token
         self.stats = SpecDecodeStats()
         self.token_cost_s: float | None = None  # measured seconds one more query token adds to a forward
         self.draft_model = config.method == "draft_model"
         if self.draft_model:
-            self.proposer = DraftModelProposer(config, engine.config, engine.block_manager.num_blocks)
+            self.proposer = DraftModelProposer(config, target, block_manager.num_blocks)
         else:
             self.proposer = SuffixProposer(config) if config.method == "suffix" else NgramProposer()
 
@@ -114,7 +107,7 @@ class Speculator:
     def _threshold(self, num_decodes: int) -> float:
         """The acceptance chance a draft position needs to pay: one more query token's cost against the
         time a plain step of this batch spends per token it produces."""
-        costs = self.engine.step_costs
+        costs = self.step_costs
         token_cost = self.token_cost_s
         if token_cost is None:
             token_cost = 1.0 / costs.prefill_speed(PRIOR_CONTEXT)
@@ -130,7 +123,7 @@ class Speculator:
     # ---- after the forward ----------------------------------------------------------------------
 
     def sample(self, sampled: list[Request], logits: torch.Tensor) -> list[RequestOutput]:
-        """Sample the plain rows as Engine._sample does and verify the drafted ones; one output per request."""
+        """Sample the plain rows as a step without drafts does and verify the drafted ones; one output per request."""
         plain, plain_rows, drafted = [], [], []
         row = 0
         for req in sampled:
@@ -144,7 +137,7 @@ class Speculator:
         outputs = []
         if plain:
             plain_logits = logits if len(plain_rows) == len(logits) else logits[plain_rows]
-            outputs = self.engine._sample(plain, force_reasoning_end(plain_logits, plain))
+            outputs = self.sample_plain(plain, force_reasoning_end(plain_logits, plain))
             self._check_shadows(plain)
         outputs += [self._verify(req, rows) for req, rows in drafted]
         if isinstance(self.proposer, SuffixProposer):
@@ -154,14 +147,14 @@ class Speculator:
         return outputs
 
     def _verify(self, req: Request, rows: torch.Tensor) -> RequestOutput:
-        engine, bm = self.engine, self.engine.block_manager
+        bm, sampler, append_token = self.block_manager, self.sampler, self.append_token
         drafts, req.spec_token_ids = req.spec_token_ids, []
         out, num_accepted = None, 0
         for j, row in enumerate(rows):
             req.num_computed_tokens = req.num_tokens  # as a plain step: every token so far has its KV
             bm.cache_full_blocks(req)
-            tokens, logprobs = engine.sampler(row.unsqueeze(0), [req])
-            step_out = engine._append_token(req, tokens[0], logprobs[0])
+            tokens, logprobs = sampler(row.unsqueeze(0), [req])
+            step_out = append_token(req, tokens[0], logprobs[0])
             if out is None:
                 out = step_out
             else:
@@ -191,7 +184,7 @@ class Speculator:
         if prefill > sum(drafted):
             return
         extra = sum(drafted) - len(drafted)
-        plain_s = self.engine.step_costs.decode_time(decodes + len(drafted))
+        plain_s = self.step_costs.decode_time(decodes + len(drafted))
         sample = max(seconds - plain_s, 0.0) / extra
         old = self.token_cost_s
         self.token_cost_s = sample if old is None else old + COST_ALPHA * (sample - old)

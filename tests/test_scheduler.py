@@ -1,0 +1,217 @@
+"""Scheduler: continuous batching under a token budget, with chunked prefill, prefix-cache hits and preemption
+by recompute, on a real BlockManager. `step` plays the engine's part after each schedule: the scheduled
+tokens get their KV, and a request whose every token is computed samples one more."""
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+BLOCK = 4
+SAMPLED = 0  # the token every step "samples"
+
+
+def scheduler(num_blocks: int = 64, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
+              prefix_caching: bool = True) -> Scheduler:
+    config = EngineConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+    return Scheduler(config, BlockManager(num_blocks, BLOCK, prefix_caching))
+
+
+def request(request_id: str, num_prompt_tokens: int, first_token: int = 1, cache_salt: str | None = None) -> Request:
+    prompt = list(range(first_token, first_token + num_prompt_tokens))
+    return Request(request_id, prompt, SamplingParams(temperature=0.0), max_tokens=64, cache_salt=cache_salt)
+
+
+def step(sched: Scheduler, token_cap: int | None = None) -> list[tuple[str, int]]:
+    scheduled = sched.schedule(token_cap)
+    for req, n in scheduled:
+        req.num_computed_tokens += n
+        sched.block_manager.cache_full_blocks(req)
+        if req.num_computed_tokens == req.num_tokens:
+            req.all_token_ids.append(SAMPLED)
+    return [(req.request_id, n) for req, n in scheduled]
+
+
+def test_a_prompt_within_the_budget_runs_whole_then_decodes_a_token_a_step():
+    sched = scheduler()
+    sched.add(request("a", 10))
+    assert step(sched) == [("a", 10)]
+    assert step(sched) == [("a", 1)]
+    assert step(sched) == [("a", 1)]
+
+
+def test_a_prompt_longer_than_the_token_budget_is_prefilled_in_chunks():
+    sched = scheduler(max_num_batched_tokens=8)
+    a = request("a", 20)
+    sched.add(a)
+    assert [step(sched) for _ in range(4)] == [[("a", 8)], [("a", 8)], [("a", 4)], [("a", 1)]]
+    assert a.num_output_tokens == 2  # sampled only once its whole prompt was computed
+
+
+def test_running_requests_get_their_tokens_before_waiting_prompts_are_admitted():
+    sched = scheduler(max_num_batched_tokens=8)
+    sched.add(request("a", 5))
+    sched.add(request("b", 5, first_token=100))
+    assert step(sched) == [("a", 5), ("b", 3)]  # b's first chunk takes what the budget has left
+    sched.add(request("c", 6, first_token=200))
+    assert step(sched) == [("a", 1), ("b", 2), ("c", 5)]
+
+
+def test_max_num_seqs_caps_the_running_requests():
+    sched = scheduler(max_num_seqs=2)
+    for i in range(3):
+        sched.add(request(f"r{i}", 4, first_token=10 * i + 1))
+    assert step(sched) == [("r0", 4), ("r1", 4)]
+    assert [r.request_id for r in sched.waiting] == ["r2"]
+    sched.finish(sched.running[0])
+    assert step(sched) == [("r1", 1), ("r2", 4)]
+
+
+def test_a_cached_prefix_is_not_computed_again():
+    sched = scheduler()
+    first = request("first", 12)
+    sched.add(first)
+    step(sched)
+    sched.finish(first)  # its full blocks stay in the prefix cache
+    again = request("again", 12)
+    sched.add(again)
+    # Two of its three full blocks come from the cache: the last block is left to compute, so that the step
+    # has a token to sample from.
+    assert step(sched) == [("again", 4)]
+    assert again.num_cached_tokens == 8
+
+
+def test_a_prefix_cached_under_another_cache_salt_is_not_reused():
+    sched = scheduler()
+    first = request("first", 12, cache_salt="tenant-a")
+    sched.add(first)
+    step(sched)
+    sched.finish(first)
+    other = request("other", 12, cache_salt="tenant-b")
+    sched.add(other)
+    assert step(sched) == [("other", 12)]
+    assert other.num_cached_tokens == 0
+
+
+def test_without_prefix_caching_every_prompt_is_computed_whole():
+    sched = scheduler(prefix_caching=False)
+    first = request("first", 12)
+    sched.add(first)
+    step(sched)
+    sched.finish(first)
+    sched.add(request("again", 12))
+    assert step(sched) == [("again", 12)]
+
+
+def test_a_request_short_of_a_block_preempts_the_latest_admitted_one():
+    sched = scheduler(num_blocks=6, prefix_caching=False)
+    a, b, c = request("a", 7), request("b", 7, first_token=100), request("c", 7, first_token=200)
+    for req in (a, b, c):
+        sched.add(req)
+    assert step(sched) == [("a", 7), ("b", 7), ("c", 7)]  # 2 blocks each: the pool is full
+    assert step(sched) == [("a", 1), ("b", 1), ("c", 1)]  # the 8th token still fits their second block
+    # The 9th needs a third block: c, admitted last, gives up its two for a and b.
+    assert step(sched) == [("a", 1), ("b", 1)]
+    assert sched.running == [a, b] and list(sched.waiting) == [c]
+    assert (a.num_preemptions, b.num_preemptions, c.num_preemptions, sched.num_preemptions) == (0, 0, 1, 1)
+    assert c.status is RequestStatus.WAITING and c.num_computed_tokens == 0 and not c.block_table
+
+
+def full_pool() -> tuple[Scheduler, Request, Request]:
+    """Two running requests of 8 tokens filling a pool of four blocks: the next step needs a fifth."""
+    sched = scheduler(num_blocks=4, prefix_caching=False)
+    a, b = request("a", 7), request("b", 7, first_token=100)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    step(sched)
+    return sched, a, b
+
+
+def test_a_preempted_request_is_recomputed_with_the_tokens_it_generated():
+    sched, a, b = full_pool()
+    assert step(sched) == [("a", 1)]  # b preempted for a's third block
+    assert b.num_tokens == 9
+    sched.finish(a)
+    assert step(sched) == [("b", 9)]  # its prompt and its two sampled tokens, in one forward
+    assert b.num_output_tokens == 3
+
+
+def test_no_waiting_request_is_admitted_in_a_step_that_preempted():
+    sched, _, _ = full_pool()
+    sched.add(request("small", 1, first_token=200))  # would fit the block a leaves free after this step
+    assert step(sched) == [("a", 1)]
+    assert [r.request_id for r in sched.waiting] == ["b", "small"]
+
+
+def test_a_prefill_budget_caps_prompt_tokens_beside_decodes_by_where_the_chunk_starts():
+    sched = scheduler()
+    calls = []
+    sched.prefill_budget = lambda num_decodes, start: calls.append((num_decodes, start)) or 5
+    sched.add(request("a", 3))
+    step(sched)  # a now decodes
+    sched.add(request("b", 12, first_token=100))
+    assert step(sched) == [("a", 1), ("b", 5)]
+    assert step(sched) == [("a", 1), ("b", 5)]
+    assert calls[-2:] == [(1, 0), (1, 5)]
+
+
+def test_a_token_cap_shrinks_only_the_step_it_is_given_to():
+    sched = scheduler()
+    sched.add(request("a", 20))
+    assert step(sched, token_cap=6) == [("a", 6)]
+    assert step(sched) == [("a", 14)]
+
+
+def test_an_imported_request_decodes_while_a_prompt_waits_for_prefill_room():
+    sched = scheduler()
+    sched.prefill_budget = lambda num_decodes, start: 4
+    sched.add(request("long", 12))
+    step(sched)  # its first chunk: the next one takes the step's prefill room again
+    sched.add(request("prompt", 6, first_token=100))
+    imported = request("imported", 6, first_token=200)
+    assert sched.block_manager.reserve_for_import(imported) is not None
+    imported.num_computed_tokens = imported.num_prompt_tokens  # its prompt KV was pulled
+    imported.all_token_ids.append(SAMPLED)  # and its first token sampled by the prefill worker
+    sched.add(imported)
+    assert step(sched) == [("long", 4), ("imported", 1)]
+    assert [r.request_id for r in sched.waiting] == ["prompt"]
+
+
+def test_forked_requests_join_the_next_step_before_waiting_ones():
+    sched = scheduler()
+    parent = request("parent", 4)
+    sched.add(parent)
+    step(sched)
+    sched.add(request("waiting", 4, first_token=100))
+    child = request("child", 4)
+    child.take_state(parent)
+    sched.block_manager.fork(parent, child)
+    sched.add_forked([child])
+    assert [r.request_id for r in sched.waiting] == ["child", "waiting"]
+    assert step(sched) == [("parent", 1), ("child", 1), ("waiting", 4)]
+
+
+def test_finish_frees_the_blocks_unless_they_are_handed_to_the_caller():
+    sched = scheduler(num_blocks=8)
+    kept, freed = request("kept", 8), request("freed", 8, first_token=100)
+    sched.add(kept)
+    sched.add(freed)
+    step(sched)
+    sched.finish(freed)
+    sched.finish(kept, free_blocks=False)  # a prefill worker leasing them to decode
+    assert not sched.has_unfinished()
+    assert kept.finished and freed.finished and not freed.block_table
+    assert sched.block_manager.num_free_blocks == 8 - len(kept.block_table)
+
+
+def test_a_draft_is_verified_as_one_plus_k_tokens_cut_to_the_budget():
+    sched = scheduler(max_num_batched_tokens=3)
+    a = request("a", 3)
+    sched.add(a)
+    step(sched)
+    a.spec_token_ids = [5, 6, 7]
+    assert sched.schedule() == [(a, 3)]  # the decode token and two of the three drafts
+    assert a.spec_token_ids == [5, 6]
