@@ -31,6 +31,12 @@ async def wait_for_async(predicate, timeout_s: float = 30.0, interval_s: float =
     return predicate()
 
 
+async def wait_off_loop(predicate, timeout_s: float = 60.0, interval_s: float = 0.1) -> bool:
+    """`wait_for` in a thread, for a predicate that blocks (a Ray call, an HTTP request) inside a test's
+    event loop."""
+    return await asyncio.to_thread(wait_for, predicate, timeout_s, interval_s)
+
+
 def token_prompt(n: int, seed: int) -> list[int]:
     """`n` token ids drawn from a seeded generator, clear of the special ids below 3."""
     rng = random.Random(seed)

@@ -13,6 +13,7 @@ from engine import SamplingParams
 from worker_runtime.protocol import GenerateRequest
 from router.placement.dispatch import run_request
 from tests.cluster_load import LoadClient, failures, has_served, in_flight, serve_tandem
+from tests.helpers import wait_for, wait_off_loop
 
 MODEL = "tiny"
 
@@ -45,12 +46,6 @@ def assert_actor_gone(actor):
         ray.get(actor.ping.remote(), timeout=30)
 
 
-async def wait_until(predicate, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(predicate):
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.1)
-
 
 def under_load(app, operations, seed, max_requests=800, interval_s=0.08, max_tokens=(64, 128), max_in_flight=48):
     """Run `operations(client)` while a LoadClient sends a request to the app every `interval_s`; let the
@@ -64,7 +59,7 @@ def under_load(app, operations, seed, max_requests=800, interval_s=0.08, max_tok
     async def main():
         stop = asyncio.Event()
         load = asyncio.create_task(client.run(stop, max_requests, interval_s, max_in_flight))
-        await wait_until(lambda: len(client.outcomes) >= 5)
+        assert await wait_off_loop(lambda: len(client.outcomes) >= 5)
         await operations(client)
         await served_more(client, max_requests)
         stop.set()
@@ -78,7 +73,7 @@ async def served_more(client: LoadClient, max_requests: int, n: int = 5) -> None
     """Wait until `n` more requests of the load (which sends `max_requests` at most) have ended: the cluster
     serves on after a change."""
     target = min(len(client.outcomes) + n, max_requests)
-    await wait_until(lambda: len(client.outcomes) >= target)
+    assert await wait_off_loop(lambda: len(client.outcomes) >= target)
 
 
 def wait_for_membership(controller, predicate, timeout_s: float = 120.0):
@@ -104,7 +99,7 @@ def test_decode_scales_up_then_down_under_load_without_failed_requests(app, cont
     async def operations(client):
         steps["up"] = await controller.scale.remote("decode", 2)
         new = actors(controller, "decode")[steps["up"].added[0]]
-        await wait_until(lambda: has_served(new))  # registered workers take traffic
+        assert await wait_off_loop(lambda: has_served(new))  # registered workers take traffic
         steps["down"] = await asyncio.to_thread(scale_down_watching, controller, "decode", 1, steps)
 
     client = under_load(app, operations, seed=1)
@@ -125,7 +120,7 @@ def test_prefill_scales_up_then_down_under_load_without_failed_requests(app, con
     async def operations(client):
         steps["up"] = await controller.scale.remote("prefill", 2)
         new = actors(controller, "prefill")[steps["up"].added[0]]
-        await wait_until(lambda: has_served(new))
+        assert await wait_off_loop(lambda: has_served(new))
         steps["down"] = await asyncio.to_thread(scale_down_watching, controller, "prefill", 1, steps)
 
     client = under_load(app, operations, seed=2)
@@ -141,7 +136,7 @@ def test_draining_a_busy_worker_mid_load_lets_its_requests_finish(app, controlle
     async def operations(client):
         steps["added"] = (await controller.scale.remote("decode", 2)).added[0]
         steps["actor"] = actors(controller, "decode")[steps["added"]]
-        await wait_until(lambda: in_flight(steps["actor"]) >= 2)
+        assert await wait_off_loop(lambda: in_flight(steps["actor"]) >= 2)
         steps["pool"] = await controller.drain.remote(steps["added"], "test")
 
     before = ray.get(controller.membership.remote()).version
@@ -164,7 +159,7 @@ def test_surviving_workers_hold_no_blocks_once_the_load_is_over(controller):
 
     for w in ray.get(controller.membership.remote()).workers:
         # A prefill lease nobody pulled (its decode worker refused the request) holds blocks until its TTL.
-        asyncio.run(wait_until(lambda: idle(w), timeout_s=60))
+        assert wait_for(lambda: idle(w), timeout_s=60, interval_s=0.1)
 
 
 def test_the_last_decode_worker_cannot_be_drained(controller):

@@ -15,7 +15,8 @@ from cluster.app import shutdown_cluster
 from cluster.config import ClusterConfig
 from cluster.controller import get_controller
 from tests.cluster_load import failures, has_served, serve_tandem
-from tests.test_controller import MODEL, served_more, under_load, wait_until
+from tests.helpers import metric, wait_off_loop
+from tests.test_controller import MODEL, served_more, under_load
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,7 @@ def test_the_controller_killed_under_load_comes_back_with_its_workers_and_scales
     async def operations(client):
         since = time.time()
         os.kill(pid, signal.SIGKILL)
-        await wait_until(lambda: controller_pid(controller) not in (None, pid), timeout_s=180)
+        assert await wait_off_loop(lambda: controller_pid(controller) not in (None, pid), timeout_s=180)
         steps["after"] = await asyncio.to_thread(workers, controller)
         steps["events"] = [(e.action, e.worker_id, e.reason)
                            for e in await controller.scaling_events.remote(since)]
@@ -64,7 +65,7 @@ def test_the_controller_killed_under_load_comes_back_with_its_workers_and_scales
         new = {w.worker_id: w.actor for w in (await controller.membership.remote()).workers}[steps["up"].added[0]]
         # The ingress routes to workers the new controller adds (on a loaded machine the restart and the
         # scale-up take minutes, so the load must run on until then: its bound is the stop, not a count).
-        await wait_until(lambda: has_served(new), timeout_s=180)
+        assert await wait_off_loop(lambda: has_served(new), timeout_s=180)
 
     client = under_load(app, operations, seed=21, max_tokens=(16, 48), max_requests=MAX_REQUESTS)
     assert failures(client.outcomes) == []
@@ -99,8 +100,3 @@ def test_stopping_the_cluster_stops_the_adopted_workers_too(app):
 def named_actors() -> set[str]:
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
 
-
-def metric(url: str, name: str, **labels) -> float:
-    text = requests.get(f"{url}/metrics", timeout=30).text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
