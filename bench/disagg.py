@@ -70,7 +70,7 @@ async def disaggregated_request(request_id: str, prompt: list[int], params: Samp
     start = time.perf_counter()
     stamps, times = [], {}
     async for delta in run_request(GenerateRequest(request_id, prompt, params), decode, prefill):
-        stamps.extend([time.perf_counter()] * len(delta.token_ids))
+        stamps.extend([time.perf_counter()] * len(delta.new_token_ids))
         times = delta.times or times
     pull = times.get("transfer_done", 0.0) - times.get("transfer_started", 0.0)
     return timing(start, stamps) + (pull,)

@@ -402,8 +402,8 @@ class Engine(Forking):
             self.requests.pop(req.request_id, None)
             self.detokenizers.pop(req.request_id, None)
         finished = req.finish_reason is not None
-        return RequestOutput(req.request_id, [token], detok.take_new_text(finished), req.output_token_ids,
-                             detok.text, finished, req.finish_reason, req.stop_reason,
+        return RequestOutput(req.request_id, [token], detok.take_new_text(finished), finished, req.finish_reason,
+                             req.stop_reason,
                              [logprobs] if logprobs is not None else [], req.num_prompt_tokens,
                              req.num_cached_tokens, kv_transfer_params=kv_transfer_params, index=req.index)
 
@@ -431,15 +431,14 @@ class Engine(Forking):
         if req.beam_search is not None:
             ids = output_ids(req)
             self.finish_beams(req.beam_search, "error")
-            return [RequestOutput(rid, [], "", [], "", True, "error", index=i, error=error) for i, rid in enumerate(ids)]
+            return [RequestOutput(rid, [], "", True, "error", index=i, error=error) for i, rid in enumerate(ids)]
         outputs = []
         for cand in (req, *req.pending_forks):
             self.requests.pop(cand.request_id, None)
             self.detokenizers.pop(cand.request_id, None)
             cand.finish_reason = "error"
             self.scheduler.finish(cand)
-            outputs.append(RequestOutput(cand.request_id, [], "", cand.output_token_ids, "", True, "error",
-                                         index=cand.index, error=error))
+            outputs.append(RequestOutput(cand.request_id, [], "", True, "error", index=cand.index, error=error))
         req.pending_forks = []
         return outputs
 
@@ -462,14 +461,16 @@ class Engine(Forking):
         for req in reqs:  # only once every prompt is valid, so a bad one leaves nothing queued
             self.add(req)
         done: dict[str, CompletionOutput] = {}
-        logprobs: dict[str, list[dict]] = {}
+        so_far: dict[str, RequestOutput] = {}  # each request's outputs added up
         while self.has_unfinished_requests():
             for out in self.step():
-                logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
-                if out.finished:
+                whole = so_far.setdefault(out.request_id, out)
+                if whole is not out:
+                    whole.extend(out)
+                if whole.finished:
                     done[out.request_id] = CompletionOutput(
-                        out.request_id, out.token_ids, out.text, out.finish_reason, out.stop_reason,
-                        logprobs.pop(out.request_id, []), out.num_prompt_tokens, out.num_cached_tokens,
+                        out.request_id, whole.new_token_ids, "" if out.error else whole.new_text, out.finish_reason,
+                        out.stop_reason, whole.new_logprobs, out.num_prompt_tokens, out.num_cached_tokens,
                         out.cumulative_logprob)
         results = []
         for group in ids:

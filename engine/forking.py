@@ -124,7 +124,7 @@ class Forking:
         outputs = []
         for i, seq in enumerate(best):
             text = self.tokenizer.decode(seq.tokens, skip_special_tokens=skip)
-            outputs.append(RequestOutput(ids[i], list(seq.tokens), text, list(seq.tokens), text, True,
-                                         seq.finish_reason, None, [], root.num_prompt_tokens, root.num_cached_tokens,
-                                         index=i, cumulative_logprob=seq.cum_logprob))
+            outputs.append(RequestOutput(ids[i], list(seq.tokens), text, True, seq.finish_reason, None, [],
+                                         root.num_prompt_tokens, root.num_cached_tokens, index=i,
+                                         cumulative_logprob=seq.cum_logprob))
         return outputs

@@ -7,14 +7,15 @@ from collections.abc import AsyncIterator
 
 import ray
 
-from worker_runtime.protocol import GenerateRequest, PrefillResult, TokenDelta
+from engine.outputs import RequestOutput
+from worker_runtime.protocol import GenerateRequest, PrefillResult
 from router import feeds
 
 logger = logging.getLogger(__name__)
 
 
 async def run_request(request: GenerateRequest, decode, prefill=None, *,
-                      layerwise: bool = False) -> AsyncIterator[TokenDelta]:
+                      layerwise: bool = False) -> AsyncIterator[RequestOutput]:
     """Yield the request's token deltas. With a prefill worker, its first token is yielded before decode's.
     Closing the iterator (client gone) aborts the request on the decode worker and frees its blocks on both
     workers. Decode's deltas come over this process's feed from that worker (router/feeds.py).

@@ -28,10 +28,11 @@ import ray
 
 from router.metrics import Metrics
 from engine import hashing
-from worker_runtime.protocol import GenerateRequest, TokenDelta
+from engine.outputs import RequestOutput
+from worker_runtime.protocol import GenerateRequest
 from engine.sampling_params import candidate_id, candidate_seed
 from worker_runtime.serving import WorkerDraining
-from worker_runtime.timeline import RequestTimeline
+from engine.timeline import RequestTimeline
 from router.dispatch import run_request
 from router.streams import merge_streams
 from router.latency_report import LatencyReporter
@@ -61,7 +62,7 @@ class RequestRouter:
         # Requests waiting for a prefill slot, in the order they began to: id -> (prefill worker, prompt tokens).
         self.slot_waiters: dict[str, tuple[str, int]] = {}
 
-    async def stream(self, request: GenerateRequest, block_hashes: Sequence[int]) -> AsyncIterator[TokenDelta]:
+    async def stream(self, request: GenerateRequest, block_hashes: Sequence[int]) -> AsyncIterator[RequestOutput]:
         """Yield the request's token deltas (each of its n candidates' under its `index`, all run on one
         decode worker). Closing the iterator aborts it on every worker it runs on.
 
@@ -90,12 +91,12 @@ class RequestRouter:
                 actors = self.view.actor(decode), prefill and self.view.actor(prefill)
                 async with aclosing(run_request(request, *actors, layerwise=self.layerwise)) as deltas:
                     async for delta in deltas:
-                        if delta.token_ids:
+                        if delta.new_token_ids:
                             # A coalesced delta's tokens arrive together: one stamp each, so ITL is
                             # still counted per token and averages to TPOT.
                             now = time.time()
-                            token_times[delta.index].extend([now] * len(delta.token_ids))
-                            streamed[delta.index].extend(delta.token_ids)
+                            token_times[delta.index].extend([now] * len(delta.new_token_ids))
+                            streamed[delta.index].extend(delta.new_token_ids)
                             times.setdefault("first_token", now)
                             times["last_token"] = now
                         # Each worker stamps its own copy of the request; gather the stages here.
@@ -151,7 +152,8 @@ class RequestRouter:
             yield delta
 
     async def _migrate_candidates(self, request: GenerateRequest, block_hashes: Sequence[int],
-                                  streamed: list[list[int]], done: set[int], failed: str) -> AsyncIterator[TokenDelta]:
+                                  streamed: list[list[int]], done: set[int],
+                                  failed: str) -> AsyncIterator[RequestOutput]:
         """Each unfinished candidate of `request` as a request of its own with the tokens it streamed (placed
         and migrated alone from here on), their deltas under the candidates' indexes."""
         params = request.sampling_params
@@ -177,13 +179,13 @@ class RequestRouter:
         return hashing.extend_block_hashes(list(block_hashes), context, self.view.block_size, request.cache_salt)
 
     def _give_up(self, request: GenerateRequest, worker: str, exc: Exception, token_times: list[float],
-                 why: str) -> TokenDelta:
+                 why: str) -> RequestOutput:
         """The last delta of a stream that cannot go on: finish_reason "error", naming the failed worker and
         why the request could not move on."""
         self._observe(worker, request.timeline, token_times, "error")
         error = f"worker {worker} failed mid-stream ({type(exc).__name__}) and the request cannot move on: {why}"
         logger.warning("%s: %s", request.request_id, error)
-        return TokenDelta(request.request_id, [], "", finished=True, finish_reason="error", error=error)
+        return RequestOutput(request.request_id, [], "", finished=True, finish_reason="error", error=error)
 
     async def _route(self, request: GenerateRequest, block_hashes: Sequence[int], excluded: set[str]) -> RouteDecision:
         """Place the request. While the prefill queue is full and the remote path still meets the TTFT SLO,

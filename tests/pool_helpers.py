@@ -15,7 +15,7 @@ def only(pool):
 async def collect(request, decode, prefill=None, layerwise=False):
     """(all token ids, the deltas) of one request."""
     deltas = [d async for d in run_request(request, decode, prefill, layerwise=layerwise)]
-    return [t for d in deltas for t in d.token_ids], deltas
+    return [t for d in deltas for t in d.new_token_ids], deltas
 
 
 def run_all(reqs, decode, prefill=None, layerwise=False):

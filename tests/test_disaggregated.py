@@ -91,8 +91,8 @@ def test_first_token_arrives_while_decode_is_still_running(pools):
         return first, first_received, rest
 
     first, first_received, rest = asyncio.run(main())
-    assert len(first.token_ids) == 1 and not first.finished
-    assert rest[-1].finished and sum(len(d.token_ids) for d in rest) == 199
+    assert len(first.new_token_ids) == 1 and not first.finished
+    assert rest[-1].finished and sum(len(d.new_token_ids) for d in rest) == 199
     assert first_received < rest[-1].times["finished"]
     assert len(rest) > 10  # tokens arrive as they are made, not in one piece
 
@@ -105,7 +105,7 @@ def test_abort_mid_stream_returns_blocks_to_baseline_on_both_workers(pools):
         stream = run_request(GenerateRequest("abort-1", prompts(1, seed=2)[0], params), decode, prefill)
         got = 0
         async for delta in stream:
-            got += len(delta.token_ids)
+            got += len(delta.new_token_ids)
             if got >= 5:
                 break
         await stream.aclose()
@@ -178,7 +178,7 @@ def run_with_handle(prefill, decode, request: GenerateRequest, edit) -> list[int
         result = await prefill.prefill.remote(request)
         try:
             result.kv_handle = await edit(result.kv_handle)
-            tokens = list(result.first.token_ids)
+            tokens = list(result.first.new_token_ids)
             async for ref in decode.generate.options(num_returns="streaming").remote(request, result):
                 tokens += (await ref).token_ids
             return tokens

@@ -76,7 +76,7 @@ def test_closing_a_fed_stream_aborts_the_request_and_frees_its_blocks(decode):
         stream = run_request(GenerateRequest("fed-abort", prompt(3), long), decode)
         got = 0
         async for delta in stream:
-            got += len(delta.token_ids)
+            got += len(delta.new_token_ids)
             if got >= 3:
                 break
         await stream.aclose()
@@ -138,7 +138,7 @@ def test_a_cancelled_call_that_opened_the_feed_leaves_the_other_requests_on_it_r
             self.decode = decode
 
         async def tokens(self, request: GenerateRequest) -> list[int]:
-            return [t async for delta in run_request(request, self.decode) for t in delta.token_ids]
+            return [t async for delta in run_request(request, self.decode) for t in delta.new_token_ids]
 
     replica = Replica.remote(decode)
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)

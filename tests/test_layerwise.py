@@ -158,7 +158,7 @@ def test_abort_mid_stream_frees_blocks_and_leases_on_both_workers(layerwise):
                              only(layerwise.prefill), layerwise=True)
         got = 0
         async for delta in stream:
-            got += len(delta.token_ids)
+            got += len(delta.new_token_ids)
             if got >= 5:
                 break
         await stream.aclose()
