@@ -180,7 +180,7 @@ def run_with_handle(prefill, decode, request: GenerateRequest, edit) -> list[int
             result.kv_handle = await edit(result.kv_handle)
             tokens = list(result.first.new_token_ids)
             async for ref in decode.generate.options(num_returns="streaming").remote(request, result):
-                tokens += (await ref).token_ids
+                tokens += (await ref).new_token_ids
             return tokens
         finally:
             await prefill.release.remote(request.request_id)

@@ -35,7 +35,7 @@ def own_stream(decode, request: GenerateRequest) -> list[int]:
     """The request's tokens over a Ray stream of its own (DecodeWorker.generate)."""
     async def main():
         gen = decode.generate.options(num_returns="streaming").remote(request)
-        return [t async for ref in gen for t in (await ref).token_ids]
+        return [t async for ref in gen for t in (await ref).new_token_ids]
     return asyncio.run(main())
 
 
