@@ -73,7 +73,7 @@ async def disaggregated_request(request_id: str, prompt: list[int], params: Samp
     request = GenerateRequest(request_id, prompt, params)
     request.dispatch = dispatch_path(request, True, layerwise)
     async for delta in run_request(request, decode, prefill):
-        stamps.extend([time.perf_counter()] * len(delta.token_ids))
+        stamps.extend([time.perf_counter()] * len(delta.new_token_ids))
         times = delta.times or times
     pull = times.get("transfer_done", 0.0) - times.get("transfer_started", 0.0)
     return timing(start, stamps) + (pull,)

@@ -63,7 +63,7 @@ async def one(name: str, prompt: list[int], decode, prefill, layerwise: bool) ->
     request = GenerateRequest(name, prompt, params)
     request.dispatch = dispatch_path(request, True, layerwise)
     async for delta in run_request(request, decode, prefill):
-        stamps.extend([time.perf_counter() - start] * len(delta.token_ids))
+        stamps.extend([time.perf_counter() - start] * len(delta.new_token_ids))
         if "prefill_done" in delta.times:
             prefill_s = delta.times["prefill_done"] - delta.times["prefill_queued"]
     return stamps[0], stamps[1], prefill_s

@@ -158,7 +158,7 @@ def format_summary(summary: dict, title: str) -> str:
     return "\n".join(lines)
 
 
-# tandem's stages up to the first token, in order (worker_runtime/timeline.py STAGES).
+# tandem's stages up to the first token, in order (engine/timeline.py STAGES).
 TTFT_STAGES = ("arrival", "validated", "tokenized", "routed", "prefill_queued", "prefill_started", "prefill_done",
                "transfer_started", "transfer_done", "decode_admitted", "decode_started", "first_token")
 

@@ -21,7 +21,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from worker_runtime import tracing  # noqa: E402
-from worker_runtime.timeline import RequestTimeline  # noqa: E402
+from engine.timeline import RequestTimeline  # noqa: E402
 from bench.otlp_collector import OTLPCollector  # noqa: E402
 
 WORKER_STAGES = {"prefill": ("prefill_queued", "prefill_started", "prefill_done"),

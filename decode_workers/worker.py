@@ -50,7 +50,7 @@ class DecodeWorker(FeedServer, EngineServer):
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult | None = None,
                        pending: list | None = None):
-        """Yield TokenDelta items until the request finishes; cancel the stream to abort it.
+        """Yield RequestOutput items until the request finishes; cancel the stream to abort it.
 
         On the REMOTE dispatch path `pending` (a list holding the ObjectRef of the prefill worker's
         PrefillResult, so that Ray hands it over unresolved) comes instead of `prefill`: the prompt's blocks
@@ -79,7 +79,7 @@ class DecodeWorker(FeedServer, EngineServer):
             add = self.engine.add
             if prefill is not None and prefill.kv_handle is not None:
                 if prefill.first is not None:
-                    engine_req.all_token_ids.extend(prefill.first.token_ids)
+                    engine_req.all_token_ids.extend(prefill.first.new_token_ids)
                 add = await self._import(engine_req, prefill, request, reserved)
                 if add is None:
                     return
@@ -90,7 +90,7 @@ class DecodeWorker(FeedServer, EngineServer):
             if local:
                 request.stamp("prefill_queued")
             async for out in self.stream(request, engine_req, add, "prefill_started" if local else "decode_started"):
-                yield self.to_delta(out, request)
+                yield self.outgoing(out, request)
             timeline = request.timeline
             emit_spans(timeline, ("queue", "decode") if local else ("transfer", "decode_admission", "decode"),
                        {"decode": {"tandem.worker": self.worker_id},
@@ -184,7 +184,7 @@ class DecodeWorker(FeedServer, EngineServer):
         first = await prefill.first_ref[0]
         if first.finished:
             return False
-        req.all_token_ids.extend(first.token_ids)
+        req.all_token_ids.extend(first.new_token_ids)
         return True
 
     async def _abandon(self, pull: asyncio.Future, req: Request, handle: KVHandle) -> None:

@@ -86,9 +86,8 @@ class OutputProcessor:
             self.requests.pop(req.request_id, None)
             self.detokenizers.pop(req.request_id, None)
         finished = req.finish_reason is not None
-        return RequestOutput(req.request_id, [token], detok.take_new_text(finished), req.output_token_ids,
-                             detok.text, finished, req.finish_reason, req.stop_reason,
-                             [logprobs] if logprobs is not None else [], req.num_prompt_tokens,
+        return RequestOutput(req.request_id, [token], detok.take_new_text(finished), finished, req.finish_reason,
+                             req.stop_reason, [logprobs] if logprobs is not None else [], req.num_prompt_tokens,
                              req.num_cached_tokens, kv_transfer_params=kv_transfer_params, index=req.index)
 
     def _check_finish(self, req: Request, token: int, stop_string: str | None) -> None:
@@ -138,7 +137,7 @@ class OutputProcessor:
         for rid in ids:
             self.requests.pop(rid, None)
         if error is not None:
-            return [RequestOutput(rid, [], "", [], "", True, "error", index=i, error=error_text(error))
+            return [RequestOutput(rid, [], "", True, "error", index=i, error=error_text(error))
                     for i, rid in enumerate(ids)]
         if root is None:
             return []
@@ -146,9 +145,9 @@ class OutputProcessor:
         outputs = []
         for i, seq in enumerate(best):
             text = self.tokenizer.decode(seq.tokens, skip_special_tokens=skip)
-            outputs.append(RequestOutput(ids[i], list(seq.tokens), text, list(seq.tokens), text, True,
-                                         seq.finish_reason, None, [], root.num_prompt_tokens, root.num_cached_tokens,
-                                         index=i, cumulative_logprob=seq.cum_logprob))
+            outputs.append(RequestOutput(ids[i], list(seq.tokens), text, True, seq.finish_reason, None, [],
+                                         root.num_prompt_tokens, root.num_cached_tokens, index=i,
+                                         cumulative_logprob=seq.cum_logprob))
         return outputs
 
 
@@ -163,15 +162,18 @@ class CompletionCollector:
     def __init__(self, groups: list[list[str]]):
         self.groups = groups
         self.done: dict[str, CompletionOutput] = {}
-        self.logprobs: dict[str, list[dict]] = {}
+        self.so_far: dict[str, RequestOutput] = {}  # each request's outputs added up
 
     def add(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            self.logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
-            if out.finished:
+            whole = self.so_far.setdefault(out.request_id, out)
+            if whole is not out:
+                whole.extend(out)
+            if whole.finished:
+                del self.so_far[out.request_id]
                 self.done[out.request_id] = CompletionOutput(
-                    out.request_id, out.token_ids, out.text, out.finish_reason, out.stop_reason,
-                    self.logprobs.pop(out.request_id, []), out.num_prompt_tokens, out.num_cached_tokens,
+                    out.request_id, whole.new_token_ids, "" if out.error else whole.new_text, out.finish_reason,
+                    out.stop_reason, whole.new_logprobs, out.num_prompt_tokens, out.num_cached_tokens,
                     out.cumulative_logprob)
 
     def results(self) -> list[CompletionOutput]:

@@ -16,7 +16,8 @@ import ray
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult, TokenDelta
+from engine.outputs import RequestOutput
+from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult
 from engine.request import Request
 from worker_runtime.request_log import set_request_id
 from worker_runtime.serving import EngineServer, WorkerDraining
@@ -83,7 +84,7 @@ class PrefillWorker(EngineServer):
         params = req.candidate_params(0) if req.num_outputs > 1 else req.sampling_params
         return self.engine.make_request(req.request_id, req.prompt_token_ids, params, req.cache_salt)
 
-    async def first_token(self, request_id: str) -> TokenDelta:
+    async def first_token(self, request_id: str) -> RequestOutput:
         """Layer-wise: the first token of a request whose `prefill` returned before it was sampled."""
         task = self.first_tokens.get(request_id)
         if task is None:
@@ -147,7 +148,7 @@ class PrefillWorker(EngineServer):
         return PrefillResult(None, leased.result())
 
     async def _run_to_first_token(self, request: GenerateRequest, engine_req: Request,
-                                  leased: asyncio.Future | None = None) -> tuple[TokenDelta, KVHandle | None]:
+                                  leased: asyncio.Future | None = None) -> tuple[RequestOutput, KVHandle | None]:
         """Run the prompt to its first token. The lease is `leased`'s when one was taken early (layer-wise),
         else a new one; None when the request finished on its first token."""
         rid = request.request_id
@@ -177,7 +178,7 @@ class PrefillWorker(EngineServer):
             self.loop.submit(self.engine.block_manager.free, engine_req)
         elif params is not None:
             handle = self._lease(engine_req, params["block_ids"])
-        first = self.to_delta(last, request)
+        first = self.outgoing(last, request)
         first.timeline = request.timeline.copy()
         return first, handle
 
@@ -230,8 +231,8 @@ def _resolve(future: asyncio.Future, handle: KVHandle | None) -> None:
         future.set_result(handle)
 
 
-def _aborted(request_id: str) -> TokenDelta:
-    return TokenDelta(request_id, [], "", finished=True, finish_reason="abort")
+def _aborted(request_id: str) -> RequestOutput:
+    return RequestOutput(request_id, [], "", finished=True, finish_reason="abort")
 
 
 def node_kv_addresses(transfer: TransferConfig) -> KVAddresses:

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from worker_runtime.membership import ScalingReport
 from worker_runtime.protocol import WorkerStats
-from worker_runtime.timeline import RequestTimeline
+from engine.timeline import RequestTimeline
 from router.trace_store import TraceStore
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -31,7 +31,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                0.4, 0.5, 0.75, 1.0, 2.5)
 
-# Where each phase of worker_runtime/timeline.py runs: the ingress, the worker that computes the prompt, or decode.
+# Where each phase of engine/timeline.py runs: the ingress, the worker that computes the prompt, or decode.
 STAGE_POOLS = {"validation": "ingress", "tokenization": "ingress", "routing": "ingress", "queue": "prompt",
                "prefill": "prompt", "transfer": "decode", "decode_admission": "decode", "decode": "decode"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from worker_runtime.timeline import RequestTimeline
+from engine.timeline import RequestTimeline
 
 
 def timeline_body(request_id: str, timelines: list[RequestTimeline]) -> dict:

@@ -24,14 +24,14 @@ def placed(request, remote, layerwise=False):
 async def collect(request, decode, prefill=None, layerwise=False):
     """(all token ids, the deltas) of one request."""
     deltas = [d async for d in run_request(placed(request, prefill is not None, layerwise), decode, prefill)]
-    return [t for d in deltas for t in d.token_ids], deltas
+    return [t for d in deltas for t in d.new_token_ids], deltas
 
 
 async def close_after(stream, num_tokens: int) -> None:
     """Read a request's deltas until `num_tokens` tokens came, then close the stream (the client goes away)."""
     got = 0
     async for delta in stream:
-        got += len(delta.token_ids)
+        got += len(delta.new_token_ids)
         if got >= num_tokens:
             break
     await stream.aclose()

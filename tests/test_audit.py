@@ -108,7 +108,8 @@ def test_sampling_params_come_back_whole_from_a_record():
 def finished_record(tmp_path, error: BaseException | None, finish_reason: str | None) -> dict:
     """The record AuditEntry writes for one candidate that got two tokens and then `finish_reason` (None: it
     never finished) with `error` ending the request."""
-    from worker_runtime.protocol import GenerateRequest, TokenDelta
+    from engine.outputs import RequestOutput
+    from worker_runtime.protocol import GenerateRequest
     from router.api.audit import Audit, AuditConfig
     from router.api.openai_api import CompletionRequest
     from router.api.openai_responses import Choice
@@ -118,9 +119,9 @@ def finished_record(tmp_path, error: BaseException | None, finish_reason: str | 
     sink, _ = writer(f"file:{path}")
     params = SamplingParams(seed=9, max_tokens=8)
     choice = Choice(0, 0)
-    choice.add(TokenDelta("r-0", [5, 6], "ab"))
+    choice.add(RequestOutput("r-0", [5, 6], "ab"))
     if finish_reason is not None:
-        choice.add(TokenDelta("r-0", [], "", finished=True, finish_reason=finish_reason, error="worker gone"))
+        choice.add(RequestOutput("r-0", [], "", finished=True, finish_reason=finish_reason, error="worker gone"))
     candidates = [Candidates([choice], GenerateRequest("r-0", [1, 2, 3], params), [])]
     entry = Audit(AuditConfig(sink=f"file:{path}"), "m", "sha256:x", sink).entry(
         "req-1", "cmpl-1", "tenant-a", "completions", CompletionRequest(model="m", prompt="abc"), ["abc"], {})

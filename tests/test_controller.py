@@ -200,4 +200,4 @@ def test_a_worker_that_dies_for_good_is_replaced_by_a_new_one(controller):
         request = GenerateRequest("after-replacement", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4))
         return [d async for d in run_request(request, actor)]
 
-    assert sum(len(d.token_ids) for d in asyncio.run(one())) == 4
+    assert sum(len(d.new_token_ids) for d in asyncio.run(one())) == 4

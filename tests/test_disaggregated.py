@@ -93,8 +93,8 @@ def test_first_token_arrives_while_decode_is_still_running(pools):
         return first, first_received, rest
 
     first, first_received, rest = asyncio.run(main())
-    assert len(first.token_ids) == 1 and not first.finished
-    assert rest[-1].finished and sum(len(d.token_ids) for d in rest) == 199
+    assert len(first.new_token_ids) == 1 and not first.finished
+    assert rest[-1].finished and sum(len(d.new_token_ids) for d in rest) == 199
     assert first_received < rest[-1].times["finished"]
     assert len(rest) > 10  # tokens arrive as they are made, not in one piece
 
@@ -175,9 +175,9 @@ def run_with_handle(prefill, decode, request: GenerateRequest, edit) -> list[int
         result = await prefill.prefill.remote(request)
         try:
             result.kv_handle = await edit(result.kv_handle)
-            tokens = list(result.first.token_ids)
+            tokens = list(result.first.new_token_ids)
             async for ref in decode.generate.options(num_returns="streaming").remote(request, result):
-                tokens += (await ref).token_ids
+                tokens += (await ref).new_token_ids
             return tokens
         finally:
             await prefill.release.remote(request.request_id)

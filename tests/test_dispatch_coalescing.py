@@ -49,9 +49,9 @@ def check_adds_up(decode, params: SamplingParams) -> list:
     """Read the same request promptly and slowly; the slow reader's deltas add up to the prompt one's."""
     tokens, prompt_deltas = asyncio.run(collect(GenerateRequest("prompt-reader", PROMPT, params), decode))
     slow = read_slowly(decode, GenerateRequest("slow-reader", PROMPT, params))
-    assert sum((d.token_ids for d in slow), []) == tokens
-    assert "".join(d.text for d in slow) == "".join(d.text for d in prompt_deltas)
-    assert sum((d.logprobs for d in slow), []) == sum((d.logprobs for d in prompt_deltas), [])
+    assert sum((d.new_token_ids for d in slow), []) == tokens
+    assert "".join(d.new_text for d in slow) == "".join(d.new_text for d in prompt_deltas)
+    assert sum((d.new_logprobs for d in slow), []) == sum((d.new_logprobs for d in prompt_deltas), [])
     assert (slow[-1].finish_reason, slow[-1].stop_reason) == (prompt_deltas[-1].finish_reason,
                                                               prompt_deltas[-1].stop_reason)
     assert slow[-1].finished and "finished" in slow[-1].times
@@ -66,10 +66,10 @@ def test_deltas_a_slow_consumer_missed_come_as_one_with_their_logprobs(decode):
 def test_a_stop_string_in_coalesced_deltas_still_ends_the_text_before_it(decode):
     _, deltas = asyncio.run(collect(GenerateRequest("no-stop", PROMPT, SamplingParams(
         temperature=0.0, max_tokens=24, ignore_eos=True)), decode))
-    text = "".join(d.text for d in deltas)
+    text = "".join(d.new_text for d in deltas)
     stop = text[len(text) // 2:len(text) // 2 + 3]
     slow = check_adds_up(decode, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))
-    assert slow[-1].finish_reason == "stop" and stop not in "".join(d.text for d in slow)
+    assert slow[-1].finish_reason == "stop" and stop not in "".join(d.new_text for d in slow)
 
 
 def test_itl_is_still_counted_per_token_when_deltas_coalesce(decode):

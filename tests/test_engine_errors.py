@@ -112,9 +112,11 @@ def test_a_finished_request_id_can_be_used_again(tiny_engine):
     expected = tiny_engine.generate(["Hello"], GREEDY)[0].token_ids
     for _ in range(2):
         tiny_engine.add_request("again", "Hello", GREEDY)
-        finished = []
+        tokens, finished = [], []
         while tiny_engine.has_unfinished_requests():
-            finished += [(o.request_id, o.token_ids, o.error) for o in tiny_engine.step() if o.finished]
+            for o in tiny_engine.step():
+                tokens += o.new_token_ids
+                finished += [(o.request_id, tokens, o.error)] if o.finished else []
         assert finished == [("again", expected, None)]
         assert "again" not in tiny_engine.requests
 
@@ -124,15 +126,16 @@ def test_running_requests_finish_normally_after_bad_ones_are_refused(tiny_engine
     expected = [o.token_ids for o in tiny_engine.generate(prompts, GREEDY)]
     for i, prompt in enumerate(prompts):
         tiny_engine.add_request(f"good-{i}", prompt, GREEDY)
-    tiny_engine.step()
+    first = tiny_engine.step()
     for bad in ([], [5] * 600, [49152]):
         rejected(tiny_engine, bad)
     with pytest.raises(InvalidRequestError):
         tiny_engine.add_request("bad", "Hi", SamplingParams(temperature=-1.0))
     got: dict[str, list[int]] = {}
+    for out in first:
+        got.setdefault(out.request_id, []).extend(out.new_token_ids)
     while tiny_engine.has_unfinished_requests():
         for out in tiny_engine.step():
             assert out.error is None
-            if out.finished:
-                got[out.request_id] = out.token_ids
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert [got["good-0"], got["good-1"]] == expected

@@ -36,7 +36,7 @@ def own_stream(decode, request: GenerateRequest) -> list[int]:
     """The request's tokens over a Ray stream of its own (DecodeWorker.generate)."""
     async def main():
         gen = decode.generate.options(num_returns="streaming").remote(request)
-        return [t async for ref in gen for t in (await ref).token_ids]
+        return [t async for ref in gen for t in (await ref).new_token_ids]
     return asyncio.run(main())
 
 
@@ -133,7 +133,7 @@ def test_a_cancelled_call_that_opened_the_feed_leaves_the_other_requests_on_it_r
             self.decode = decode
 
         async def tokens(self, request: GenerateRequest) -> list[int]:
-            return [t async for delta in run_request(request, self.decode) for t in delta.token_ids]
+            return [t async for delta in run_request(request, self.decode) for t in delta.new_token_ids]
 
     replica = Replica.remote(decode)
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)

@@ -28,7 +28,7 @@ def serve(server: EngineServer, request_id: str, num_prompt_tokens: int):
         rng = random.Random(request_id)  # no two tests share a prompt (nor a cached prefix)
         request = GenerateRequest(request_id, [rng.randrange(3, 200) for _ in range(num_prompt_tokens)], PARAMS)
         engine_req = server.build_request(request)
-        deltas = [delta async for delta in (server.to_delta(out, request)
+        deltas = [delta async for delta in (server.outgoing(out, request)
                                             async for out in server.stream(request, engine_req))]
         return engine_req, deltas
 
@@ -37,7 +37,7 @@ def serve(server: EngineServer, request_id: str, num_prompt_tokens: int):
 
 def test_a_chunked_prompt_counts_its_forwards_and_decode_steps_do_not(server):
     req, deltas = serve(server, "chunked", 40)
-    assert sum(len(d.token_ids) for d in deltas) == PARAMS.max_tokens  # six tokens: five decode steps after
+    assert sum(len(d.new_token_ids) for d in deltas) == PARAMS.max_tokens  # six tokens: five decode steps after
     assert (req.times.prefill_steps, req.times.prefill_borrowed_steps) == (3, 0)
     timeline = deltas[-1].timeline
     assert (timeline.prefill_steps, timeline.prefill_borrowed_steps) == (3, 0)

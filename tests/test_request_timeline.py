@@ -6,7 +6,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from worker_runtime import tracing
 from worker_runtime.request_log import install_request_log_records, set_request_id
-from worker_runtime.timeline import RequestTimeline
+from engine.timeline import RequestTimeline
 from router.trace_store import TraceStore
 
 

@@ -54,13 +54,17 @@ def test_mixed_batch_of_speculating_plain_and_prefilling_requests_matches(plain,
     expected = token_ids(plain.generate(PROMPTS, params))
     for i in range(2):
         spec.add_request(f"r{i}", PROMPTS[i], params[i])
+    done: dict[str, list[int]] = {}
+
+    def step():
+        for out in spec.step():
+            done.setdefault(out.request_id, []).extend(out.new_token_ids)
     for _ in range(6):
-        spec.step()
+        step()
     for i in range(2, 4):
         spec.add_request(f"r{i}", PROMPTS[i], params[i])
-    done = {}
     while spec.has_unfinished_requests():
-        done.update((out.request_id, out.token_ids) for out in spec.step() if out.finished)
+        step()
     assert [done[f"r{i}"] for i in range(4)] == expected
     assert spec.speculator.stats.num_accepted_tokens > 0
 

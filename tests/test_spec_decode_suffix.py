@@ -40,10 +40,12 @@ def accepted_for(engine: Engine, prompt: list[int], cache_salt: str | None = Non
     """One greedy request's output and the draft tokens accepted for it."""
     before = engine.speculator.stats.num_accepted_tokens
     engine.add_request(f"r{engine.num_generation_tokens}", prompt, GREEDY, cache_salt)
+    tokens = []
     while engine.has_unfinished_requests():
         for out in engine.step():
+            tokens += out.new_token_ids
             if out.finished:
-                return out.token_ids, engine.speculator.stats.num_accepted_tokens - before
+                return tokens, engine.speculator.stats.num_accepted_tokens - before
     raise AssertionError("the request did not finish")
 
 

@@ -67,7 +67,6 @@ def test_a_consumer_that_fell_behind_gets_the_rest_in_one_item_equal_to_token_by
     assert "".join(o.new_text for o in outputs) == text
     assert sum((o.new_logprobs for o in outputs), []) == logprobs
     assert outputs[-1].finished and outputs[-1].finish_reason == reason == "length"
-    assert outputs[-1].token_ids == ids and outputs[-1].text == text
 
 
 def test_a_stop_string_inside_coalesced_tokens_still_ends_the_text_before_it(server):

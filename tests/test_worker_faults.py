@@ -333,6 +333,6 @@ def test_without_a_decode_worker_coming_back_a_stream_ends_with_an_error_at_the_
     deltas = asyncio.run(run())
     assert deltas[-1].finished and deltas[-1].finish_reason == "error"
     assert "no decode worker became available within 2 s" in deltas[-1].error
-    assert 0 < sum(len(d.token_ids) for d in deltas) < 300
+    assert 0 < sum(len(d.new_token_ids) for d in deltas) < 300
     assert metrics.registry.get_sample_value("tandem:decode_worker_waits_total",
                                              {"stage": "migration", "outcome": "timeout"}) == 1

@@ -44,6 +44,6 @@ def test_killed_decode_worker_is_restarted_and_serves_again(ray_cluster, tiny_ll
             return [d async for d in run_request(request, info.actor)]
 
         deltas = asyncio.run(one())
-        assert deltas[-1].finished and sum(len(d.token_ids) for d in deltas) == 4
+        assert deltas[-1].finished and sum(len(d.new_token_ids) for d in deltas) == 4
     finally:
         pools.shutdown()

@@ -1,14 +1,16 @@
-"""What crosses actor boundaries: the request created once at the ingress, and what workers return; and the
-load record the router derives from a worker's reported stats."""
+"""What crosses actor boundaries: the request created once at the ingress, and what workers return (a
+request's stream is the engine's own RequestOutput records, engine/outputs.py); and the load record the
+router derives from a worker's reported stats."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.step_costs import PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, StepCosts
-from worker_runtime.timeline import RequestTimeline
+from engine.timeline import RequestTimeline
 
 
 class DispatchPath(str, Enum):
@@ -78,42 +80,9 @@ class GenerateRequest:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
-# The last item of a request on a decode worker's feed (DecodeWorker.open_feed, router/placement/feeds.py) when it is
-# not a delta: the request ended, or failed (its error is fetched with DecodeWorker.feed_error).
+# The last item of a request on a decode worker's feed (DecodeWorker.open_feed, router/placement/feeds.py) when
+# it is not an output: the request ended, or failed (its error is fetched with DecodeWorker.feed_error).
 FEED_END, FEED_FAILED = "end", "failed"
-
-
-@dataclass(slots=True)
-class TokenDelta:
-    """One step of a request's stream."""
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[dict] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None
-    # The worker's copy of the request's timeline, on a prefill worker's first token and on the last delta.
-    timeline: RequestTimeline | None = None
-    index: int = 0  # which of the request's n candidates it belongs to
-
-    @property
-    def times(self) -> dict[str, float]:
-        return self.timeline.times if self.timeline is not None else {}
-
-    def extend(self, later: TokenDelta) -> None:
-        """Fold in the same request's next delta (one SSE chunk may carry several tokens): tokens, text
-        and logprobs add up, the rest is the later one's."""
-        self.token_ids = self.token_ids + later.token_ids
-        self.text += later.text
-        self.logprobs = self.logprobs + later.logprobs
-        self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
-        self.num_prompt_tokens = later.num_prompt_tokens or self.num_prompt_tokens
-        self.num_cached_tokens, self.error = later.num_cached_tokens, later.error
-        self.timeline = later.timeline or self.timeline
 
 
 @dataclass(slots=True)
@@ -123,7 +92,7 @@ class PrefillResult:
     Layer-wise, it comes back while the KV is still being written and before the first token exists:
     `first` is None, and the router puts the ObjectRef of the token into `first_ref` (a list, so that Ray
     hands it to the decode worker unresolved)."""
-    first: TokenDelta | None
+    first: RequestOutput | None
     kv_handle: object | None
     first_ref: list = field(default_factory=list)
 

@@ -17,7 +17,7 @@ from worker_runtime.engine_loop import EngineLoop
 from engine.errors import WorkerStalled
 from engine.kv_events import KVEventLog
 from engine.outputs import RequestOutput
-from worker_runtime.protocol import GenerateRequest, KVEventsReply, TokenDelta, WorkerStats
+from worker_runtime.protocol import GenerateRequest, KVEventsReply, WorkerStats
 from engine.request import Request, output_ids
 from worker_runtime.request_log import install_request_log_records
 from worker_runtime.tracing import configure_worker_tracing
@@ -103,12 +103,12 @@ class EngineServer:
                 self.loop.submit(self.engine.abort, rid)
 
     @staticmethod
-    def to_delta(out: RequestOutput, request: GenerateRequest) -> TokenDelta:
+    def outgoing(out: RequestOutput, request: GenerateRequest) -> RequestOutput:
+        """`out` as the router gets it: the last one carries a copy of the request's timeline."""
         if out.finished:
             request.stamp("finished")
-        return TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
-                          out.stop_reason, out.new_logprobs, out.num_prompt_tokens, out.num_cached_tokens,
-                          out.error, request.timeline.copy() if out.finished else None, out.index)
+            out.timeline = request.timeline.copy()
+        return out
 
     # ---- what the router and operators read ---------------------------------------------------
 

@@ -1,7 +1,7 @@
 """OpenTelemetry spans of a request, one trace across the processes it crosses.
 
 The ingress opens the request's span at arrival and puts its W3C `traceparent` into the request's
-timeline (worker_runtime/timeline.py), which travels to every worker in the GenerateRequest. Each process makes
+timeline (engine/timeline.py), which travels to every worker in the GenerateRequest. Each process makes
 its spans from the timeline's stamps once its part is done, with the stamps as start and end times: the
 ingress its validation, tokenization and routing, a prefill worker its queue and compute, a decode worker
 its KV transfer and decode. Spans go to an OTLP/HTTP collector, in batches, only when an endpoint is
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
-from worker_runtime.timeline import RequestTimeline
+from engine.timeline import RequestTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +104,12 @@ def end_request_span(span, timelines: list[RequestTimeline], error: str | None =
 
 
 def emit_spans(timeline: RequestTimeline, phases: tuple[str, ...], attributes: dict[str, dict] | None = None) -> None:
-    """Spans of the named phases (worker_runtime/timeline.py PHASES) the request passed, children of its ingress
+    """Spans of the named phases (engine/timeline.py PHASES) the request passed, children of its ingress
     span, with `attributes[phase]` on each (beside the request id); nothing when tracing is off here or the
     request carries no trace context."""
     if _tracer is None or not timeline.traceparent:
         return
-    from worker_runtime.timeline import PHASES
+    from engine.timeline import PHASES
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
     parent = TraceContextTextMapPropagator().extract({"traceparent": timeline.traceparent})
     attributes = attributes or {}

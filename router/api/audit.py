@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from worker_runtime.timeline import STAGES
+from engine.timeline import STAGES
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def sampling_from_record(record: dict) -> SamplingParams:
 
 
 def request_timings(requests: list) -> dict:
-    """The request's stage times (epoch seconds, worker_runtime.timeline.STAGES) from the timelines of its
+    """The request's stage times (epoch seconds, engine.timeline.STAGES) from the timelines of its
     GenerateRequests (one per prompt, or per candidate run alone): the earliest of each stage, the latest
     last token and finish."""
     times: dict[str, float] = {}

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from worker_runtime.protocol import TokenDelta
+from engine.outputs import RequestOutput
 
 
 class PromptTokensDetails(BaseModel):
@@ -166,13 +166,13 @@ class Choice:
     first_token_time: float | None = None  # epoch seconds, as the ingress received them
     finish_time: float | None = None
 
-    def add(self, delta: TokenDelta) -> None:
-        self.text += delta.text
-        if delta.token_ids:
-            self.token_ids.extend(delta.token_ids)
+    def add(self, delta: RequestOutput) -> None:
+        self.text += delta.new_text
+        if delta.new_token_ids:
+            self.token_ids.extend(delta.new_token_ids)
             self.first_token_time = self.first_token_time or time.time()
-        self.num_tokens += len(delta.token_ids)
-        self.logprobs.extend(delta.logprobs)
+        self.num_tokens += len(delta.new_token_ids)
+        self.logprobs.extend(delta.new_logprobs)
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
         if self.num_cached_tokens is None:  # the worker that prefilled says what it reused
             self.num_cached_tokens = delta.num_cached_tokens
@@ -215,12 +215,13 @@ class CompletionFormatter(Formatter):
             CompletionChoice(index=c.index, text=c.text, logprobs=self._logprobs(c.logprobs, 0),
                              finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in choices])
 
-    def chunk(self, choice: Choice, delta: TokenDelta, offset: int) -> CompletionResponse | None:
+    def chunk(self, choice: Choice, delta: RequestOutput, offset: int) -> CompletionResponse | None:
         """`offset`: characters of this choice already streamed (for logprobs' text_offset)."""
-        if not (delta.text or delta.finished or delta.logprobs):
+        if not (delta.new_text or delta.finished or delta.new_logprobs):
             return None
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[
-            CompletionChoice(index=choice.index, text=delta.text, logprobs=self._logprobs(delta.logprobs, offset),
+            CompletionChoice(index=choice.index, text=delta.new_text,
+                             logprobs=self._logprobs(delta.new_logprobs, offset),
                              finish_reason=delta.finish_reason if delta.finished else None,
                              stop_reason=delta.stop_reason if delta.finished else None)])
 
@@ -272,12 +273,12 @@ class ChatFormatter(Formatter):
         """OpenAI opens each choice's stream with the role."""
         return self._chunk(ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content="")))
 
-    def chunk(self, choice: Choice, delta: TokenDelta, offset: int) -> ChatCompletionChunk | None:
+    def chunk(self, choice: Choice, delta: RequestOutput, offset: int) -> ChatCompletionChunk | None:
         out = self.outputs.get(choice.index)
         if out is None:
             out = self.outputs[choice.index] = self.new_output()
-        piece = out.finish(delta.text, delta.finish_reason) if delta.finished else out.feed(delta.text)
-        if not (piece or delta.finished or delta.logprobs):
+        piece = out.finish(delta.new_text, delta.finish_reason) if delta.finished else out.feed(delta.new_text)
+        if not (piece or delta.finished or delta.new_logprobs):
             return None
         calls = [DeltaToolCall(index=piece.first_index + i, id=call.id, type="function",
                                function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
@@ -286,7 +287,7 @@ class ChatFormatter(Formatter):
                                tool_calls=calls or None)
         return self._chunk(ChatChunkChoice(
             index=choice.index, delta=chat_delta,
-            logprobs=self._logprobs(delta.logprobs), finish_reason=out.finish_reason if delta.finished else None,
+            logprobs=self._logprobs(delta.new_logprobs), finish_reason=out.finish_reason if delta.finished else None,
             stop_reason=delta.stop_reason if delta.finished else None))
 
     def usage_chunk(self, usage_: Usage) -> ChatCompletionChunk:

@@ -2,7 +2,7 @@
 
 Every request gets an id: the client's `X-Request-Id` when it sends a valid one (1 to 128 printable ASCII
 characters, no spaces), else one made here; it comes back in the `X-Request-Id` response header and is
-carried to every worker in the request's timeline (worker_runtime/timeline.py). A client that sends
+carried to every worker in the request's timeline (engine/timeline.py). A client that sends
 `X-Tandem-Trace: 1` gets the timelines in the response: a `tandem` field in the JSON body, or in the last
 chunk of a stream. The last `recent_requests` timelines stay in a `TraceStore` (router/trace_store.py)
 for `tandem trace`.
@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from worker_runtime.timeline import RequestTimeline
+from engine.timeline import RequestTimeline
 from worker_runtime.tracing import end_request_span, start_request_span
 from router.api.openai_api import APIError
 

@@ -19,10 +19,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.errors import InvalidRequestError
 from engine.hashing import block_hashes
-from worker_runtime.protocol import GenerateRequest, TokenDelta
+from engine.outputs import RequestOutput
+from worker_runtime.protocol import GenerateRequest
 from engine.sampling_params import SamplingParams
 from engine.structured import validate_structured
-from worker_runtime.timeline import RequestTimeline
+from engine.timeline import RequestTimeline
 from worker_runtime.tracing import end_request_span
 from router.api.admission import Admission, Ticket
 from router.api.audit import Audit, AuditConfig, AuditEntry, AuditRecorder, chat_options
@@ -256,8 +257,9 @@ class OpenAIService:
 
         return EventStream(events, on_close=close)
 
-    async def _events(self, candidates: list[Candidates], streams, firsts: list[TokenDelta], prompt_lengths: list[int],
-                      req, fmt: Formatter, trace: Trace, record: AuditRecorder) -> AsyncIterator[str]:
+    async def _events(self, candidates: list[Candidates], streams, firsts: list[RequestOutput],
+                      prompt_lengths: list[int], req, fmt: Formatter, trace: Trace,
+                      record: AuditRecorder) -> AsyncIterator[str]:
         """The stream's events; `req` says whether usage comes at the end and in every chunk. A candidate
         that fails ends with finish_reason "error", followed by an error event carrying the message. With
         the trace requested, a last chunk (the usage chunk, when asked for) carries the `tandem` field."""
@@ -384,7 +386,7 @@ def _failed(message: str | None) -> APIError:
     return APIError(500, message or "the request failed on its worker", type="internal_error")
 
 
-async def _merge(streams: list, firsts: list[TokenDelta]) -> AsyncIterator[tuple[int, TokenDelta]]:
+async def _merge(streams: list, firsts: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The already received first deltas, then every stream's deltas as they come, tagged by index."""
     for i, delta in enumerate(firsts):
         yield i, delta

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import ray
 
-from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult, TokenDelta
+from engine.outputs import RequestOutput
+from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult
 from router.placement import feeds
 from router.placement.feeds import FedStream
 
@@ -24,7 +25,7 @@ class _Run:
     finished: bool = False
 
 
-async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIterator[TokenDelta]:
+async def run_request(request: GenerateRequest, decode, prefill=None) -> AsyncIterator[RequestOutput]:
     """Yield the request's token deltas along its dispatch path (`request.dispatch`, set when it was placed;
     `prefill` is the prefill worker's actor on every path but LOCAL). With a prefill worker, its first token
     is yielded before decode's. Closing the iterator (client gone) aborts the request on the decode worker and

@@ -20,7 +20,8 @@ import weakref
 
 import ray
 
-from worker_runtime.protocol import FEED_FAILED, TokenDelta
+from engine.outputs import RequestOutput
+from worker_runtime.protocol import FEED_FAILED
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class Feed:
                     stream = self.streams.get(key)
                     if stream is not None:
                         stream.put(item)
-                        if not isinstance(item, TokenDelta):  # its last item: the worker is done with it
+                        if not isinstance(item, RequestOutput):  # its last item: the worker is done with it
                             del self.streams[key]
                             stream.running = False
             # Only an actor that goes away ends its feeds; treat it so (the router re-places the requests).
@@ -141,21 +142,21 @@ class FedStream:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> TokenDelta:
+    async def __anext__(self) -> RequestOutput:
         if self.ended:
             raise StopAsyncIteration
         while not self.items:
             self.ready.clear()
             await self.ready.wait()
         item = self.items.popleft()
-        if not isinstance(item, TokenDelta):
+        if not isinstance(item, RequestOutput):
             self.close()
             if isinstance(item, FeedFailed):
                 raise item.cause
             if item == FEED_FAILED:
                 await detached(self.feed.actor.feed_error.remote, self.feed.feed_id, self.key)  # raises its error
             raise StopAsyncIteration  # FEED_END
-        while self.coalesce and not item.finished and self.items and isinstance(self.items[0], TokenDelta):
+        while self.coalesce and not item.finished and self.items and isinstance(self.items[0], RequestOutput):
             item.extend(self.items.popleft())
         return item
 

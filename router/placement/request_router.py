@@ -29,9 +29,10 @@ import ray
 
 from router.metrics import Metrics
 from engine import hashing
-from worker_runtime.protocol import GenerateRequest, TokenDelta
+from engine.outputs import RequestOutput
+from worker_runtime.protocol import GenerateRequest
 from worker_runtime.serving import WorkerDraining
-from worker_runtime.timeline import RequestTimeline
+from engine.timeline import RequestTimeline
 from router.placement.dispatch import run_request
 from router.placement.streams import merge_streams
 from router.placement.latency_report import LatencyReporter
@@ -92,7 +93,7 @@ class RequestRouter:
         # Requests waiting for a prefill slot, in the order they began to: id -> (prefill worker, prompt tokens).
         self.slot_waiters: dict[str, tuple[str, int]] = {}
 
-    async def stream(self, request: GenerateRequest, block_hashes: Sequence[int]) -> AsyncIterator[TokenDelta]:
+    async def stream(self, request: GenerateRequest, block_hashes: Sequence[int]) -> AsyncIterator[RequestOutput]:
         """Yield the request's token deltas (each of its n candidates' under its `index`, all run on one
         decode worker). Closing the iterator aborts it on every worker it runs on.
 
@@ -121,7 +122,7 @@ class RequestRouter:
         async for delta in self._migrate_candidates(state):
             yield delta
 
-    async def _attempt(self, state: _Routing, decision: RouteDecision) -> AsyncIterator[TokenDelta]:
+    async def _attempt(self, state: _Routing, decision: RouteDecision) -> AsyncIterator[RequestOutput]:
         """Run the request on one placement, yielding its deltas; when a worker fails, `state.next` says
         what follows (the give-up delta, when that is what follows, is the last one yielded)."""
         request = state.request
@@ -145,15 +146,15 @@ class RequestRouter:
                     if stamps and i not in state.done:
                         self._observe(decode, request.timeline, stamps, "abort")
 
-    def _received(self, state: _Routing, decode: str, delta: TokenDelta) -> None:
+    def _received(self, state: _Routing, decode: str, delta: RequestOutput) -> None:
         """Time a delta's tokens and keep them (a migration resumes after them); observe a finished candidate."""
         request = state.request
-        if delta.token_ids:
+        if delta.new_token_ids:
             # A coalesced delta's tokens arrive together: one stamp each, so ITL is still counted per
             # token and averages to TPOT.
             now = time.time()
-            state.token_times[delta.index].extend([now] * len(delta.token_ids))
-            state.streamed[delta.index].extend(delta.token_ids)
+            state.token_times[delta.index].extend([now] * len(delta.new_token_ids))
+            state.streamed[delta.index].extend(delta.new_token_ids)
             request.times.setdefault("first_token", now)
             request.times["last_token"] = now
         # Each worker stamps its own copy of the request; gather the stages here.
@@ -164,7 +165,7 @@ class RequestRouter:
                 request.stamp("finished")
             self._observe(decode, request.timeline, state.token_times[delta.index], delta.finish_reason)
 
-    def _failed(self, state: _Routing, decode: str, prefill: str | None, exc: Exception) -> TokenDelta | None:
+    def _failed(self, state: _Routing, decode: str, prefill: str | None, exc: Exception) -> RequestOutput | None:
         """Route around the worker that failed: place the request again if nothing reached the client yet,
         else migrate it. Returns the give-up delta when it can move no more."""
         started = state.started
@@ -187,7 +188,7 @@ class RequestRouter:
                     state.attempts, type(exc).__name__)
         return None
 
-    def _migrate(self, state: _Routing, failed: str, exc: Exception) -> TokenDelta | None:
+    def _migrate(self, state: _Routing, failed: str, exc: Exception) -> RequestOutput | None:
         """The migration step, once tokens went out: a group of candidates splits (each migrates alone); a
         single sequence resumes after its streamed tokens, unless it used up `migration_limit`."""
         request = state.request
@@ -205,7 +206,7 @@ class RequestRouter:
         state.block_hashes = self._resume(request, state.block_hashes, state.streamed[0])
         return None
 
-    async def _migrate_candidates(self, state: _Routing) -> AsyncIterator[TokenDelta]:
+    async def _migrate_candidates(self, state: _Routing) -> AsyncIterator[RequestOutput]:
         """Each unfinished candidate of the request as a request of its own with the tokens it streamed
         (placed and migrated alone from here on), their deltas under the candidates' indexes."""
         request, failed = state.request, state.failure[0]
@@ -229,7 +230,7 @@ class RequestRouter:
         context = request.prompt_token_ids + request.output_token_ids
         return hashing.extend_block_hashes(list(block_hashes), context, self.view.block_size, request.cache_salt)
 
-    def _give_up(self, state: _Routing, why: str) -> TokenDelta:
+    def _give_up(self, state: _Routing, why: str) -> RequestOutput:
         """The last delta of a stream that cannot go on: finish_reason "error", naming the failed worker and
         why the request could not move on."""
         worker, exc = state.failure
@@ -237,7 +238,7 @@ class RequestRouter:
         self._observe(worker, state.request.timeline, state.token_times[0], "error")
         error = f"worker {worker} failed mid-stream ({type(exc).__name__}) and the request cannot move on: {why}"
         logger.warning("%s: %s", state.request.request_id, error)
-        return TokenDelta(state.request.request_id, [], "", finished=True, finish_reason="error", error=error)
+        return RequestOutput(state.request.request_id, [], "", finished=True, finish_reason="error", error=error)
 
     async def _route(self, request: GenerateRequest, block_hashes: Sequence[int], excluded: set[str]) -> RouteDecision:
         """Place the request. While the prefill queue is full and the remote path still meets the TTFT SLO,

@@ -30,7 +30,7 @@ from router.placement.cpu_lending import lent_threads
 from router.placement.index import PrefixIndex
 from router.placement.pool_policy import CostWeights, Placement, PoolPolicy
 from worker_runtime.protocol import DispatchPath, GenerateRequest, WorkerLoad
-from worker_runtime.timeline import RequestTimeline
+from engine.timeline import RequestTimeline
 
 # A request's output length for placement when its max_tokens says nothing smaller (a client's default
 # of the whole context must not make every batch look the same).

@@ -98,14 +98,15 @@ def test_chat_template_kwargs_cannot_reach_apply_chat_templates_own_parameters(k
 
 
 def test_a_candidate_that_ends_in_error_gives_a_500_with_its_message_not_an_empty_200(tokenizer):
-    from worker_runtime.protocol import TokenDelta
+    from engine.outputs import RequestOutput
     from router.api.service import ModelInfo, OpenAIService
 
     class FailingRequests:  # what the RequestRouter yields when a worker died and nowhere could take over
         async def stream(self, request, block_hashes):
-            yield TokenDelta(request.request_id, [5], "a", num_prompt_tokens=3)
-            yield TokenDelta(request.request_id, [], "", finished=True, finish_reason="error",
-                             error="worker decode-0 failed mid-stream (ActorDiedError) and the request cannot move on")
+            yield RequestOutput(request.request_id, [5], "a", num_prompt_tokens=3)
+            yield RequestOutput(
+                request.request_id, [], "", finished=True, finish_reason="error",
+                error="worker decode-0 failed mid-stream (ActorDiedError) and the request cannot move on")
 
     service = OpenAIService(ModelInfo("m", tokenizer.vocab_size, 512, 0), tokenizer, Authenticator({}), Admission(4),
                             FailingRequests(), block_size=16)

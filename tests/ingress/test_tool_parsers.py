@@ -6,7 +6,7 @@ import json
 import jsonschema
 import pytest
 
-from worker_runtime.protocol import TokenDelta
+from engine.outputs import RequestOutput
 from router.api.chat_output import ChatOutput, ChatParsing
 from router.api.openai_api import APIError, ChatCompletionRequest, parse_body
 from router.api.openai_responses import ChatFormatter, Choice, Usage
@@ -165,7 +165,7 @@ def test_streamed_chunks_add_up_to_the_whole_response(tokenizer):
     streamed = {"reasoning": "", "content": "", "calls": {}}
     for i, char in enumerate(text):
         last = i == len(text) - 1
-        chunk = fmt.chunk(Choice(0, 0), TokenDelta("r", [1], char, last, "stop" if last else None), 0)
+        chunk = fmt.chunk(Choice(0, 0), RequestOutput("r", [1], char, last, "stop" if last else None), 0)
         if chunk is None:
             continue
         delta = chunk.choices[0].delta

@@ -1,6 +1,6 @@
 """One request's stage timeline: created at the ingress, carried in GenerateRequest to every worker, stamped
 by each stage, and sent back in what the workers already return (PrefillResult.first, the finished
-TokenDelta); the ingress merges the copies.
+RequestOutput); the ingress merges the copies.
 
 Stage names, in the order a request passes them (a stage it skips is absent):
 
