@@ -118,7 +118,7 @@ class OutputProcessor:
         self.detokenizers.pop(req.request_id, None)
         req.finish_reason = "error"
         self.scheduler.finish(req)
-        return RequestOutput(req.request_id, [], "", req.output_token_ids, "", True, "error",
+        return RequestOutput(req.request_id, [], "", True, "error",
                              index=req.index, error=error_text(exc))
 
     def append_beam_tokens(self, plan: list[tuple[Request, int, float]]) -> None:
