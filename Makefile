@@ -20,10 +20,11 @@ run: $(STAMP)
 	$(VENV)/bin/tandem serve
 
 # The suite's two tiers (tests/conftest.py): the tests that start no Ray, in parallel (pytest-xdist, one
-# worker per core), then those that start Ray (one Ray cluster at a time) and the slow ones, serially.
+# worker per core, an idle worker taking queued tests from a busy one), then those that start Ray (one Ray
+# cluster at a time) and the slow ones, serially.
 # `make test` runs both and fails if either failed; pytest exits 5 when no test ran, a failure too.
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
-PARALLEL_TIER := -n auto -m "not ray and not slow"
+PARALLEL_TIER := -n auto --dist worksteal -m "not ray and not slow"
 SERIAL_TIER := -m "ray or slow"
 
 test: $(STAMP)
