@@ -2,6 +2,7 @@
 # Issue 13 capability 9: the whole suite N times in a row, in a fresh clone of COMMIT, with a CPU hog (a busy
 # loop) pinned to core 1 for the whole sequence. Each run takes the machine-wide bench lock, so a benchmark
 # may run between two runs (pause the hog with kill -STOP meanwhile).
+# `make test` runs two tiers (tests/conftest.py), so the summary keeps both tiers' result lines.
 # Usage: bench/suite_under_hog.sh COMMIT [N=3] [LOGDIR=/tmp/hoglogs]; results in LOGDIR/summary.txt
 set -u
 commit=$1; n=${2:-3}; logs=${3:-/tmp/hoglogs}
@@ -16,5 +17,5 @@ for i in $(seq 1 "$n"); do
   start=$(date +%s)
   flock -w 3600 /tmp/tandem-bench.lock make test > "$logs/run$i.log" 2>&1
   rc=$?
-  echo "run $i on $commit: rc=$rc in $(( $(date +%s) - start )) s: $(tail -1 "$logs/run$i.log")" >> "$logs/summary.txt"
+  echo "run $i on $commit: rc=$rc in $(( $(date +%s) - start )) s: $(grep -E '^[0-9]+ (passed|failed|errors?|skipped|deselected)|no tests ran' "$logs/run$i.log" | tr '\n' ' ')" >> "$logs/summary.txt"
 done
