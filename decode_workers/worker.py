@@ -10,7 +10,7 @@ from engine.request import Request
 from worker_runtime.request_log import set_request_id
 from worker_runtime.serving import EngineServer, WorkerDraining
 from worker_runtime.tracing import emit_spans
-from engine.step_costs import TransferSpeed, stall_free_budget
+from engine.step_costs import TransferSpeed
 from kv_transfer.config import TransferConfig
 from decode_workers.feeds import FeedServer
 from kv_transfer.failures import TransferFailures, failure_reason
@@ -47,10 +47,6 @@ class DecodeWorker(FeedServer, EngineServer):
         self.pull_speed = TransferSpeed()
         self._releases: set[asyncio.Task] = set()
         self.init_feeds()
-        config = self.engine.config
-        if config.itl_slo_ms:  # local prefills go in chunks that keep each step within the ITL SLO
-            self.engine.scheduler.prefill_budget = stall_free_budget(self.engine.step_costs, config.itl_slo_ms / 1000,
-                                                                     config.stall_ratio)
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult | None = None,
                        pending: list | None = None):

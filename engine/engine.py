@@ -31,7 +31,7 @@ from engine.scheduler import Scheduler
 from engine.spec_decode import SpeculativeConfig
 from engine.spec_decode.speculator import Speculator
 from engine.step_context import OWN_CORES, StepContext
-from engine.step_costs import StepCosts, step_shape
+from engine.step_costs import StepCosts, stall_free_budget, step_shape
 from engine.structured import StructuredOutputManager
 from engine.warm_up import warm_up
 
@@ -65,7 +65,8 @@ class Engine:
         self.kv_cache = runner.kv_cache
         self.max_model_len = min(config.max_model_len or runner.max_position_embeddings, runner.max_position_embeddings)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.step_costs = StepCosts()  # measured on every step; workers report it, the router places with it
+        self.scheduler = Scheduler(config, self.block_manager, self._prefill_budget(config))
         self.eos_token_ids = eos_token_ids(runner.model, tokenizer)
         self.structured = StructuredOutputManager(tokenizer, runner.vocab_size, config.max_num_seqs)
         self.sampler = Sampler(self.eos_token_ids, self.structured)
@@ -76,7 +77,6 @@ class Engine:
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, runner.vocab_size,
                                        self.reasoning_markers, self.scheduler)
         self.forking = Forking(self.scheduler, self.block_manager, self.sampler, self.outputs)
-        self.step_costs = StepCosts()  # measured on every step; workers report it, the router places with it
         # Drafts and verifies for the requests that speculate; made with the first such request.
         self.speculator = None if config.speculative_config is None else self.new_speculator(config.speculative_config)
         self.waiting_for_grammar = GrammarWaitList(self.structured)
@@ -93,6 +93,12 @@ class Engine:
     @property
     def num_generation_tokens(self) -> int:
         return self.outputs.num_generation_tokens
+
+    def _prefill_budget(self, config: EngineConfig):
+        """With an ITL SLO (a decode worker's), local prefills go in chunks that keep each step within it."""
+        if not config.itl_slo_ms:
+            return None
+        return stall_free_budget(self.step_costs, config.itl_slo_ms / 1000, config.stall_ratio)
 
     def new_speculator(self, config: SpeculativeConfig) -> Speculator:
         """A speculator on this engine's model, sampler and outputs (bench/spec_decode.py compares two)."""

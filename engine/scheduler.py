@@ -34,14 +34,15 @@ class Scheduler:
     first chunk starts (late chunks of a long prompt are slower), and returns the cap (stall-free batching,
     as in Sarathi-Serve). Without it, a step has the whole token budget."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 prefill_budget: Callable[[int, int], int] | None = None):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.prefill_budget: Callable[[int, int], int] | None = None  # (decodes, chunk start) -> tokens
+        self.prefill_budget = prefill_budget  # (decodes, chunk start) -> tokens
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
