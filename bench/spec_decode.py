@@ -102,6 +102,7 @@ def run(engine: Engine, prompts: list[list[int]], temperature: float, speculativ
     before = engine.speculator.stats.copy()
     reqs = [engine.add_request(f"{salt}-{i}", p, params(i), cache_salt=salt) for i, p in enumerate(prompts)]
     gaps: list[float] = []
+    span = [None, None]  # the first and the last token's time, over every request
     seen = {r.request_id: (0, None) for r in reqs}
     while engine.has_unfinished_requests():
         engine.step()
@@ -113,11 +114,10 @@ def run(engine: Engine, prompts: list[list[int]], temperature: float, speculativ
                 gaps += [(now - last) / new] * new
             if new:
                 seen[r.request_id] = (r.num_output_tokens, now)
-    first = min(r.times.first_token for r in reqs)
-    last = max(r.times.last_token for r in reqs)
+                span = [span[0] or now, now]
     tokens = sum(r.num_output_tokens - 1 for r in reqs)
     after = engine.speculator.stats
-    return {"tokens_per_s": tokens / (last - first), "itl_ms": 1000 * statistics.mean(gaps),
+    return {"tokens_per_s": tokens / (span[1] - span[0]), "itl_ms": 1000 * statistics.mean(gaps),
             "outputs": [r.output_token_ids for r in reqs],
             "accepted": f"{after.num_accepted_tokens - before.num_accepted_tokens}/"
                         f"{after.num_draft_tokens - before.num_draft_tokens}"}

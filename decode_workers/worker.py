@@ -89,7 +89,7 @@ class DecodeWorker(FeedServer, EngineServer):
             local = add != self.engine.add_imported  # no KV pulled: the prompt is computed here
             if local:
                 request.stamp("prefill_queued")
-            async for out in self.stream(request, engine_req, add, "prefill_started" if local else "decode_started"):
+            async for out in self.stream(request, engine_req, add):
                 yield self.outgoing(out, request)
             timeline = request.timeline
             emit_spans(timeline, ("queue", "decode") if local else ("transfer", "decode_admission", "decode"),

@@ -33,6 +33,7 @@ from engine.spec_decode.speculator import Speculator
 from engine.step_context import OWN_CORES, StepContext
 from engine.step_costs import StepCosts, stall_free_budget, step_shape
 from engine.structured import StructuredOutputManager
+from engine.timeline import RequestTimeline
 from engine.warm_up import warm_up
 
 logger = logging.getLogger(__name__)
@@ -114,10 +115,12 @@ class Engine:
         return self.inputs.apply_chat_template(messages)
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                     cache_salt: str | None = None, output_token_ids: Sequence[int] = ()) -> Request:
-        """Validate and build a request without queueing it (workers use this for their own bookkeeping;
-        InputProcessor.make_request)."""
-        return self.inputs.make_request(request_id, prompt, params, cache_salt, output_token_ids)
+                     cache_salt: str | None = None, output_token_ids: Sequence[int] = (),
+                     timeline: RequestTimeline | None = None) -> Request:
+        """Validate and build a request without queueing it (InputProcessor.make_request). A worker passes
+        the output tokens a migrated request already streamed, and its request's timeline for the engine
+        to stamp (a new one otherwise)."""
+        return self.inputs.make_request(request_id, prompt, params, cache_salt, output_token_ids, timeline)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None) -> Request:
@@ -267,9 +270,7 @@ class Engine:
             self.speculator.observe_step(batch.shape, batch.num_logits, seconds)
         borrowed = context.borrowing or context.borrow_cut
         for req in batch.prefilling:
-            req.times.prefill_steps += 1
-            req.times.prefill_borrowed_steps += borrowed
-            req.times.prefill_forward_s += seconds
+            req.timeline.count_prefill_step(seconds, borrowed)
 
     # ---- offline batch --------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
 from engine.spec_decode import SpeculativeConfig
 from engine.spec_decode.state import SpecState, new_spec_state
 from engine.structured import StructuredOutputManager
+from engine.timeline import RequestTimeline
 
 
 class InputProcessor:
@@ -52,8 +53,10 @@ class InputProcessor:
                                                   return_dict=False)
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                     cache_salt: str | None = None, output_token_ids: Sequence[int] = ()) -> Request:
-        """Validate and build a request (Engine.make_request says what `output_token_ids` are)."""
+                     cache_salt: str | None = None, output_token_ids: Sequence[int] = (),
+                     timeline: RequestTimeline | None = None) -> Request:
+        """Validate and build a request (Engine.make_request says what `output_token_ids` and `timeline`
+        are)."""
         self._check_params(params, output_token_ids)
         prompt_ids = self.tokenize(prompt)
         max_tokens = self._max_tokens(prompt_ids, params)
@@ -61,13 +64,13 @@ class InputProcessor:
         self._check_output_ids(output_token_ids, max_tokens)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seeds))
         if params.use_beam_search:
-            return self._first_beam(request_id, prompt_ids, params, max_tokens, cache_salt)
+            return self._first_beam(request_id, prompt_ids, params, max_tokens, cache_salt, timeline)
         if params.n > 1:
-            return self._candidates(request_id, prompt_ids, params, max_tokens, cache_salt, seed)
+            return self._candidates(request_id, prompt_ids, params, max_tokens, cache_salt, seed, timeline)
         structured = None if params.structured is None else self.structured.request(params.structured)
         return Request(request_id, prompt_ids, params, max_tokens, cache_salt, self._generator(params, seed),
                        all_token_ids=[*prompt_ids, *output_token_ids], structured_output_request=structured,
-                       spec=self._spec_state(params))
+                       spec=self._spec_state(params), timeline=timeline)
 
     def _generator(self, params: SamplingParams, seed: int) -> torch.Generator | None:
         """The seeded generator a request samples from; None for greedy."""
@@ -126,22 +129,24 @@ class InputProcessor:
         return new_spec_state(config or SpeculativeConfig())
 
     def _candidates(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                    cache_salt: str | None, seed: int) -> Request:
+                    cache_salt: str | None, seed: int, timeline: RequestTimeline | None) -> Request:
         """The first of n candidates, the others pending on it; candidate i draws from candidate_seed(seed, i)."""
+        timeline = timeline or RequestTimeline(request_id)
         candidates = []
         for i in range(params.n):
             p = replace(params, n=1, seed=candidate_seed(seed, i))
             candidates.append(Request(candidate_id(request_id, i), prompt_ids, p, max_tokens, cache_salt,
-                                      self._generator(p, p.seed), index=i))
+                                      self._generator(p, p.seed), index=i, timeline=timeline))
         candidates[0].pending_forks = candidates[1:]
         return candidates[0]
 
     def _first_beam(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                    cache_salt: str | None) -> Request:
+                    cache_salt: str | None, timeline: RequestTimeline | None) -> Request:
         """The first beam of a new search, which answers under `candidate_id(request_id, i)`."""
         search = BeamSearch(request_id, len(prompt_ids), params.beam_width, params.n, params.length_penalty,
                             frozenset(self.eos_token_ids))
-        root = Request(search.next_beam_id(), prompt_ids, params, max_tokens, cache_salt, beam_search=search)
+        root = Request(search.next_beam_id(), prompt_ids, params, max_tokens, cache_salt, beam_search=search,
+                       timeline=timeline or RequestTimeline(request_id))
         search.beams = [root]
         return root
 

@@ -3,7 +3,6 @@ checks whether the request finished (EOS, stop ids, stop strings, length, a comp
 incrementally, and turns failures and finished beam searches into outputs."""
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -63,9 +62,6 @@ class OutputProcessor:
     def append_token(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:
         """Append one sampled token to `req`; a finished request leaves the scheduler (a prefill worker's
         request keeps its blocks for decode to pull, named in `kv_transfer_params`)."""
-        now = time.time()
-        req.times.first_token = req.times.first_token or now
-        req.times.last_token = now
         req.all_token_ids.append(token)
         if req.reasoning is not None:
             req.reasoning.advance(token)
@@ -78,7 +74,6 @@ class OutputProcessor:
         self._check_finish(req, token, detok.append(token))
         kv_transfer_params = None
         if req.finish_reason is not None or req.do_remote_decode:
-            req.times.finished = now
             keep_blocks = req.do_remote_decode and req.finish_reason is None
             if keep_blocks:
                 kv_transfer_params = {"block_ids": list(req.block_table), "num_tokens": req.num_prompt_tokens}

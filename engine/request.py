@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.reasoning import ReasoningBudget
 from engine.sampling_params import SamplingParams, candidate_id
+from engine.timeline import RequestTimeline
 
 if TYPE_CHECKING:
     import torch
@@ -20,21 +20,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(slots=True)
-class RequestTimes:
-    """Stage timestamps (time.time()); workers add the ones around the engine."""
-    arrival: float = field(default_factory=time.time)
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    finished: float | None = None
-    # The forwards that carried its prompt (chunks, recomputation after a preemption), how many of them ran
-    # on borrowed cores (worker_runtime/cpu_cores.py), and their seconds: what a slow prefill spent its time on.
-    prefill_steps: int = 0
-    prefill_borrowed_steps: int = 0
-    prefill_forward_s: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -59,7 +44,11 @@ class Request:
     do_remote_decode: bool = False
     reasoning: ReasoningBudget | None = None  # set by OutputProcessor.add when max_reasoning_tokens is given
     structured_output_request: StructuredOutputRequest | None = None  # its grammar state, when constrained
-    times: RequestTimes = field(default_factory=RequestTimes)
+    # Where its time goes (engine/timeline.py): a served request's is its GenerateRequest's, which the worker
+    # stamps around the engine; the engine stamps its first scheduling and counts its prompt's forwards.
+    # Candidates and beams of one prompt share it.
+    timeline: RequestTimeline | None = None
+    scheduled: bool = False  # admitted by this engine's scheduler at least once
     index: int = 0  # which of its prompt's n candidates (or returned beams) it is
     # The other candidates of its prompt: forked from it once its prompt is computed (Forking.fork).
     pending_forks: list["Request"] = field(default_factory=list)
@@ -71,6 +60,8 @@ class Request:
     def __post_init__(self):
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        if self.timeline is None:
+            self.timeline = RequestTimeline(self.request_id)
 
     def take_state(self, parent: Request) -> None:
         """Continue from `parent`'s tokens and progress (a fork); the blocks are the block manager's."""
@@ -78,7 +69,7 @@ class Request:
         self.num_computed_tokens = parent.num_computed_tokens
         self.num_cached_tokens = parent.num_cached_tokens
         self.cumulative_logprob = parent.cumulative_logprob
-        self.times.first_scheduled = parent.times.first_scheduled
+        self.scheduled = parent.scheduled
 
     def take_pending(self, parent: Request) -> Request:
         """Stand in for `parent` (which will not run) as the candidate the others fork from; returns self."""

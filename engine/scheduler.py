@@ -1,7 +1,6 @@
 """Continuous batching under a token budget, with chunked prefill and preemption by recompute."""
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,7 +100,8 @@ class Scheduler:
                 passed += 1
                 continue
             # A request whose prompt KV was imported arrives with blocks and computed tokens.
-            computed = [] if req.num_computed_tokens else self.block_manager.get_computed_blocks(req)
+            imported = req.num_computed_tokens > 0
+            computed = [] if imported else self.block_manager.get_computed_blocks(req)
             num_cached = req.num_computed_tokens or len(computed) * self.block_manager.block_size
             num_new = min(req.num_tokens - num_cached, budget.tokens)
             if num_new > 1:
@@ -111,7 +111,7 @@ class Scheduler:
             if not self.block_manager.allocate_slots(req, num_new, computed):
                 break
             del self.waiting[passed]
-            self._admit(req, num_cached)
+            self._admit(req, num_cached, imported)
             scheduled.append((req, num_new))
             budget.take(num_new)
 
@@ -122,11 +122,14 @@ class Scheduler:
             budget.prefill = self._prefill_budget(budget.num_decodes, start)
         return min(num_new, budget.prefill)
 
-    def _admit(self, req: Request, num_cached: int) -> None:
+    def _admit(self, req: Request, num_cached: int, imported: bool) -> None:
+        """Run `req` from `num_cached` tokens on; its first admission stamps its timeline (the decode of an
+        imported prompt, or the prefill of its own) and fixes its cached-token count."""
         req.num_computed_tokens = num_cached
-        if req.times.first_scheduled is None:
+        if not req.scheduled:
+            req.scheduled = True
             req.num_cached_tokens = num_cached
-            req.times.first_scheduled = time.time()
+            req.timeline.stamp("decode_started" if imported else "prefill_started")
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 

@@ -57,8 +57,9 @@ class RequestTimeline:
     blocks_pulled: int = 0
     blocks_skipped: int = 0
     bytes_pulled: int = 0
-    # The forwards that computed the prompt, on the worker that computed it (engine RequestTimes): how
-    # many, how many on borrowed cores, and their seconds (a step's whole time, shared with its batch).
+    # The forwards that computed the prompt, counted by the engine that computed it: how many, how many on
+    # borrowed cores (worker_runtime/cpu_cores.py), and their seconds (a step's whole time, shared with its
+    # batch): what a slow prefill spent its time on.
     prefill_steps: int = 0
     prefill_borrowed_steps: int = 0
     prefill_forward_s: float = 0.0
@@ -67,6 +68,12 @@ class RequestTimeline:
 
     def stamp(self, stage: str, at: float | None = None) -> None:
         self.times[stage] = time.time() if at is None else at
+
+    def count_prefill_step(self, seconds: float, borrowed: bool) -> None:
+        """One forward that carried the prompt (a chunk, or a recomputation after a preemption)."""
+        self.prefill_steps += 1
+        self.prefill_borrowed_steps += borrowed
+        self.prefill_forward_s += seconds
 
     def copy(self) -> RequestTimeline:
         """A copy to send back (the worker goes on stamping its own)."""

@@ -82,7 +82,8 @@ class PrefillWorker(EngineServer):
         """The n candidates of a prompt are prefilled as their first one, under the request's id (its lease);
         decode forks the others from the pulled prompt."""
         params = req.candidate_params(0) if req.num_outputs > 1 else req.sampling_params
-        return self.engine.make_request(req.request_id, req.prompt_token_ids, params, req.cache_salt)
+        return self.engine.make_request(req.request_id, req.prompt_token_ids, params, req.cache_salt,
+                                        timeline=req.timeline)
 
     async def first_token(self, request_id: str) -> RequestOutput:
         """Layer-wise: the first token of a request whose `prefill` returned before it was sampled."""

@@ -252,6 +252,10 @@ def test_decode_reserves_blocks_while_the_prefill_runs(normal, tiny_llama_dir):
     # The pull began after the prefill's answer (the prefill worker's stamp, on the first token's delta).
     times = deltas[-1].times
     assert deltas[0].times["prefill_done"] <= times["transfer_started"] <= times["transfer_done"]
+    # Each engine stamps the one timeline: the prefill engine its prompt's scheduling, the decode engine
+    # its first step over the imported KV.
+    assert deltas[0].times["prefill_started"] <= deltas[0].times["prefill_done"]
+    assert times["transfer_done"] <= times["decode_started"]
     assert ray.get(decode.transfer_stats.remote())["transfer_failures"] == 0
     assert_nothing_held(normal)
 

@@ -1,6 +1,6 @@
 """Each request counts the forwards that computed its prompt (chunks; those on borrowed cores) and their
-seconds, and a worker's stream hands the count to the request's timeline, so a slow prefill in a benchmark
-says whether it ran as one forward or many (bench/serve_metrics.py: slowest_ttfts)."""
+seconds into its one timeline (the worker's GenerateRequest's, which the engine stamps), so a slow prefill
+in a benchmark says whether it ran as one forward or many (bench/serve_metrics.py: slowest_ttfts)."""
 from __future__ import annotations
 
 import asyncio
@@ -38,13 +38,21 @@ def serve(server: EngineServer, request_id: str, num_prompt_tokens: int):
 def test_a_chunked_prompt_counts_its_forwards_and_decode_steps_do_not(server):
     req, deltas = serve(server, "chunked", 40)
     assert sum(len(d.new_token_ids) for d in deltas) == PARAMS.max_tokens  # six tokens: five decode steps after
-    assert (req.times.prefill_steps, req.times.prefill_borrowed_steps) == (3, 0)
+    assert (req.timeline.prefill_steps, req.timeline.prefill_borrowed_steps) == (3, 0)
     timeline = deltas[-1].timeline
     assert (timeline.prefill_steps, timeline.prefill_borrowed_steps) == (3, 0)
-    assert 0 < timeline.prefill_forward_s < req.times.finished - req.times.arrival
+    assert 0 < timeline.prefill_forward_s < timeline.times["finished"] - timeline.times["arrival"]
 
     short, _ = serve(server, "one-forward", 10)
-    assert short.times.prefill_steps == 1
+    assert short.timeline.prefill_steps == 1
+
+
+def test_the_engine_stamps_the_served_request_timeline(server):
+    """One timeline per request: the engine writes its first scheduling into the worker's request's."""
+    req, deltas = serve(server, "stamped", 10)
+    times = deltas[-1].timeline.times
+    assert times["arrival"] <= times["prefill_started"] <= times["finished"]
+    assert "decode_started" not in times  # its own prompt, not an imported one
 
 
 def test_forwards_on_borrowed_cores_are_counted_apart(server):
@@ -56,5 +64,5 @@ def test_forwards_on_borrowed_cores_are_counted_apart(server):
         req, deltas = serve(server, "borrowed", 40)
     finally:
         server.loop.submit(borrow, False).result(timeout=10)
-    assert (req.times.prefill_steps, req.times.prefill_borrowed_steps) == (3, 3)
+    assert (req.timeline.prefill_steps, req.timeline.prefill_borrowed_steps) == (3, 3)
     assert deltas[-1].timeline.prefill_borrowed_steps == 3

@@ -62,17 +62,15 @@ class EngineServer:
     def build_request(self, req: GenerateRequest) -> Request:
         # Validation and tokenization only read the engine, so they run here, off the loop thread.
         return self.engine.make_request(req.request_id, req.prompt_token_ids, req.sampling_params, req.cache_salt,
-                                        req.output_token_ids)
+                                        req.output_token_ids, req.timeline)
 
-    async def stream(self, request: GenerateRequest, engine_req: Request, add=None,
-                     scheduled_stage: str = "prefill_started"):
+    async def stream(self, request: GenerateRequest, engine_req: Request, add=None):
         """Queue `engine_req` (with `add`, default Engine.add) and yield its outputs until it finishes (each
         of its n candidates, when it has several); cancelling the consumer aborts the request and frees
         its blocks. Outputs of several steps that accumulated while the consumer was busy come as one per
-        candidate (RequestOutput.extend); none waits for more. When the engine first schedules it, the
-        request's timeline gets `scheduled_stage`."""
+        candidate (RequestOutput.extend); none waits for more. The engine stamps the request's timeline
+        (`engine_req.timeline` is `request.timeline`): its first scheduling and its prompt's forwards."""
         ids = output_ids(engine_req)
-        unscheduled = True
         queue: asyncio.Queue = asyncio.Queue()
         for rid in ids:
             self.loop.subscribe(rid, queue)
@@ -84,14 +82,6 @@ class EngineServer:
                 batch = [await queue.get()]
                 while not queue.empty():  # what else accumulated while the consumer was busy
                     batch.append(queue.get_nowait())
-                if unscheduled and engine_req.times.first_scheduled is not None:
-                    unscheduled = False
-                    request.stamp(scheduled_stage, engine_req.times.first_scheduled)
-                if not request.timeline.prefill_steps and engine_req.times.prefill_steps:  # the prompt is done
-                    times = engine_req.times
-                    request.timeline.prefill_steps = times.prefill_steps
-                    request.timeline.prefill_borrowed_steps = times.prefill_borrowed_steps
-                    request.timeline.prefill_forward_s = round(times.prefill_forward_s, 6)
                 for out in _coalesce(batch):
                     yield out
                     if out.finished or out.kv_transfer_params is not None:
