@@ -77,7 +77,7 @@ class InputProcessor:
         return None if params.greedy else torch.Generator(self.device).manual_seed(seed)
 
     def _check_params(self, params: SamplingParams, output_token_ids: Sequence[int]) -> None:
-        params.validate(self.vocab_size)
+        params.check_vocab(self.vocab_size)
         if (params.n > 1 or params.use_beam_search) and output_token_ids:
             raise InvalidRequestError("a migrated request is one candidate; send it with n=1", field="n")
         if params.n > 1 and (params.structured is not None or params.max_reasoning_tokens is not None):

@@ -93,7 +93,8 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
-    def validate(self, vocab_size: int | None = None) -> None:
+    def validate(self) -> None:
+        """Check every field on its own (construction does; `check_vocab` adds what needs the model)."""
         def check(ok: bool, name: str, message: str) -> None:
             if not ok:
                 raise InvalidRequestError(f"{name} {message}", field=name)
@@ -127,8 +128,13 @@ class SamplingParams:
               f"must be true, false or null, got {self.speculative!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"may hold at most {MAX_STOP_STRINGS} strings")
-        self._validate_token_ids(vocab_size)
+        self._validate_token_ids(None)
         self._validate_beam_search()
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The token ids it names (stop_token_ids, logit_bias) exist in a vocabulary of `vocab_size`: what
+        construction cannot check. The ingress checks it against the served model, an engine against its own."""
+        self._validate_token_ids(vocab_size)
 
     def _validate_beam_search(self) -> None:
         if self.best_of is not None and not (isinstance(self.best_of, int) and self.n <= self.best_of <= 128):

@@ -69,7 +69,7 @@ sampling_fields = st.fixed_dictionaries({}, optional={
 def test_whatever_sampling_params_accept_samples_a_vocabulary_token(fields, logits_seed):
     try:
         params = SamplingParams(max_tokens=16, **fields)
-        params.validate(VOCAB)
+        params.check_vocab(VOCAB)
     except InvalidRequestError as exc:
         assert exc.field in fields or exc.field == "min_tokens"
         return

@@ -151,9 +151,19 @@ class _GenerationRequest(_Body):
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int,
-                         renames: dict[str, str], best_of: int | None = None) -> SamplingParams:
+                         renames: dict[str, str], best_of: int | None = None,
+                         controls: dict | None = None) -> SamplingParams:
+        """The request's SamplingParams, built and checked once: its own fields, then `controls` (fields the
+        endpoint sets itself: a tool_choice grammar, a reasoning budget; None values are not set), then the
+        token ids against the served model's vocabulary."""
+        controls = {name: value for name, value in (controls or {}).items() if value is not None}
         try:
-            params = SamplingParams(
+            structured, _ = self.structured()
+            if "structured" in controls and structured is not None:
+                raise APIError.bad_request('tool_choice "required" or a named function constrains the output '
+                                           "itself; it cannot be combined with response_format or "
+                                           "structured_outputs", "tool_choice")
+            fields = dict(
                 n=self.n, temperature=_default(self.temperature, 1.0), top_p=_default(self.top_p, 1.0),
                 top_k=_default(self.top_k, 0), min_p=_default(self.min_p, 0.0),
                 presence_penalty=_default(self.presence_penalty, 0.0),
@@ -162,10 +172,11 @@ class _GenerationRequest(_Body):
                 seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or [],
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens, structured=self.structured()[0],
+                skip_special_tokens=self.skip_special_tokens, structured=structured,
                 use_beam_search=self.use_beam_search, best_of=best_of, length_penalty=self.length_penalty,
                 speculative=self.speculative)
-            params.validate(vocab_size)
+            params = SamplingParams(**{**fields, **controls})
+            params.check_vocab(vocab_size)
         except InvalidRequestError as exc:
             raise APIError.from_invalid(exc, renames) from None
         return params
@@ -239,12 +250,12 @@ class CompletionRequest(_GenerationRequest):
             raise APIError.bad_request("prompt must not be empty", "prompt")
         return list(prompt)
 
-    def sampling_params(self, max_tokens: int | None, vocab_size: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, vocab_size: int, controls: dict | None = None) -> SamplingParams:
         if self.echo:
             raise APIError.bad_request("echo is not supported", "echo")
         if self.suffix:
             raise APIError.bad_request("suffix is not supported", "suffix")
-        return self._sampling_params(max_tokens, self.logprobs, vocab_size, {}, self.best_of)
+        return self._sampling_params(max_tokens, self.logprobs, vocab_size, {}, self.best_of, controls)
 
 
 class ContentPart(_Body):
@@ -356,14 +367,14 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateControls):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def sampling_params(self, max_tokens: int | None, vocab_size: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, vocab_size: int, controls: dict | None = None) -> SamplingParams:
         if self.echo:
             raise APIError.bad_request("echo is not supported", "echo")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         renames = {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param}
-        return self._sampling_params(max_tokens, logprobs, vocab_size, renames)
+        return self._sampling_params(max_tokens, logprobs, vocab_size, renames, controls=controls)
 
 
 def parse_body(model: type[_Body], body: bytes) -> _Body:

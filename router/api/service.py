@@ -152,7 +152,7 @@ class OpenAIService:
         prompt's (or candidate's) GenerateRequest carries a copy of `trace.timeline`. `audit` gets the
         request's record once it has run (or failed after being placed)."""
         self.limits.check_sampling(req)
-        params = with_controls(req.sampling_params(max_tokens, self.model.vocab_size), controls or {})
+        params = req.sampling_params(max_tokens, self.model.vocab_size, controls)
         trace.timeline.stamp("validated")
         if ignored := req.ignored_fields():
             logger.debug("%s: ignoring %s (nothing this server outputs depends on them)", fmt.id, ", ".join(ignored))
@@ -171,8 +171,8 @@ class OpenAIService:
                 # worker pick would give equal samples on different workers. Candidate i of n draws from
                 # candidate_seed(seed, i), on a prefill, a decode or a migration target alike.
                 seeds.append(secrets.randbits(62) if params.seed is None else params.seed)
-                candidates += _candidates(f"{fmt.id}-{p}", p, ids, replace(params, seed=seeds[-1]), salt, hashes[p],
-                                          trace.timeline)
+                seeded = params if params.seed is not None else replace(params, seed=seeds[-1])
+                candidates += _candidates(f"{fmt.id}-{p}", p, ids, seeded, salt, hashes[p], trace.timeline)
             logger.debug("%s: %d candidates for tenant %r user %r", fmt.id, len(candidates), tenant, req.user)
             prompt_lengths = [len(ids) for ids in prompts]
             record = AuditRecorder(audit, params, seeds, candidates, prompts)
@@ -331,15 +331,6 @@ def _candidates(request_id: str, prompt: int, ids: list[int], params: SamplingPa
     if params.n == 1 or (params.structured is None and params.max_reasoning_tokens is None):
         return [Candidates([Choice(first + i, prompt) for i in range(params.n)], request, hashes)]
     return [Candidates([Choice(first + i, prompt)], request.candidate(i), hashes) for i in range(params.n)]
-
-
-def with_controls(params: SamplingParams, controls: dict) -> SamplingParams:
-    """`params` with the endpoint's own fields; tool_choice's constraint cannot join another one."""
-    controls = {name: value for name, value in controls.items() if value is not None}
-    if "structured" in controls and params.structured is not None:
-        raise APIError.bad_request('tool_choice "required" or a named function constrains the output itself; '
-                                   "it cannot be combined with response_format or structured_outputs", "tool_choice")
-    return replace(params, **controls) if controls else params
 
 
 class EventStream(StreamingResponse):
