@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.model_loader import build_random_model  # noqa: E402
 from engine.sampling_params import candidate_seed  # noqa: E402
+from engine.step_context import StepContext  # noqa: E402
 
 
 def measure(model_dir: str, prompt: list[int], n: int, shared: bool) -> dict:
@@ -29,8 +30,8 @@ def measure(model_dir: str, prompt: list[int], n: int, shared: bool) -> dict:
     engine = Engine(EngineConfig(model=model_dir, num_kv_blocks=4096))
     bm = engine.block_manager
     computed = [0]
-    engine.on_scheduled = lambda scheduled: computed.__setitem__(0, computed[0] + sum(
-        num for req, num in scheduled if req.num_computed_tokens < req.num_prompt_tokens))
+    count = StepContext(on_scheduled=lambda scheduled: computed.__setitem__(0, computed[0] + sum(
+        num for req, num in scheduled if req.num_computed_tokens < req.num_prompt_tokens)))
     if shared:
         engine.add_request("n", prompt, SamplingParams(n=n, seed=1, max_tokens=4, ignore_eos=True))
     else:
@@ -41,7 +42,7 @@ def measure(model_dir: str, prompt: list[int], n: int, shared: bool) -> dict:
     peak = 0
     # Until every candidate has 2 tokens: its first one is then in the cache (written by the next forward).
     while len(tokens) < n or min(tokens.values()) < 2:
-        for out in engine.step():
+        for out in engine.step(count):
             tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.new_token_ids)
         peak = max(peak, bm.num_blocks - bm.num_free_blocks)
     return {"in_use": bm.num_blocks - bm.num_free_blocks, "peak": peak, "prompt_tokens": computed[0]}

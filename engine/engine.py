@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +84,6 @@ class Engine:
         self.num_prompt_tokens = 0
         self._ids = itertools.count()
         # Called with each step's schedule before its forward runs (a prefill worker leasing blocks early).
-        self.on_scheduled: Callable[[list[tuple[Request, int]]], None] | None = None
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -206,7 +205,8 @@ class Engine:
 
     def step(self, context: StepContext = OWN_CORES) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return what changed for each request. `context` says
-        whether the forward runs on borrowed cores as well (the engine loop's; read, never written)."""
+        whether the forward runs on borrowed cores as well, and who watches what it schedules (the engine
+        loop's; read, never written)."""
         failed = self._admit_structured() if self.waiting_for_grammar else []
         scheduled = self._schedule(context)
         if not scheduled:
@@ -227,8 +227,8 @@ class Engine:
         if context.borrowing:
             cap = self.step_costs.borrowed_step_cap(self.config.borrow_slice_ms, self.config.block_size)
         scheduled = self.scheduler.schedule(cap)
-        if scheduled and self.on_scheduled is not None:
-            self.on_scheduled(scheduled)
+        if scheduled and context.on_scheduled is not None:
+            context.on_scheduled(scheduled)
         return scheduled
 
     def _idle(self, failed: list[RequestOutput]) -> list[RequestOutput]:

@@ -58,7 +58,7 @@ class PrefillWorker(EngineServer):
         if transfer.layerwise:
             self.layer_progress = LayerProgress(self.engine.runner.model, self.engine.runner.device,
                                                 self._layers_ready)
-            self.engine.on_scheduled = self._lease_last_chunks
+            self.loop.step_context.on_scheduled = self._lease_last_chunks
 
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
         """Compute the prompt's KV and its first token; the returned handle lets decode pull the KV.
@@ -191,7 +191,7 @@ class PrefillWorker(EngineServer):
     # ---- loop thread: leasing early and marking layers ready ------------------------------------------
 
     def _lease_last_chunks(self, scheduled: list[tuple[Request, int]]) -> None:
-        """Engine.on_scheduled: lease the blocks of layer-wise requests whose last prompt chunk runs now."""
+        """StepContext.on_scheduled: lease the blocks of layer-wise requests whose last prompt chunk runs now."""
         leased = []
         for req, num_new in scheduled:
             if req.request_id not in self.awaiting_lease or req.num_computed_tokens + num_new < req.num_tokens:

@@ -16,6 +16,7 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.layer_progress import LayerProgress
+from engine.step_context import OWN_CORES, StepContext
 from kv_transfer import KVServerConfig, KVTransferServer
 from kv_transfer.grpc_client import GrpcKVClient
 
@@ -138,8 +139,11 @@ def test_layer_progress_reports_every_layer_in_order_from_cuda_events(tiny_llama
 
     progress = LayerProgress(engine.runner.model, engine.runner.device, on_ready)
     try:
-        engine.on_scheduled = lambda scheduled: progress.watch([r.request_id for r, _ in scheduled])
-        engine.generate(prompts_of((40,), engine.runner.vocab_size), SamplingParams(temperature=0.0, max_tokens=1))
+        watch = StepContext(on_scheduled=lambda scheduled: progress.watch([r.request_id for r, _ in scheduled]))
+        engine.add_request("watched", prompts_of((40,), engine.runner.vocab_size)[0],
+                           SamplingParams(temperature=0.0, max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step(watch)
         assert done.wait(10), f"the last layer was never reported: {reports}"
     finally:
         progress.close()
@@ -186,13 +190,14 @@ def decode_imported(decode: Engine, req) -> list[int]:
     return tokens
 
 
-def prefill_for_remote_decode(prefill: Engine, request_id: str, prompt: list[int]):
+def prefill_for_remote_decode(prefill: Engine, request_id: str, prompt: list[int],
+                              context: StepContext = OWN_CORES):
     """Run a prompt to its first token on `prefill`, its blocks kept for decode: (request, first, params)."""
     req = prefill.make_request(request_id, prompt, GREEDY)
     req.do_remote_decode = True
     prefill.add(req)
     while True:
-        for out in prefill.step():
+        for out in prefill.step(context):
             if out.kv_transfer_params is not None:
                 return req, out.new_token_ids, out.kv_transfer_params
 
@@ -262,16 +267,14 @@ def test_layerwise_pull_from_a_cuda_prefill_decodes_like_colocated(cuda_engines,
                 puller = threading.Thread(target=pull_in_background, args=(handle,))
                 puller.start()
 
-    prefill.on_scheduled = lease_early
     try:
-        req, first, _ = prefill_for_remote_decode(prefill, "lw", prompt)
+        req, first, _ = prefill_for_remote_decode(prefill, "lw", prompt, StepContext(on_scheduled=lease_early))
         prefill.block_manager.free(req)  # the lease holds its own references
         puller.join(30)
         assert not puller.is_alive() and "error" not in pulled, pulled
         assert marked[:layers] == list(range(1, layers + 1))
         assert client.release(handles[0])
     finally:
-        prefill.on_scheduled = None
         progress.close()
     decode_req.all_token_ids.extend(first)
     assert decode_imported(decode, decode_req) == expected

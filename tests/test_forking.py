@@ -6,6 +6,7 @@ import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.sampling_params import candidate_id, candidate_seed
+from engine.step_context import OWN_CORES, StepContext
 from tests.hf_reference import hf_greedy
 
 PROMPT = list(range(5, 45))  # 40 tokens: 2 full blocks of 16 and a partial one
@@ -17,10 +18,10 @@ def engine(tiny_llama_dir):
     return Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64))
 
 
-def run(engine: Engine) -> dict[str, list[int]]:
+def run(engine: Engine, context: StepContext = OWN_CORES) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step(context):
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     return tokens
 
@@ -125,8 +126,7 @@ def test_candidates_fork_from_an_imported_prompt_and_recompute_only_its_last_tok
     decode.kv_cache.kv[:, :, dst] = prefill.kv_cache.kv[:, :, [src[i] for i in indices]]
     decode.add_imported(group)
     scheduled = []
-    decode.on_scheduled = scheduled.append
-    tokens = run(decode)
+    tokens = run(decode, StepContext(on_scheduled=scheduled.append))
     assert [n for _, n in scheduled[0]] == [1, 1, 1, 1]  # the parent's decode, and each fork's last prompt token
     assert active_blocks(decode) == 0
     expected = run_sampled(Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64)))
