@@ -9,9 +9,6 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -30,25 +27,13 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import SpeculativeConfig
 from engine.spec_decode.speculator import Speculator
-from engine.step_context import OWN_CORES, StepContext
+from engine.step_context import OWN_CORES, StepBatch, StepContext
 from engine.step_costs import StepCosts, stall_free_budget, step_shape
 from engine.structured import StructuredOutputManager
 from engine.timeline import RequestTimeline
 from engine.warm_up import warm_up
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepBatch:
-    """One step's forward: what ran, the requests whose rows were sampled, and what the step counts as."""
-    scheduled: list[tuple[Request, int]]
-    sampled: list[Request]
-    logits: torch.Tensor
-    num_logits: list[int] | None  # per row, when a row verifies a draft
-    shape: tuple[int, int, int]  # step_shape, before the requests advance
-    prefilling: list[Request]  # the requests whose prompt this forward computed (part of)
-    started: float
 
 
 class Engine:
@@ -83,7 +68,6 @@ class Engine:
         self.waiting_for_grammar = GrammarWaitList(self.structured)
         self.num_prompt_tokens = 0
         self._ids = itertools.count()
-        # Called with each step's schedule before its forward runs (a prefill worker leasing blocks early).
 
     @property
     def requests(self) -> dict[str, Request]:

@@ -1,4 +1,5 @@
-"""What the caller of `Engine.step` tells one step: the cores it runs on, and who watches what it schedules."""
+"""One engine step's records: what its caller tells it (StepContext: the cores it runs on, who watches what
+it schedules) and what its forward produced (StepBatch), handed from run to sample to postprocess."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -6,6 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.request import Request
 
 
@@ -22,3 +25,15 @@ class StepContext:
 
 
 OWN_CORES = StepContext()  # a step on the engine's own cores only (the offline engine, tests)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's forward: what ran, the requests whose rows were sampled, and what the step counts as."""
+    scheduled: list[tuple[Request, int]]
+    sampled: list[Request]
+    logits: torch.Tensor
+    num_logits: list[int] | None  # per row, when a row verifies a draft
+    shape: tuple[int, int, int]  # step_shape, before the requests advance
+    prefilling: list[Request]  # the requests whose prompt this forward computed (part of)
+    started: float
