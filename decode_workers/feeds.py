@@ -1,12 +1,17 @@
 """The decode worker's side of feeds (router/placement/feeds.py): many requests' deltas over one Ray stream per
 ingress event loop. `open_feed` is that stream; `start` runs a request's `generate` as a task that writes
-to it under the caller's key; `abort` cancels one; `feed_error` hands over the error that ended one."""
+to it under the caller's key; `abort` cancels one; `feed_error` hands over the error that ended one. The
+DecodeWorker actor owns one FeedServer and exposes these as its Ray methods."""
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
 
+from collections.abc import AsyncIterator, Callable
+
 from worker_runtime.protocol import FEED_END, FEED_FAILED, GenerateRequest, PrefillResult
+
+Generate = Callable[[GenerateRequest, PrefillResult | None, list | None], AsyncIterator]
 
 
 class FeedClosed(RuntimeError):
@@ -41,9 +46,11 @@ def _cancel_once(task: asyncio.Task) -> None:
 
 
 class FeedServer:
-    """Mixed into DecodeWorker, whose `generate` the fed requests run; `init_feeds` sets up the state."""
+    """The feeds open on one decode worker; a fed request runs `generate` (DecodeWorker.generate)."""
 
-    def init_feeds(self) -> None:
+    def __init__(self, worker_id: str, generate: Generate):
+        self.worker_id = worker_id
+        self.generate = generate
         self.feeds: dict[str, Feed] = {}
         self.feed_errors: OrderedDict[tuple[str, int], Exception] = OrderedDict()  # until the ingress fetches them
         self.closed_feeds: OrderedDict[str, None] = OrderedDict()  # recently closed: a late start fails
@@ -96,12 +103,12 @@ class FeedServer:
         if task is not None:
             _cancel_once(task)
 
-    def feed_stats(self) -> dict:
+    def stats(self) -> dict:
         """Feeds open now, their requests running, Ray items sent on feeds since start and the deltas (and
         ends) they carried."""
         return {"open": len(self.feeds), "running": sum(len(f.tasks) for f in self.feeds.values()),
                 **self.feed_counts}
 
-    def feed_error(self, feed_id: str, key: int) -> None:
+    def error(self, feed_id: str, key: int) -> None:
         """Raise the error that ended a fed request (FEED_FAILED), so that the caller gets it as from a stream."""
         raise self.feed_errors.pop((feed_id, key))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import aclosing
 
 from engine.config import EngineConfig
 from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult, WorkerStats
@@ -28,7 +29,7 @@ def make_kv_client(transfer: TransferConfig, cache):
                         shared_memory=transfer.shared_memory)
 
 
-class DecodeWorker(FeedServer, EngineServer):
+class DecodeWorker(EngineServer):
     """Runs the continuous batch. `generate` streams one request: after a remote prefill it pulls only the
     prompt blocks it does not already cache; without one (conditional disaggregation, or no healthy
     prefill worker) it prefills locally. A failed pull falls back to local recompute, counted per reason.
@@ -46,7 +47,7 @@ class DecodeWorker(FeedServer, EngineServer):
         self.failures = TransferFailures(worker_id)
         self.pull_speed = TransferSpeed()
         self._releases: set[asyncio.Task] = set()
-        self.init_feeds()
+        self.feeds = FeedServer(worker_id, self.generate)
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult | None = None,
                        pending: list | None = None):
@@ -98,6 +99,28 @@ class DecodeWorker(FeedServer, EngineServer):
                                      timeline.bytes_pulled, "tandem.blocks_skipped": timeline.blocks_skipped}})
         finally:
             self.in_flight.discard(request.request_id)
+
+    # ---- feeds (decode_workers/feeds.py): the Ray methods of this worker's FeedServer ------------------
+
+    async def open_feed(self, feed_id: str):
+        async with aclosing(self.feeds.open_feed(feed_id)) as items:
+            async for item in items:
+                yield item
+
+    async def start(self, feed_id: str, key: int, request: GenerateRequest, prefill: PrefillResult | None = None,
+                    pending: list | None = None) -> None:
+        await self.feeds.start(feed_id, key, request, prefill, pending)
+
+    def abort(self, feed_id: str, key: int) -> None:
+        self.feeds.abort(feed_id, key)
+
+    def feed_stats(self) -> dict:
+        return self.feeds.stats()
+
+    def feed_error(self, feed_id: str, key: int) -> None:
+        self.feeds.error(feed_id, key)
+
+    # ---- requests -------------------------------------------------------------------------------------
 
     async def _reserve_during_prefill(self, req: Request, result_ref) -> tuple[PrefillResult | None, list | None]:
         """Reserve the prompt's blocks, then wait for the prefill worker's result. Returns the result and
