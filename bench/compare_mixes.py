@@ -22,10 +22,11 @@ MIXES = {
                "--prefix-suffix-len", "64", "--prefix-output-len", "64"],
 }
 # Per mix: one rate below both servers' capacity on 2 cores and ones past it (bench/HISTORY.md, issue 38).
-DEFAULT_RATES = {"random": [1.0, 3.0], "long": [0.3, 1.0], "prefix": [0.5, 2.0]}
+DEFAULT_RATES = {"random": [1.0, 3.0], "long": [0.1, 0.3], "prefix": [0.15, 1.0]}
 
 # tandem's stages (engine/timeline.py) grouped into the phases of its first token; a gap between two
-# consecutive stages a request passed counts towards the phase of the later one.
+# consecutive stages a request passed counts towards the phase of the later one. "routing" includes the
+# router's wait for a prefill slot (RequestRouter._route) while the prefill queue is full.
 PHASES = {"validation": ("validated",), "tokenization": ("tokenized",), "routing": ("routed",),
           "queue": ("prefill_queued", "prefill_started"), "prefill": ("prefill_done",),
           "transfer": ("transfer_started", "transfer_done"), "decode admission": ("decode_admitted", "decode_started"),
@@ -35,12 +36,14 @@ _PHASE_OF = {stage: phase for phase, stages in PHASES.items() for stage in stage
 
 
 def phase_ms(timeline: dict) -> dict[str, float]:
-    """One request's milliseconds per phase up to its first token, from its stage times."""
+    """One request's milliseconds per phase up to its first token, from its stage times. A prefill on the
+    decode worker (local) stamps no prefill_done: its first token ends the prefill."""
     times = timeline.get("times", {})
     passed = sorted(((s, t) for s, t in times.items() if s == "arrival" or s in _PHASE_OF), key=lambda st: st[1])
+    local = "prefill_done" not in times and "prefill_started" in times
     out: dict[str, float] = {}
     for (_, before), (stage, at) in zip(passed, passed[1:]):
-        phase = _PHASE_OF[stage]
+        phase = "prefill" if local and stage == "first_token" else _PHASE_OF[stage]
         out[phase] = out.get(phase, 0.0) + (at - before) * 1000
     return out
 

@@ -67,13 +67,14 @@ def test_phase_ms_groups_consecutive_stage_gaps_into_phases():
 
 def test_stage_breakdown_splits_by_prefill_path_with_shares_and_client_residual():
     remote = timeline("remote", routed=10, prefill_started=40, prefill_done=200, transfer_done=30, first_token=20)
-    local = timeline("local", routed=10, prefill_started=5, prefill_done=100, first_token=5)
-    out = compare_mixes.stage_breakdown([request(310, remote), request(310, remote), request(130, local),
+    local = timeline("local", routed=10, decode_admitted=2, prefill_queued=1, prefill_started=2, first_token=105)
+    out = compare_mixes.stage_breakdown([request(310, remote), request(310, remote), request(125, local),
                                          {"success": False, "ttft": 0, "timeline": None}])
     assert out["n"] == 3 and out["share"] == {"remote": 2 / 3, "local": 1 / 3}
-    assert math.isclose(out["remote"]["prefill"], 200) and math.isclose(out["local"]["prefill"], 100)
+    assert math.isclose(out["remote"]["prefill"], 200) and math.isclose(out["local"]["prefill"], 105)
     assert math.isclose(out["remote"]["transfer"], 30) and "transfer" not in out["local"]
-    assert math.isclose(out["remote"]["client"], 10) and math.isclose(out["local"]["client"], 10)
+    assert math.isclose(out["remote"]["client"], 10) and math.isclose(out["local"]["client"], 5)
+    assert "first token out" not in out["local"]  # a local prefill's first token ends its prefill
     assert math.isclose(out["all"]["TTFT"], 310)
 
 
