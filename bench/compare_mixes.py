@@ -65,8 +65,26 @@ def stage_breakdown(requests: list[dict]) -> dict:
                if any(p in ph for ph in phases)}
         row["client"] = percentile([r["ttft"] * 1000 - sum(ph.values()) for r, ph in zip(rs, phases)], 50)
         row["TTFT"] = percentile([r["ttft"] * 1000 for r in rs], 50)
+        row.update(prefill_work(rs))
         out[path] = row
     return out
+
+
+def prefill_work(requests: list[dict], block_size: int = 16) -> dict[str, float]:
+    """What the prefills computed: p50 forward seconds → ms, p50 prompt tokens computed per forward second
+    (the prompt less the blocks the prefilling worker had cached), and the share of requests with a cache hit
+    there (tandem's timeline: prefill_forward_s, prefill_overlap_blocks on a remote prefill,
+    decode_overlap_blocks on a local one)."""
+    forward, rate, hits = [], [], 0
+    for r in requests:
+        tl = r["timeline"]
+        cached = (tl.get("prefill_overlap_blocks") if tl.get("prefill_path") == "remote"
+                  else tl.get("decode_overlap_blocks")) or 0
+        hits += cached > 0
+        if tl.get("prefill_forward_s"):
+            forward.append(tl["prefill_forward_s"] * 1000)
+            rate.append(max(0, r["prompt_len"] - cached * block_size) / tl["prefill_forward_s"])
+    return {"forward_ms": percentile(forward, 50), "tok_per_s": percentile(rate, 50), "hit_share": hits / len(requests)}
 
 
 def vllm_breakdown(series_deltas: dict[str, float]) -> dict[str, float]:
@@ -136,16 +154,24 @@ def breakdown_rows(mix: str, rate: float, tandem_run: dict | None, vllm_run: dic
     for path in ("all", "remote", "local"):
         if path in b:
             share = "" if path == "all" else f" {b['share'][path]:.0%}"
-            cells = " | ".join(_ms(b[path].get(p)) if p in b[path] else "–" for p in (*PHASES, "client", "TTFT"))
-            rows.append(f"| {mix} | {rate:g} | tandem {path}{share} | {cells} |")
+            row = b[path]
+            cells = " | ".join(_ms(row.get(p)) if p in row else "–" for p in (*PHASES, "client", "TTFT"))
+            rows.append(f"| {mix} | {rate:g} | tandem {path}{share} | {cells} | {_ms(row['forward_ms'])}, "
+                        f"{row['tok_per_s']:.0f} tok/s, {row['hit_share']:.0%} hits |")
     if vllm_run:
         v = vllm_breakdown(vllm_run["server_counters"].get("series", {}))
         if v:  # its histograms give means; `client` holds its server-side TTFT mean, TTFT the client's p50
             rows.append(f"| {mix} | {rate:g} | vLLM (means) | – | – | – | {_ms(v.get('queue'))} | "
                         f"{_ms(v.get('prefill'))} | – | – | – | server TTFT {_ms(v.get('TTFT'))} | "
-                        f"{_ms(vllm_run['summary']['ttft_ms']['median'])} |")
+                        f"{_ms(vllm_run['summary']['ttft_ms']['median'])} | {_vllm_hits(vllm_run)} |")
     return rows
 
 
-BREAKDOWN_HEAD = ["| mix | rate | server, prefill path (share) | " + " | ".join(PHASES) + " | client | TTFT |",
-                  "|---|---|---|" + "---|" * (len(PHASES) + 2)]
+def _vllm_hits(run: dict) -> str:
+    hit = run["server_counters"].get("prefix_hit_rate")
+    return "–" if hit is None else f"{hit:.0%} of prompt tokens hit"
+
+
+BREAKDOWN_HEAD = ["| mix | rate | server, prefill path (share) | " + " | ".join(PHASES) + " | client | TTFT "
+                  "| prefill forward p50, computed tok/s, cache hits |",
+                  "|---|---|---|" + "---|" * (len(PHASES) + 3)]

@@ -116,3 +116,12 @@ def test_goodput_is_requests_per_second_meeting_both_slos():
 def test_random_mix_matches_serve_datas_random_sessions():
     mine = [s.turns[0].prompt_token_ids for s in sessions_of("random", 4, seed=9)]
     assert mine == [s.turns[0].prompt_token_ids for s in serve_data.random_sessions(SPACE, 4, 256, 64, 9)]
+
+
+def test_prefill_work_counts_only_the_uncached_prompt_and_the_share_of_hits():
+    hit = {**timeline("remote", prefill_done=100), "prefill_forward_s": 0.5, "prefill_overlap_blocks": 96}
+    miss = {**timeline("local", first_token=100), "prefill_forward_s": 4.0, "decode_overlap_blocks": 0}
+    out = compare_mixes.prefill_work([{"prompt_len": 1600, "timeline": hit}, {"prompt_len": 1600, "timeline": miss}])
+    assert out["hit_share"] == 0.5
+    assert out["tok_per_s"] == (64 / 0.5 + 1600 / 4.0) / 2  # (1600 - 96 · 16) tokens in 0.5 s; 1600 in 4 s
+    assert out["forward_ms"] == 2250
