@@ -193,7 +193,7 @@ def run_mixes(spec: ServerSpec, workloads: list[tuple[str, list[str], list[float
 # ---- the three cases -----------------------------------------------------------------------------------
 
 def case_a(cfg) -> list[dict]:
-    workloads = [(mix, compare_mixes.MIXES[mix] + ["--num-prompts", str(cfg.num_prompts), "--disable-tqdm"],
+    workloads = [(mix, compare_mixes.MIXES[mix] + ["--num-prompts", str(cfg.mix_prompts), "--disable-tqdm"],
                   cfg.rates or compare_mixes.DEFAULT_RATES[mix]) for mix in cfg.mixes.split(",")]
     specs = [tandem("tandem", "--dtype", cfg.dtype, *cfg.tandem_flag)] + ([] if cfg.no_vllm else [vllm(cfg.dtype)])
     return [run_mixes(spec, workloads, cfg.seed, cfg.out) for spec in specs]
@@ -345,7 +345,10 @@ def parse_args(argv=None):
                    help="case a: both servers' precision (tandem --dtype, vLLM --dtype)")
     p.add_argument("--burst-rates", type=serve.parse_rates, default=[1.0], help="case b's short-request rates")
     p.add_argument("--prefix-rates", type=serve.parse_rates, default=[1.0], help="case c's rates")
-    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--num-prompts", type=int, default=48, help="cases b and c: requests per rate")
+    p.add_argument("--mix-prompts", type=int, default=24,
+                   help="case a: requests per mix and rate (24 keeps case a near 25 min on 2 cores: long prompts "
+                        "at 0.1 req/s take 4 min a side)")
     p.add_argument("--burst-every", type=int, default=8)
     p.add_argument("--long-input-len", type=int, default=1536)
     p.add_argument("--num-prefixes", type=int, default=8)
@@ -369,7 +372,7 @@ def parse_args(argv=None):
     cfg = p.parse_args(argv)
     if cfg.smoke:
         cfg.rates, cfg.burst_rates, cfg.prefix_rates = cfg.rates or [1.0], [1.0], [1.0]
-        cfg.num_prompts, cfg.burst_every, cfg.long_input_len, cfg.num_prefixes = 8, 3, 768, 2
+        cfg.num_prompts, cfg.mix_prompts, cfg.burst_every, cfg.long_input_len, cfg.num_prefixes = 8, 8, 3, 768, 2
         cfg.prefix_len = 128
     if cfg.replot:
         return cfg

@@ -125,3 +125,13 @@ def test_prefill_work_counts_only_the_uncached_prompt_and_the_share_of_hits():
     assert out["hit_share"] == 0.5
     assert out["tok_per_s"] == (64 / 0.5 + 1600 / 4.0) / 2  # (1600 - 96 · 16) tokens in 0.5 s; 1600 in 4 s
     assert out["forward_ms"] == 2250
+
+
+def test_compare_pins_bfloat16_on_both_sides_by_default_and_smoke_stays_small(tmp_path):
+    from bench import compare
+
+    cfg = compare.parse_args(["--result-dir", str(tmp_path)])
+    assert cfg.dtype == "bfloat16" and cfg.rates is None and cfg.mixes.split(",") == list(compare_mixes.MIXES)
+    assert compare.vllm(cfg.dtype).argv[:2] == ["env", "VLLM_DTYPE=bfloat16"]
+    smoke = compare.parse_args(["--smoke", "--result-dir", str(tmp_path)])
+    assert smoke.mix_prompts == 8 and smoke.rates == [1.0]
