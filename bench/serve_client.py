@@ -14,8 +14,12 @@ import aiohttp
 from bench.serve_data import Session
 from bench.serve_metrics import RequestResult
 
+# vLLM's per-request phase histograms (seconds); their _sum and _count give a run's mean per phase.
+VLLM_PHASE_HISTOGRAMS = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
+                         "TTFT": "vllm:time_to_first_token_seconds"}
 SCRAPED_COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
-                    "tandem:prefills", "tandem:kv_transfer_failures", "tandem:routing_decisions")
+                    "tandem:prefills", "tandem:kv_transfer_failures", "tandem:routing_decisions",
+                    *(f"{name}_{part}" for name in VLLM_PHASE_HISTOGRAMS.values() for part in ("sum", "count")))
 
 
 @dataclass(slots=True)

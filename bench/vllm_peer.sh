@@ -13,6 +13,13 @@
 # It serves tandem's converted SmolLM2 directory (an HF directory), found from
 # the tandem venv, unless VLLM_PEER_MODEL names another. Run `start`/`serve`
 # under `flock /tmp/tandem-bench.lock` on the shared 2-core machines.
+#
+# The server runs at vLLM's own defaults, as a user gets it: its model compiled
+# (no --enforce-eager) and its prefix cache on. Environment:
+#   VLLM_DTYPE=bfloat16      the precision, pinned (bfloat16 is what vLLM's `auto` picks on CPU);
+#                            bench/compare.py sets it equal to tandem's --dtype
+#   VLLM_EAGER=1             add --enforce-eager (no compilation: faster start, slower steps)
+#   VLLM_CPU_KVCACHE_SPACE=4 GiB of KV cache
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -45,9 +52,11 @@ serve() {
     model="$(model_dir)"
     test -f "$model/config.json" || { echo "no HF model at $model: run 'make venv' and 'tandem serve' once to convert it" >&2; exit 1; }
     export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}"
+    local eager=()
+    [[ "${VLLM_EAGER:-0}" == 1 ]] && eager=(--enforce-eager)
     exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
         --host 127.0.0.1 --port "$PORT" --model "$model" \
-        --dtype "${VLLM_DTYPE:-float32}" --enforce-eager
+        --dtype "${VLLM_DTYPE:-bfloat16}" "${eager[@]}"
 }
 
 start() {
