@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-
 from collections.abc import AsyncIterator, Callable
 
 from worker_runtime.protocol import FEED_END, FEED_FAILED, GenerateRequest, PrefillResult

@@ -63,6 +63,7 @@ class InputProcessor:
         self._check_reasoning(params)
         self._check_output_ids(output_token_ids, max_tokens)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seeds))
+        timeline = timeline or RequestTimeline(request_id)  # one per prompt: its candidates and beams share it
         if params.use_beam_search:
             return self._first_beam(request_id, prompt_ids, params, max_tokens, cache_salt, timeline)
         if params.n > 1:
@@ -129,9 +130,8 @@ class InputProcessor:
         return new_spec_state(config or SpeculativeConfig())
 
     def _candidates(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                    cache_salt: str | None, seed: int, timeline: RequestTimeline | None) -> Request:
+                    cache_salt: str | None, seed: int, timeline: RequestTimeline) -> Request:
         """The first of n candidates, the others pending on it; candidate i draws from candidate_seed(seed, i)."""
-        timeline = timeline or RequestTimeline(request_id)
         candidates = []
         for i in range(params.n):
             p = replace(params, n=1, seed=candidate_seed(seed, i))
@@ -141,12 +141,12 @@ class InputProcessor:
         return candidates[0]
 
     def _first_beam(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                    cache_salt: str | None, timeline: RequestTimeline | None) -> Request:
+                    cache_salt: str | None, timeline: RequestTimeline) -> Request:
         """The first beam of a new search, which answers under `candidate_id(request_id, i)`."""
         search = BeamSearch(request_id, len(prompt_ids), params.beam_width, params.n, params.length_penalty,
                             frozenset(self.eos_token_ids))
         root = Request(search.next_beam_id(), prompt_ids, params, max_tokens, cache_salt, beam_search=search,
-                       timeline=timeline or RequestTimeline(request_id))
+                       timeline=timeline)
         search.beams = [root]
         return root
 
