@@ -253,13 +253,17 @@ class CpuOptions(_Strict):
     default) moves a local `tandem serve`'s own Ray and Serve processes off the prefill workers' cores once
     it serves: on the 2-core box their wakeups took a fifth of a served prefill's time, and at 0.5 req/s
     isolation cut TTFT by a fifth, but near saturation the decode core cannot spare their CPU and request
-    throughput fell by a tenth (bench/HISTORY.md, "Serving processes off the prefill core"). Ignored by
-    workers on GPUs."""
+    throughput fell by a tenth (bench/HISTORY.md, "Serving processes off the prefill core").
+    `lend_busy_ms` (with `borrow`): while a prefill worker on its node computes a prompt, a busy decode worker
+    lends its cores between its steps too, starting a step at most every `lend_busy_ms` (0: decode lends
+    only while idle); the prefill forward takes and gives back the lent cores between its decoder layers.
+    Ignored by workers on GPUs."""
     pin: bool = True
     borrow: bool = True
     decode_borrows: bool = False
     isolate_prefill: bool = False
     borrow_slice_ms: float | None = Field(None, ge=0)
+    lend_busy_ms: float = Field(100.0, ge=0, le=10_000)
 
     def binding(self, role: str, pool: PoolConfig) -> CpuBinding | None:
         cores = int(pool.num_cpus)
@@ -268,7 +272,8 @@ class CpuOptions(_Strict):
         both_ways = self.borrow and self.decode_borrows
         if role == "prefill":
             return CpuBinding(cores, lend=both_ways, borrow=self.borrow)
-        return CpuBinding(cores, lend=self.borrow, borrow=both_ways, top=True)
+        return CpuBinding(cores, lend=self.borrow, borrow=both_ways, top=True,
+                          lend_busy_ms=self.lend_busy_ms if self.borrow else 0.0)
 
 
 class ClusterConfig(_Strict):

@@ -59,10 +59,13 @@ def resolve_dtype(dtype: str, device: str | torch.device) -> str:
 @dataclass(slots=True)
 class CpuBinding:
     """What a worker asks for: `cores` physical cores of its own; `lend` them while its engine is idle
-    (decode); `borrow` lent cores for its forwards (prefill)."""
+    (decode); `borrow` lent cores for its forwards (prefill). `lend_busy_ms` (a lender's): while a
+    neighbour's prompt is being computed, a busy lender also lends its cores between its steps, so that
+    one step starts at most every `lend_busy_ms` (0: it lends only while idle)."""
     cores: int
     lend: bool = False
     borrow: bool = False
+    lend_busy_ms: float = 0.0
     top: bool = False  # take the highest free cores (decode), leaving the lowest to prefill
 
 

@@ -259,6 +259,11 @@ _STATS_COUNTERS = {
     "vllm:prompt_tokens": ("Prompt tokens processed.", lambda s: s.prompt_tokens),
     "vllm:generation_tokens": ("Tokens generated.", lambda s: s.generation_tokens),
     "vllm:num_preemptions": ("Requests preempted for lack of KV blocks.", lambda s: s.num_preemptions),
+    "tandem:cpu_busy_lends": ("A busy decode worker's pauses between steps that lent its cores to a prefill "
+                              "(cpu.lend_busy_ms).", lambda s: s.cpu_busy_lends),
+    "tandem:cpu_busy_lent_seconds": ("Seconds of those pauses.", lambda s: s.cpu_busy_lent_s),
+    "tandem:cpu_reclaim_timeouts": ("Steps a lender began before the borrowing forward let go of its cores "
+                                    "(should stay 0).", lambda s: s.cpu_reclaim_timeouts),
 }
 
 

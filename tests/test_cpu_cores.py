@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
@@ -16,9 +18,10 @@ from engine import Engine, EngineConfig, SamplingParams
 from worker_runtime import cpu_cores
 from engine.config import CpuBinding
 from worker_runtime.cpu_cores import PinnedCores, assign_cores, claim_cores, node_cores, pinning_is_safe
-from worker_runtime.engine_loop import watch_lenders
+from worker_runtime.engine_loop import EngineLoop, watch_lenders
 from engine.layer_progress import decoder_layers
 from engine.step_context import StepContext
+from tests.helpers import wait_for
 
 CORES = [(0,), (1,), (2,), (3,), (4,), (5,)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -198,11 +201,12 @@ def test_pinned_workers_take_their_threads_from_their_cores():
     prefill, decode = config.engine_config(config.prefill, "prefill"), config.engine_config(config.decode, "decode")
     assert prefill.cpu_binding == CpuBinding(2, lend=False, borrow=True) and prefill.num_threads is None
     # Decode takes the highest free cores, prefill the lowest.
-    assert decode.cpu_binding == CpuBinding(1, lend=True, borrow=False, top=True) and decode.num_threads == 3
+    assert decode.cpu_binding == CpuBinding(1, lend=True, borrow=False, top=True, lend_busy_ms=100.0)
+    assert decode.num_threads == 3
     both_ways = ClusterConfig(cpu={"decode_borrows": True})
     assert both_ways.engine_config(both_ways.prefill, "prefill").cpu_binding == CpuBinding(1, lend=True, borrow=True)
     assert both_ways.engine_config(both_ways.decode, "decode").cpu_binding == CpuBinding(1, lend=True, borrow=True,
-                                                                                       top=True)
+                                                                                       top=True, lend_busy_ms=100.0)
     neither = ClusterConfig(cpu={"borrow": False})
     assert neither.engine_config(neither.decode, "decode").cpu_binding == CpuBinding(1, lend=False, borrow=False,
                                                                                     top=True)
@@ -257,6 +261,90 @@ def test_two_workers_lend_each_other_their_idle_cores_and_take_them_back_when_bu
         decode.close()
 
 
+@pytest.mark.skipif(len(node_cores()) < 2, reason="lending needs two cores")
+def test_a_busy_lender_lends_between_its_steps_only_while_a_live_borrower_computes_a_prompt(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_cores, "pin_threads", lambda cpus: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    prefill = PinnedCores(CpuBinding(1, borrow=True), directory=tmp_path)
+    decode = PinnedCores(CpuBinding(1, lend=True, lend_busy_ms=40), directory=tmp_path)
+    try:
+        (decode_core,) = decode.owned
+        decode.busy()
+        prefill.idle()  # no prompt: a busy decode worker keeps its core between steps
+        assert decode.lend_between_steps(time.monotonic()) == 0.0 and decode.busy_lends == 0
+        prefill.busy()  # a prompt, while decode is busy: nothing lent yet
+        assert not prefill.borrowed
+        assert decode.lend_between_steps(time.monotonic() - 0.05) == 0.0  # its step took longer than 40 ms
+
+        # The pause: the borrower's next layer takes the core; once the pause ends the lender waits until
+        # the borrower's following layer has given it back.
+        took, gave_back = threading.Event(), threading.Event()
+
+        def borrower():
+            assert wait_for(lambda: prefill.rebalance() == (False, True), interval_s=0.001)
+            took.set()
+            assert list(prefill.borrowed) == [decode_core] and prefill.threads == 2
+            assert wait_for(lambda: prefill.rebalance() == (True, False), interval_s=0.01)
+            gave_back.set()
+
+        thread = threading.Thread(target=borrower)
+        thread.start()
+        started = time.monotonic()
+        lent = decode.lend_between_steps(started)
+        thread.join()
+        assert took.is_set() and gave_back.is_set()
+        assert 0.0 < lent <= 0.04 and time.monotonic() - started >= 0.04
+        assert not decode.lending and not prefill.borrowed and prefill.threads == 1
+        assert (decode.busy_lends, decode.reclaim_timeouts, prefill.taken_midway, prefill.reclaimed_midway) == (1, 0, 1, 1)
+
+        # A borrower that does not let go in time: the lender steps anyway, and counts it.
+        monkeypatch.setattr(PinnedCores, "RECLAIM_WAIT_S", 0.02)
+        timer = threading.Timer(0.01, prefill.rebalance)
+        timer.start()
+        decode.lend_between_steps(time.monotonic())
+        timer.join()
+        assert prefill.borrowed and decode.reclaim_timeouts == 1
+        prefill.rebalance()
+        assert not prefill.borrowed
+
+        # A borrower that died computing a prompt left its flag set; its lock went with it: no pause for it.
+        prefill.close()
+        (prefill_core,) = [core for core in decode.node if core not in decode.owned][:1]
+        os.pwrite(os.open(tmp_path / f"core{prefill_core[0]}.lock", os.O_RDWR), b"01", 0)
+        assert decode.lend_between_steps(time.monotonic()) == 0.0 and decode.busy_lends == 2
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.skipif(len(node_cores()) < 2, reason="lending needs two cores")
+def test_the_decode_loop_paces_its_steps_while_a_neighbours_prompt_runs(tmp_path, monkeypatch, tiny_llama_dir):
+    monkeypatch.setattr(cpu_cores, "pin_threads", lambda cpus: None)
+    prefill = PinnedCores(CpuBinding(1, borrow=True), directory=tmp_path)
+    decode = PinnedCores(CpuBinding(1, lend=True, lend_busy_ms=30), directory=tmp_path)
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64))
+    loop = EngineLoop(engine, cores=decode)
+    try:
+        def decode_tokens(n: int) -> float:
+            started = time.monotonic()
+            loop.submit(engine.add_request, f"r{n}-{started}", [3, 4, 5],
+                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)).result()
+            assert wait_for(lambda: not loop.submit(engine.has_unfinished_requests).result(), interval_s=0.005)
+            return time.monotonic() - started
+
+        # A neighbour computes a prompt (the flag its busy() sets; it takes nothing here, so that the idle
+        # loop's lent core is not held): every step but the last is followed by a pause.
+        prefill._want(True)
+        assert decode_tokens(6) >= 5 * 0.03 and decode.busy_lends == 5 and decode.reclaim_timeouts == 0
+        prefill._want(False)  # and without one, none
+        decode_tokens(6)
+        assert decode.busy_lends == 5
+    finally:
+        loop.stop()
+        prefill.close()
+        decode.close()
+
+
 @pytest.mark.parametrize("lender_turns_busy", [True, False])
 def test_a_borrowed_forward_gives_the_core_back_between_layers_once_its_owner_is_busy(
         tmp_path, monkeypatch, tiny_llama_dir, lender_turns_busy):
@@ -286,6 +374,34 @@ def test_a_borrowed_forward_gives_the_core_back_between_layers_once_its_owner_is
         else:
             assert len(prefill.borrowed) == 1 and threads[-1] == 2 and prefill.reclaimed_midway == 0
             assert not context.borrow_cut
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_forward_on_its_own_core_takes_a_core_lent_midway(tmp_path, monkeypatch, tiny_llama_dir):
+    threads = []
+    monkeypatch.setattr(cpu_cores, "pin_threads", lambda cpus: None)
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    prefill = PinnedCores(CpuBinding(1, borrow=True), directory=tmp_path)
+    decode = PinnedCores(CpuBinding(1, lend=True, lend_busy_ms=100), directory=tmp_path)
+    if len(decode.node) < 2:
+        pytest.skip("lending needs two cores")
+    try:
+        engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64))
+        context = StepContext()
+        watch_lenders(engine.runner.model, prefill, context)
+        # decode, busy when the forward starts, pauses between its steps while the first layer runs
+        decoder_layers(engine.runner.model)[0].register_forward_hook(lambda *args: decode._lend(True))
+        decode.busy()
+        prefill.busy()
+        assert prefill.threads == 1
+        engine.add_request("p", list(range(3, 60)), SamplingParams(temperature=0.0, max_tokens=4))
+        observed = dict(engine.step_costs.prefill_tokens_per_s)
+        engine.step(context)
+        assert len(prefill.borrowed) == 1 and threads[-1] == 2 and prefill.taken_midway == 1
+        assert context.borrow_cut and not context.borrowing  # a mixed step: measured as neither speed
+        assert engine.step_costs.prefill_tokens_per_s == observed
     finally:
         prefill.close()
         decode.close()

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(len(node_cores()) < 2, reason="pinning two worke
 @pytest.fixture(scope="module")
 def pools(ray_cluster, tiny_llama_dir):
     config = ClusterConfig(model=tiny_llama_dir, name="pinning", engine={"num_kv_blocks": 256},
-                           cpu={"decode_borrows": True},
+                           cpu={"decode_borrows": True, "lend_busy_ms": 0},  # decode lends only while idle
                            prefill={"resources": {"prefill_pool": 1}, "num_cpus": 1},
                            decode={"resources": {"decode_pool": 1}, "num_cpus": 1})
     pools = Pools(config)

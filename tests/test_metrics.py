@@ -117,7 +117,8 @@ def test_every_documented_series_is_exported(metrics):
         "vllm:num_preemptions", "tandem:kv_transfer_seconds", "tandem:kv_transfer_bytes", "tandem:prefills",
         "tandem:kv_transfer_failures",
         "tandem:routing_decisions", "tandem:routing_prefix_hit_blocks", "tandem:scaling_events",
-        "tandem:pool_replicas", "tandem:autoscaler_desired_replicas", "tandem:queued_prefill_tokens"}
+        "tandem:pool_replicas", "tandem:autoscaler_desired_replicas", "tandem:queued_prefill_tokens",
+        "tandem:cpu_busy_lends", "tandem:cpu_reclaim_timeouts"}
     assert expected <= set(metrics)
 
 

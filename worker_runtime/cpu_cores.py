@@ -13,8 +13,11 @@ own processes to the others once it serves (cluster/launcher.py). Those processe
 CPU list in `TANDEM_NODE_CPUS`: workers started from them claim from it, and unpinned ones run on it.
 
 Lending: the first byte of an owner's lock file says whether it lends its cores now (b"1": its engine
-is idle). A borrower holds `core<N>.borrow` while it runs threads on a lent core, so two borrowers
-never share one; it looks before every forward and gives the core back as soon as the owner is busy.
+is idle, or pauses between steps for a borrower), the second whether a borrower among the owners is
+computing a prompt and would take lent cores (b"1"). A borrower holds `core<N>.borrow` while it runs
+threads on a lent core, so two borrowers never share one; it looks before every forward and between
+its decoder layers, takes what is lent and gives a core back as soon as its owner is busy. A busy owner
+that paused for a borrower waits for that before its next step, so the two never share a core.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import fcntl
 import os
 import re
 import socket
+import time
 from pathlib import Path
 
 from engine.config import CpuBinding
@@ -173,7 +177,7 @@ def claim_cores(want: int, directory: Path | None = None, cores: list[Core] | No
             if fd is None:
                 taken.add(core[0])
                 break
-            os.pwrite(fd, b"0", 0)  # not lent until the new owner says so
+            os.pwrite(fd, b"00", 0)  # not lent, and no prompt, until the new owner says so
             held[core] = fd
         else:
             return held
@@ -186,7 +190,12 @@ class PinnedCores:
 
     The engine loop calls `busy()` before each step and `idle()` before it waits: a lender publishes
     whether its cores are free; a borrower takes the free ones for the coming forward (threads = own
-    threads + one per borrowed core) and gives them back once their owner is busy, or when it idles."""
+    threads + one per borrowed core) and gives them back once their owner is busy, or when it idles.
+    A busy lender with `lend_busy_ms` calls `lend_between_steps` after each step."""
+
+    # How long a lender that reclaims its cores waits for the borrower's forward to reach its next
+    # decoder layer and let go, before it steps anyway (counted: `reclaim_timeouts`).
+    RECLAIM_WAIT_S = 0.05
 
     def __init__(self, binding: CpuBinding, threads: int | None = None, directory: Path | None = None):
         self.binding = binding
@@ -199,6 +208,11 @@ class PinnedCores:
         self.last_step_threads = self.own_threads
         self.borrowing_steps = 0  # steps that ran with borrowed cores
         self.reclaimed_midway = 0  # forwards that gave borrowed cores back between layers (owner turned busy)
+        self.taken_midway = 0  # forwards that took cores lent between layers (a busy owner's pause)
+        self.wanting: bool | None = None  # a borrower: whether it said it computes a prompt now
+        self.busy_lends = 0  # a busy lender's pauses between steps for a borrower
+        self.busy_lent_s = 0.0  # ... and their seconds
+        self.reclaim_timeouts = 0  # steps begun while a borrower still held this worker's core
         self._states: dict[Core, int] = {}  # read-only fds of other owners' lock files
         if self.owned:
             pin_threads(self.cpus())
@@ -220,6 +234,7 @@ class PinnedCores:
         if self.binding.lend:
             self._lend(False)
         if self.binding.borrow and self.owned:
+            self._want(True)
             self._borrow()
             self.borrowing_steps += bool(self.borrowed)
         self.last_step_threads = self.threads
@@ -227,23 +242,50 @@ class PinnedCores:
     def idle(self) -> None:
         if self.binding.lend:
             self._lend(True)
+        if self.binding.borrow and self.owned:
+            self._want(False)
         if self.borrowed:
             self._give_back(list(self.borrowed))
             self._apply()
 
-    def give_back_reclaimed(self) -> bool:
-        """Between two decoder layers of a forward on borrowed cores: give back those whose owner has turned
-        busy since the forward began, so the rest of it runs on the cores still lent. A thread left on a
-        busy owner's core holds up every parallel region of the forward (each waits for its slowest thread,
-        which gets only a share of that core): a 256-token prefill took 1.2-2.5 s instead of 0.45 s.
-        True when some went back. Engine loop thread only."""
+    def rebalance(self) -> tuple[bool, bool]:
+        """Between two decoder layers of a forward: give back the borrowed cores whose owner has turned busy
+        since the forward began, and take those lent since (a busy owner pausing between its steps), so the
+        rest of the forward runs on the cores lent now. A thread left on a busy owner's core holds up every
+        parallel region of the forward (each waits for its slowest thread, which gets only a share of that
+        core): a 256-token prefill took 1.2-2.5 s instead of 0.45 s. Returns (gave some back, took some).
+        Engine loop thread only."""
         returned = [core for core in self.borrowed if not self._is_lent(core)]
-        if not returned:
-            return False
         self._give_back(returned)
-        self._apply()
-        self.reclaimed_midway += 1
-        return True
+        taken = self._take_lent()
+        if returned or taken:
+            self._apply()
+        self.reclaimed_midway += bool(returned)
+        self.taken_midway += taken
+        return bool(returned), taken
+
+    def lend_between_steps(self, step_started: float) -> float:
+        """A busy lender, after a step that began at `step_started` (time.monotonic()): while a borrower on
+        this node is computing a prompt, lend this worker's cores until `lend_busy_ms` have passed since the
+        step began, then take them back, waiting (at most RECLAIM_WAIT_S) until the borrower's forward has
+        let go at its next decoder layer. Returns the seconds lent (0: it did not pause). Engine loop only."""
+        if not (self.binding.lend and self.binding.lend_busy_ms > 0 and self.owned):
+            return 0.0
+        pause = step_started + self.binding.lend_busy_ms / 1000 - time.monotonic()
+        if pause < 0.001 or not self._borrower_wants():
+            return 0.0
+        self._lend(True)
+        time.sleep(pause)
+        self._lend(False)
+        deadline = time.monotonic() + self.RECLAIM_WAIT_S
+        while not self._returned():
+            if time.monotonic() >= deadline:
+                self.reclaim_timeouts += 1
+                break
+            time.sleep(0.0005)
+        self.busy_lends += 1
+        self.busy_lent_s += pause
+        return pause
 
     def threads_if_borrowing_now(self) -> int:
         """The threads a forward starting now would run with, borrowing every core lent at this moment;
@@ -258,10 +300,14 @@ class PinnedCores:
         return {"cores": sorted(c for core in self.owned for c in core),
                 "borrowed": sorted(c for core in self.borrowed for c in core), "threads": self.threads,
                 "last_step_threads": self.last_step_threads, "borrowing_steps": self.borrowing_steps,
-                "reclaimed_midway": self.reclaimed_midway,
+                "reclaimed_midway": self.reclaimed_midway, "taken_midway": self.taken_midway,
+                "busy_lends": self.busy_lends, "busy_lent_s": round(self.busy_lent_s, 3),
+                "reclaim_timeouts": self.reclaim_timeouts,
                 "lending": bool(self.lending), "affinity": sorted(os.sched_getaffinity(0))}
 
     def close(self) -> None:
+        if self.binding.borrow and self.owned:
+            self._want(False)
         for fd in [*self.owned.values(), *self.borrowed.values(), *self._states.values()]:
             os.close(fd)
         self.owned, self.borrowed, self._states = {}, {}, {}
@@ -272,27 +318,65 @@ class PinnedCores:
                 os.pwrite(fd, b"1" if lend else b"0", 0)
             self.lending = lend
 
+    def _want(self, want: bool) -> None:
+        if want != self.wanting:
+            for fd in self.owned.values():
+                os.pwrite(fd, b"1" if want else b"0", 1)
+            self.wanting = want
+
     def _borrow(self) -> None:
-        lent = {core for core in self.node if core not in self.owned and self._is_lent(core)}
-        returned = [core for core in self.borrowed if core not in lent]
+        returned = [core for core in self.borrowed if not self._is_lent(core)]
         self._give_back(returned)
+        if returned or self._take_lent():
+            self._apply()
+
+    def _take_lent(self) -> bool:
+        """Lock the lent cores not yet borrowed (another borrower may hold one); True when some were taken."""
         added = False
-        for core in lent - set(self.borrowed):
+        for core in self.node:
+            if core in self.owned or core in self.borrowed or not self._is_lent(core):
+                continue
             fd = _try_lock(self.directory / f"core{core[0]}.borrow")
             if fd is not None:
                 self.borrowed[core] = fd
                 added = True
-        if returned or added:
-            self._apply()
+        return added
+
+    def _borrower_wants(self) -> bool:
+        """Whether a live borrower on this node computes a prompt now (its lock file's second byte, and its
+        lock held: a dead one's flag is stale)."""
+        for core in self.node:
+            if core in self.owned or self._state(core, 2)[1:] != b"1":
+                continue
+            fd = self._states[core]
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True  # its owner holds it: alive
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+
+    def _returned(self) -> bool:
+        """Whether no borrower holds any of this worker's cores."""
+        for core in self.owned:
+            fd = _try_lock(self.directory / f"core{core[0]}.borrow")
+            if fd is None:
+                return False
+            os.close(fd)
+        return True
 
     def _is_lent(self, core: Core) -> bool:
+        return self._state(core, 1) == b"1"
+
+    def _state(self, core: Core, size: int) -> bytes:
+        """The first `size` bytes of another owner's lock file (b"" where none was ever made)."""
         fd = self._states.get(core)
         if fd is None:
             try:
                 fd = self._states[core] = os.open(self.directory / f"core{core[0]}.lock", os.O_RDONLY)
             except FileNotFoundError:
-                return False
-        return os.pread(fd, 1, 0) == b"1"
+                return b""
+        return os.pread(fd, size, 0)
 
     def _give_back(self, cores: list[Core]) -> None:
         for core in cores:

@@ -31,14 +31,15 @@ class EngineStopped(RuntimeError):
 
 
 def watch_lenders(model, cores: PinnedCores, context: StepContext) -> None:
-    """Before each decoder layer of a forward on borrowed cores, give back the cores whose owner turned busy
-    (`PinnedCores.give_back_reclaimed`): a forward cannot stop halfway, but it can shrink. Such a step ran
-    partly on borrowed cores, so it is measured as neither kind (`StepContext.borrow_cut`)."""
+    """Before each decoder layer of a forward, give back the borrowed cores whose owner turned busy and take
+    those lent since (`PinnedCores.rebalance`): a forward cannot stop halfway, but it can shrink and grow.
+    Such a step ran partly on borrowed cores, so it is measured as neither kind (`StepContext.borrow_cut`)."""
     from engine.layer_progress import decoder_layers  # with the model, not in the control plane
 
     def check(module, args) -> None:
-        if context.borrowing and cores.give_back_reclaimed():
-            context.borrowing = False
+        gave_back, took = cores.rebalance()
+        if gave_back or took:
+            context.borrowing = bool(cores.borrowed) and context.borrowing
             context.borrow_cut = True
 
     for layer in decoder_layers(model):
@@ -113,6 +114,7 @@ class EngineLoop:
             if self.cores is not None:
                 self.cores.busy()
                 self.step_context.borrowing, self.step_context.borrow_cut = bool(self.cores.borrowed), False
+            started = time.monotonic()
             try:
                 outputs = self.engine.step(self.step_context)
             except Exception:  # the loop must outlive any one bad step
@@ -121,6 +123,8 @@ class EngineLoop:
             if self.on_step is not None:
                 self.on_step(outputs)
             self._deliver(outputs)
+            if self.cores is not None and self.engine.has_unfinished_requests():
+                self.cores.lend_between_steps(started)  # while a neighbour's prompt runs (cpu.lend_busy_ms)
 
     def _run_commands(self) -> None:
         while self.inbox:

@@ -119,6 +119,11 @@ class WorkerStats:
     kv_pull_gbps: float = PRIOR_KV_PULL_GBPS  # a decode worker's pulls: bandwidth and fixed cost
     kv_pull_latency_s: float = PRIOR_KV_PULL_LATENCY_S
     spec_decode: SpecDecodeStats | None = None  # None until a request speculated on this worker
+    # A busy CPU lender's pauses between steps for a prefill on its node (cpu.lend_busy_ms), their seconds,
+    # and its steps begun before the borrower had let go of its cores (should stay 0).
+    cpu_busy_lends: int = 0
+    cpu_busy_lent_s: float = 0.0
+    cpu_reclaim_timeouts: int = 0
 
     @property
     def kv_usage(self) -> float:

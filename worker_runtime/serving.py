@@ -117,6 +117,8 @@ class EngineServer:
             costs.cpu_node = self.cores.node_key
             costs.lend_threads = self.cores.own_threads if self.cores.binding.lend else 0
             costs.borrows = self.cores.binding.borrow
+            counters.update(cpu_busy_lends=self.cores.busy_lends, cpu_busy_lent_s=self.cores.busy_lent_s,
+                            cpu_reclaim_timeouts=self.cores.reclaim_timeouts)
         return counters
 
     async def kv_events(self, after_seq: int, timeout_s: float = 1.0) -> KVEventsReply:
