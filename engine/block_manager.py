@@ -69,6 +69,15 @@ class BlockManager:
         (default: all of them) is always left to compute."""
         if not self.enable_prefix_caching:
             return []
+        hits = self.peek_computed_blocks(req, num_tokens)
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits
+
+    def peek_computed_blocks(self, req: Request, num_tokens: int | None = None) -> list[int]:
+        """`get_computed_blocks` without counting the lookup (the scheduler sizing a step)."""
+        if not self.enable_prefix_caching:
+            return []
         self.update_block_hashes(req)
         bs = self.block_size
         max_blocks = ((req.num_tokens if num_tokens is None else num_tokens) - 1) // bs
@@ -78,8 +87,6 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.prefix_cache_queries += req.num_tokens
-        self.prefix_cache_hits += len(hits) * bs
         return hits
 
     def can_allocate(self, num_blocks: int, computed_blocks: list[int] = ()) -> bool:

@@ -31,7 +31,10 @@ class Scheduler:
     `prefill_budget`, when set (a decode worker sets it from its ITL SLO), caps the prompt tokens of a
     step that also runs decodes: it is called with the number of decodes and where in its prompt the step's
     first chunk starts (late chunks of a long prompt are slower), and returns the cap (stall-free batching,
-    as in Sarathi-Serve). Without it, a step has the whole token budget."""
+    as in Sarathi-Serve). Without it, a step has the whole token budget. Under that cap a long prompt
+    would hold the room for many steps, so the first waiting prompt whose uncached rest fits one step's
+    room whole (a prefix hit, a short prompt) takes the room before running prompts' next chunks: they
+    lose one step each time, and it gets its first token a step later instead of after them."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
                  prefill_budget: Callable[[int, int], int] | None = None):
@@ -55,18 +58,36 @@ class Scheduler:
         budget = StepBudget(min(self.max_num_batched_tokens, token_cap or self.max_num_batched_tokens),
                             self._num_decodes() if self.prefill_budget is not None else 0)
         scheduled: list[tuple[Request, int]] = []
-        if not self._schedule_running(budget, scheduled):
+        if not self._schedule_running(budget, scheduled, self._short_prompt_waits(budget)):
             self._schedule_waiting(budget, scheduled)
         return scheduled
 
-    def _schedule_running(self, budget: StepBudget, scheduled: list[tuple[Request, int]]) -> bool:
+    def _short_prompt_waits(self, budget: StepBudget) -> bool:
+        """Whether the first waiting request is a prompt whose uncached rest fits this step's prefill room
+        whole while a running prompt's chunks would take that room (only under a `prefill_budget`)."""
+        if (self.prefill_budget is None or not self.waiting or len(self.running) >= self.max_num_seqs
+                or not any(req.num_tokens - req.num_computed_tokens > 1 for req in self.running)):
+            return False
+        req = self.waiting[0]
+        if req.num_computed_tokens:  # its KV was imported: it only decodes
+            return False
+        cached = len(self.block_manager.peek_computed_blocks(req)) * self.block_manager.block_size
+        rest = req.num_tokens - cached
+        return rest <= min(budget.tokens, self._prefill_budget(budget.num_decodes, cached))
+
+    def _schedule_running(self, budget: StepBudget, scheduled: list[tuple[Request, int]],
+                          yield_prefill: bool = False) -> bool:
         """Give running requests their next tokens (a decode, a draft to verify, or a prompt chunk), in order;
-        True when one of them had to preempt another for a block."""
+        with `yield_prefill`, no prompt chunks (a short waiting prompt takes the room). True when one of
+        them had to preempt another for a block."""
         preempted = False
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget.tokens)
+            if num_new > 1 and yield_prefill:
+                i += 1
+                continue
             if num_new > 1:
                 num_new = self._chunk(budget, num_new, req.num_computed_tokens)
             elif req.spec_token_ids:  # a decode verifying its draft: 1 + k query tokens

@@ -695,3 +695,19 @@ def test_placement_expects_the_remaining_max_tokens_capped():
     assert expected_output_tokens(request) == 10
     assert expected_output_tokens(GenerateRequest("r", [1], SamplingParams(max_tokens=100_000))) == EXPECTED_OUTPUT_TOKENS
     assert expected_output_tokens(GenerateRequest("r", [1], SamplingParams(max_tokens=None))) == EXPECTED_OUTPUT_TOKENS
+
+
+def test_a_prefix_hit_on_a_decode_worker_busy_with_a_long_local_prompt_is_not_queued_behind_it():
+    """The decode worker computes a cold 1,600-token prompt locally in ITL-sized chunks and the prefill
+    queue is full. A request whose prefix that worker caches has a 16-token rest: it fits one step, goes
+    before the long prompt's next chunk (engine/scheduler.py), and so prefills locally at once instead of
+    waiting in the router for a prefill slot behind the cold prompts."""
+    decode = decode_worker(num_running=4, queued_prefill_tokens=1600)
+    full = prefill_worker(queued_prefill_tokens=3200, num_waiting=2)
+    ttft, _ = local_prefill_cost(1616, 1600, decode, SLO.itl_slo_s, BLOCK, SLO.stall_ratio)
+    assert ttft < 0.1  # one step, not the 1,600 queued tokens' chunks
+    assert by_cost(1616, decode, full, decode_cached=1600) == PrefillDecision(False, "stall_within_itl_slo")
+    # A rest longer than a step's room, or a request already waiting there, queues behind the long prompt.
+    assert local_prefill_cost(1616, 1000, decode, SLO.itl_slo_s, BLOCK, SLO.stall_ratio)[0] > 2.0
+    waiting = decode_worker(num_running=4, queued_prefill_tokens=1600, num_waiting=1)
+    assert local_prefill_cost(1616, 1600, waiting, SLO.itl_slo_s, BLOCK, SLO.stall_ratio)[0] > 2.0

@@ -54,6 +54,39 @@ def test_a_long_prompt_joining_running_streams_never_makes_a_step_exceed_its_pre
         assert tokens[rid] == hf_greedy(tiny_llama_dir, p, n), rid
 
 
+def test_a_short_prompt_goes_before_a_long_prompts_next_chunk_beside_running_streams(tiny_llama_dir):
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=512))
+    engine.scheduler.prefill_budget = lambda num_decodes, start: BUDGET if num_decodes else 512
+    steps = recorded_steps(engine)
+    stream, long, short, too_long = prompts(engine.runner.vocab_size, (5, 300, BUDGET, BUDGET + 1), seed=2)
+    engine.add_request("stream", stream, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    outs = engine.step()
+    engine.add_request("long", long, GREEDY)
+    outs += engine.step() + engine.step()  # two of the long prompt's chunks
+    engine.add_request("short", short, GREEDY)
+    first = {}
+    while engine.has_unfinished_requests():
+        step_outs = engine.step()
+        for out in step_outs:
+            first.setdefault(out.request_id, len(steps))
+        outs += step_outs
+    # The short prompt took the next step's room whole; the long one went on after it.
+    assert steps[3] == (1, BUDGET, steps[3][2]) and first["short"] == 4 and first["long"] > 6
+    tokens: dict[str, list[int]] = {}
+    for out in outs:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for rid, p, n in [("stream", stream, 60), ("long", long, GREEDY.max_tokens), ("short", short, GREEDY.max_tokens)]:
+        assert tokens[rid] == hf_greedy(tiny_llama_dir, p, n), rid
+    # A prompt one token over the room waits for the long prompt, as before.
+    engine.add_request("stream2", stream[::-1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    engine.step()
+    engine.add_request("long2", long[::-1], GREEDY)
+    engine.step()
+    engine.add_request("too-long", too_long, GREEDY)
+    engine.step()
+    assert [req.request_id for req in engine.scheduler.waiting] == ["too-long"]
+
+
 def test_a_decode_workers_budget_keeps_every_step_within_the_itl_slo_with_or_without_streams():
     costs = StepCosts({b: 500.0 for b in (64, 256, 1024)}, {1: 0.02, 8: 0.04, 32: 0.3})
     budget = stall_free_budget(costs, itl_slo_s=0.25, stall_ratio=2.0)

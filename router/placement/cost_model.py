@@ -92,14 +92,17 @@ def local_prefill_cost(prompt_tokens: int, decode_cached_tokens: int, decode: Wo
                        itl_slo_s: float, min_chunk: int, stall_ratio: float | None = None) -> tuple[float, float]:
     """(predicted seconds to the first token, seconds added to each running stream) when the decode
     worker prefills. Beside running streams the prompt goes in chunks that keep each step within the
-    ITL SLO (the decode worker's stall-free budget), after the local prefills already queued there."""
+    ITL SLO (the decode worker's stall-free budget), after the local prefills already queued there; one
+    whose uncached rest fits a single chunk, with no other request waiting there, goes before the running
+    prompts' next chunks (engine/scheduler.py) and waits for none of them."""
     costs = decode.step_costs
     uncached = prompt_tokens - decode_cached_tokens
-    work = decode.queued_prefill_tokens + uncached
     speed = costs.prefill_speed(prompt_tokens)
     # The decode worker's own budget; chunks shrink as the prompt's context grows: its middle one's size.
     chunk = stall_free_budget(costs, itl_slo_s, stall_ratio, min_chunk)(decode.num_running,
                                                                         (decode_cached_tokens + prompt_tokens) // 2)
+    jumps = decode.num_running and not decode.num_waiting and uncached <= chunk
+    work = uncached + (0 if jumps else decode.queued_prefill_tokens)
     if not decode.num_running:
         return math.ceil(work / chunk) * costs.decode_time(1) + work / speed, 0.0
     step_s = costs.decode_time(decode.num_running) + min(chunk, work) / speed
