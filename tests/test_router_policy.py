@@ -711,3 +711,28 @@ def test_a_prefix_hit_on_a_decode_worker_busy_with_a_long_local_prompt_is_not_qu
     assert local_prefill_cost(1616, 1000, decode, SLO.itl_slo_s, BLOCK, SLO.stall_ratio)[0] > 2.0
     waiting = decode_worker(num_running=4, queued_prefill_tokens=1600, num_waiting=1)
     assert local_prefill_cost(1616, 1600, waiting, SLO.itl_slo_s, BLOCK, SLO.stall_ratio)[0] > 2.0
+
+
+def test_a_prefix_being_computed_on_the_prefill_worker_draws_the_requests_that_share_it():
+    """A cold 1,536-token prefix goes to the prefill worker; a second request with the same prefix arrives
+    while it is computed (nothing of it is cached anywhere yet). Counting the routed prompt's blocks as the
+    prefill worker's, the second queues behind the first there and computes its 64-token suffix only,
+    where before it was prefilled on the decode worker too (the prefix computed twice at once)."""
+    index = PrefixIndex()
+    router = Router(index, BLOCK, disagg=SLO, rng=random.Random(0))
+    shared = DOC[:96 * BLOCK]
+    first, second = shared + list(range(64)), shared + list(range(100, 164))
+    busy_prefill = [prefill_worker(queued_prefill_tokens=len(first), num_waiting=1)]
+    decode = [decode_worker(num_running=1)]
+    cold = router.route(block_hashes(second, BLOCK), len(second), busy_prefill, decode)
+    assert cold.prefill is None or cold.prefill.cached_tokens == 0  # nothing known: the prefix is priced whole
+    index.begin_prompt("p0", "first", block_hashes(first, BLOCK))
+    route = router.route(block_hashes(second, BLOCK), len(second), busy_prefill, decode)
+    assert route.prefill is not None and route.prefill.cached_tokens == len(shared)
+    queue_s = len(first) / 500
+    assert queue_s < route.predicted_ttft_s < queue_s + measured().prefill_time(len(second) - len(shared), len(second)) + 0.3
+    index.end_prompt("p0", "first")  # finished (its blocks arrive as KV events) or failed: no longer counted
+    assert index.overlap(block_hashes(second, BLOCK), ["p0"], in_flight=True) == {"p0": 0}
+    # Decode placement is by what decode workers hold only.
+    index.begin_prompt("d0", "local", block_hashes(first, BLOCK))
+    assert index.overlap(block_hashes(second, BLOCK), ["d0"]) == {"d0": 0}

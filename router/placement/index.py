@@ -11,6 +11,7 @@ cleared), numbered per worker. The index keeps two views of the same facts:
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,9 @@ class _WorkerEntry:
     blocks: set[int] = field(default_factory=set)
     seq: int = -1  # last applied batch sequence number
     needs_resync: bool = False
+    # Prompts routed to the worker and not finished: their blocks will be there once computed.
+    in_flight: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    in_flight_blocks: Counter = field(default_factory=Counter)
 
 
 class PrefixIndex:
@@ -80,15 +84,48 @@ class PrefixIndex:
         self._slot_worker[slot] = None
         self._free_slots.append(slot)
 
+    def begin_prompt(self, worker_id: str, key: str, block_hashes: Sequence[int]) -> None:
+        """A prompt routed to `worker_id` to be computed there: until `end_prompt`, its blocks count as held
+        by that worker (`overlap(..., in_flight=True)`), so a request sharing its prefix that arrives while
+        it is still being computed queues behind it there instead of computing the prefix again elsewhere."""
+        entry = self._workers.get(worker_id) or self._add_worker(worker_id)
+        hashes = tuple(block_hashes)
+        if key not in entry.in_flight and hashes:
+            entry.in_flight[key] = hashes
+            entry.in_flight_blocks.update(hashes)
+
+    def end_prompt(self, worker_id: str, key: str) -> None:
+        entry = self._workers.get(worker_id)
+        hashes = entry.in_flight.pop(key, None) if entry is not None else None
+        if hashes:
+            entry.in_flight_blocks.subtract(hashes)
+            entry.in_flight_blocks += Counter()  # drop the zeros
+
     # ---- querying ----------------------------------------------------------------
 
-    def overlap(self, block_hashes: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
-        """For each worker, how many leading blocks of the request's hash chain it holds.
+    def overlap(self, block_hashes: Sequence[int], workers: Iterable[str], in_flight: bool = False) -> dict[str, int]:
+        """For each worker, how many leading blocks of the request's hash chain it holds (with `in_flight`,
+        or will hold once the prompts routed to it are computed: `begin_prompt`).
 
         Counting stops at a worker's first miss: a block is only reusable when
         every block before it is cached on the same worker too.
         """
         pool = tuple(workers)
+        result = self._overlap(block_hashes, pool)
+        if in_flight:
+            for worker_id in pool:
+                entry = self._workers.get(worker_id)
+                if entry is not None and entry.in_flight_blocks:
+                    ahead = entry.in_flight_blocks
+                    depth = 0
+                    for block_hash in block_hashes:
+                        if block_hash not in ahead and block_hash not in entry.blocks:
+                            break
+                        depth += 1
+                    result[worker_id] = max(result[worker_id], depth)
+        return result
+
+    def _overlap(self, block_hashes: Sequence[int], pool: tuple[str, ...]) -> dict[str, int]:
         result = dict.fromkeys(pool, 0)
         mask = self._pool_masks.get(pool)
         if mask is None:

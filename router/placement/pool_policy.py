@@ -42,12 +42,13 @@ class PoolPolicy:
     and takes the schedulable workers in turn (the baseline prefix-aware routing is measured against)."""
 
     def __init__(self, index: PrefixIndex, block_size: int, weights: CostWeights | None = None,
-                 rng: random.Random | None = None, round_robin: bool = False):
+                 rng: random.Random | None = None, round_robin: bool = False, in_flight: bool = False):
         self.index = index
         self.block_size = block_size
         self.weights = weights or CostWeights()
         self.rng = rng or random.Random()
         self.round_robin = round_robin
+        self.in_flight = in_flight  # count the blocks of prompts routed to a worker as its own (prefill pool)
         self._turn = 0
 
     def place(self, block_hashes: Sequence[int], prompt_tokens: int,
@@ -56,7 +57,7 @@ class PoolPolicy:
         candidates = [load for load in loads if load.healthy and not load.draining]
         if not candidates:
             return None
-        overlaps = self.index.overlap(block_hashes, [load.worker_id for load in candidates])
+        overlaps = self.index.overlap(block_hashes, [load.worker_id for load in candidates], self.in_flight)
         block_size = self.block_size
         if self.round_robin:
             chosen = sorted(candidates, key=lambda load: load.worker_id)[self._turn % len(candidates)]

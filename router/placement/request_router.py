@@ -281,7 +281,7 @@ class RequestRouter:
         request.placements.append({"prefill": decision.prefill.worker_id if decision.prefill else None,
                                    "decode": decision.decode.worker_id})
         decision.record(request.timeline, self.view.block_size)
-        self.view.begin(decision, request.request_id, request.num_context_tokens)
+        self.view.begin(decision, request.request_id, request.num_context_tokens, block_hashes)
         return decision
 
     def _backlog_ahead_of(self, request_id: str) -> dict[str, tuple[int, int]]:

@@ -100,7 +100,10 @@ class Router:
         self.block_size = block_size
         self.disagg = disagg or DisaggConfig()
         round_robin = routing == "round_robin"
-        self.prefill_policy = PoolPolicy(index, block_size, prefill_weights, rng, round_robin)
+        # A prompt routed to a prefill worker is as good as cached there for the requests sharing its prefix
+        # that arrive while it is computed: they queue behind it and find its blocks.
+        self.prefill_policy = PoolPolicy(index, block_size, prefill_weights, rng, round_robin,
+                                         in_flight=not round_robin)
         self.decode_policy = PoolPolicy(index, block_size, decode_weights, rng, round_robin)
         # Per decode worker: of the prompt tokens placed there, the share it cached (an EWMA).
         self.hit_share: dict[str, float] = {}

@@ -142,9 +142,13 @@ class WorkerView:
                     placement.cached_tokens // self.block_size)
         return decision
 
-    def begin(self, decision: RouteDecision, request_id: str, prompt_tokens: int) -> None:
-        """Count a routed request against its workers until `end`."""
+    def begin(self, decision: RouteDecision, request_id: str, prompt_tokens: int,
+              block_hashes: Sequence[int] = ()) -> None:
+        """Count a routed request against its workers until `end`; a prompt its prefill worker computes
+        counts as cached there for requests sharing its prefix meanwhile (`PrefixIndex.begin_prompt`)."""
         now = time.monotonic()
+        if decision.prefill is not None and decision.prefill.worker_id in self.workers:
+            self.index.begin_prompt(decision.prefill.worker_id, request_id, block_hashes)
         computes_prompt = decision.prefill or decision.decode
         for placement in (decision.decode, decision.prefill):
             if placement is not None and placement.worker_id in self.workers:
@@ -153,6 +157,8 @@ class WorkerView:
 
     def end(self, decision: RouteDecision, request_id: str) -> None:
         now = time.monotonic()
+        if decision.prefill is not None:
+            self.index.end_prompt(decision.prefill.worker_id, request_id)
         for placement in (decision.decode, decision.prefill):
             if placement is not None and (w := self.workers.get(placement.worker_id)) is not None:
                 routed_at, _ = w.pending.pop(request_id, (now, 0))
