@@ -185,6 +185,10 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.waiting_for_grammar)
 
+    def has_prompt_work(self) -> bool:
+        """Whether some request still has prompt tokens to compute here (not only decodes)."""
+        return self.scheduler.has_prompt_work() or bool(self.waiting_for_grammar)
+
     # ---- the loop -------------------------------------------------------------------------------
 
     def step(self, context: StepContext = OWN_CORES) -> list[RequestOutput]:

@@ -52,6 +52,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_prompt_work(self) -> bool:
+        """Whether a waiting or running request has more than its next token to compute."""
+        return any(req.num_tokens - req.num_computed_tokens > 1 for req in (*self.waiting, *self.running))
+
     def schedule(self, token_cap: int | None = None) -> list[tuple[Request, int]]:
         """This step's (request, tokens to compute) pairs; `token_cap`, when given, is a smaller token budget
         for this step (a forward on borrowed cores)."""

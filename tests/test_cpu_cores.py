@@ -293,9 +293,19 @@ def test_a_busy_lender_lends_between_its_steps_only_while_a_live_borrower_comput
         lent = decode.lend_between_steps(started)
         thread.join()
         assert took.is_set() and gave_back.is_set()
-        assert 0.0 < lent <= 0.04 and time.monotonic() - started >= 0.04
+        assert 0.0 < lent < 0.06 and time.monotonic() - started >= 0.04
         assert not decode.lending and not prefill.borrowed and prefill.threads == 1
         assert (decode.busy_lends, decode.reclaim_timeouts, prefill.taken_midway, prefill.reclaimed_midway) == (1, 0, 1, 1)
+
+        # Work that should not wait (a new request) ends the pause early.
+        interrupt = threading.Event()
+        timer = threading.Timer(0.005, interrupt.set)
+        timer.start()
+        lent = decode.lend_between_steps(time.monotonic(), interrupt)
+        timer.join()
+        assert 0.0 < lent < 0.03 and decode.busy_lends == 2
+        prefill.rebalance()
+        assert decode.lend_between_steps(time.monotonic(), interrupt) == 0.0  # still set: no pause at all
 
         # A borrower that does not let go in time: the lender steps anyway, and counts it.
         monkeypatch.setattr(PinnedCores, "RECLAIM_WAIT_S", 0.02)
@@ -311,7 +321,7 @@ def test_a_busy_lender_lends_between_its_steps_only_while_a_live_borrower_comput
         prefill.close()
         (prefill_core,) = [core for core in decode.node if core not in decode.owned][:1]
         os.pwrite(os.open(tmp_path / f"core{prefill_core[0]}.lock", os.O_RDWR), b"01", 0)
-        assert decode.lend_between_steps(time.monotonic()) == 0.0 and decode.busy_lends == 2
+        assert decode.lend_between_steps(time.monotonic()) == 0.0 and decode.busy_lends == 3
     finally:
         prefill.close()
         decode.close()

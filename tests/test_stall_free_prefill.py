@@ -64,8 +64,11 @@ def test_a_short_prompt_goes_before_a_long_prompts_next_chunk_beside_running_str
     engine.add_request("long", long, GREEDY)
     outs += engine.step() + engine.step()  # two of the long prompt's chunks
     engine.add_request("short", short, GREEDY)
+    assert engine.has_prompt_work()  # what a decode worker's loop asks before lending its cores
     first = {}
     while engine.has_unfinished_requests():
+        assert engine.has_prompt_work() == any(r.num_tokens - r.num_computed_tokens > 1
+                                               for r in (*engine.scheduler.running, *engine.scheduler.waiting))
         step_outs = engine.step()
         for out in step_outs:
             first.setdefault(out.request_id, len(steps))

@@ -25,6 +25,7 @@ import fcntl
 import os
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -264,18 +265,24 @@ class PinnedCores:
         self.taken_midway += taken
         return bool(returned), taken
 
-    def lend_between_steps(self, step_started: float) -> float:
+    def lend_between_steps(self, step_started: float, interrupt: threading.Event | None = None) -> float:
         """A busy lender, after a step that began at `step_started` (time.monotonic()): while a borrower on
         this node is computing a prompt, lend this worker's cores until `lend_busy_ms` have passed since the
-        step began, then take them back, waiting (at most RECLAIM_WAIT_S) until the borrower's forward has
-        let go at its next decoder layer. Returns the seconds lent (0: it did not pause). Engine loop only."""
+        step began or `interrupt` is set (work that should not wait: a new request), then take them back,
+        waiting (at most RECLAIM_WAIT_S) until the borrower's forward has let go at its next decoder layer.
+        Returns the seconds lent (0: it did not pause). Engine loop only."""
         if not (self.binding.lend and self.binding.lend_busy_ms > 0 and self.owned):
             return 0.0
-        pause = step_started + self.binding.lend_busy_ms / 1000 - time.monotonic()
-        if pause < 0.001 or not self._borrower_wants():
+        start = time.monotonic()
+        pause = step_started + self.binding.lend_busy_ms / 1000 - start
+        if pause < 0.001 or (interrupt is not None and interrupt.is_set()) or not self._borrower_wants():
             return 0.0
         self._lend(True)
-        time.sleep(pause)
+        if interrupt is not None:
+            interrupt.wait(pause)
+        else:
+            time.sleep(pause)
+        pause = time.monotonic() - start
         self._lend(False)
         deadline = time.monotonic() + self.RECLAIM_WAIT_S
         while not self._returned():

@@ -56,6 +56,7 @@ class EngineLoop:
         self.cores = cores  # told before each step and before each wait: lends or borrows idle cores
         self.inbox: deque[tuple[Callable, tuple, Future]] = deque()
         self.wakeup = threading.Event()
+        self.urgent = threading.Event()  # a command that should not wait out a pause lending the cores
         self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stopped = False
         self.idle = True  # waiting for work, not stepping or running commands
@@ -66,18 +67,21 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
-    def submit(self, fn: Callable[..., T], *args) -> Future:
-        """Run `fn(*args)` on the loop thread before its next step; returns a future of the result."""
+    def submit(self, fn: Callable[..., T], *args, urgent: bool = False) -> Future:
+        """Run `fn(*args)` on the loop thread before its next step; returns a future of the result. An
+        `urgent` one (a new request) also ends a pause in which the loop lends its cores."""
         future: Future = Future()
         self.inbox.append((fn, args, future))
         self.wakeup.set()
+        if urgent:
+            self.urgent.set()
         if self.stopped:  # stop() may already have failed what was queued
             self._fail_inbox()
         return future
 
-    async def run(self, fn: Callable[..., T], *args) -> T:
+    async def run(self, fn: Callable[..., T], *args, urgent: bool = False) -> T:
         """`submit` for asyncio callers. Cancelling the caller does not cancel the command."""
-        return await asyncio.wrap_future(self.submit(fn, *args))
+        return await asyncio.wrap_future(self.submit(fn, *args, urgent=urgent))
 
     def subscribe(self, request_id: str, queue: asyncio.Queue | None = None) -> asyncio.Queue:
         """The queue `request_id`'s outputs go to: a new one, or `queue` (the candidates of one prompt share one)."""
@@ -123,10 +127,12 @@ class EngineLoop:
             if self.on_step is not None:
                 self.on_step(outputs)
             self._deliver(outputs)
-            if self.cores is not None and self.engine.has_unfinished_requests():
-                self.cores.lend_between_steps(started)  # while a neighbour's prompt runs (cpu.lend_busy_ms)
+            if self.cores is not None and self.engine.has_unfinished_requests() and not self.engine.has_prompt_work():
+                # Only decodes to run: lend the cores for a while if a neighbour's prompt runs (cpu.lend_busy_ms).
+                self.cores.lend_between_steps(started, self.urgent)
 
     def _run_commands(self) -> None:
+        self.urgent.clear()
         while self.inbox:
             fn, args, future = self.inbox.popleft()
             # A command runs even when its caller stopped waiting (an asyncio caller cancelled in `run`

@@ -77,7 +77,7 @@ class EngineServer:
         self.in_flight.add(engine_req.request_id)
         running = set(ids)
         try:
-            await self.loop.run(add or self.engine.add, engine_req)
+            await self.loop.run(add or self.engine.add, engine_req, urgent=True)
             while running:
                 batch = [await queue.get()]
                 while not queue.empty():  # what else accumulated while the consumer was busy
