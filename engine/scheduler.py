@@ -44,6 +44,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_waits = 0  # times a waiting prompt waited for a running one to compute its prefix
         self.prefill_budget = prefill_budget  # (decodes, chunk start) -> tokens
 
     def add(self, req: Request) -> None:
@@ -75,7 +76,10 @@ class Scheduler:
         req = self.waiting[0]
         if req.num_computed_tokens:  # its KV was imported: it only decodes
             return False
-        cached = len(self.block_manager.peek_computed_blocks(req)) * self.block_manager.block_size
+        hits = self.block_manager.peek_computed_blocks(req)
+        if len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in self._computing_blocks():
+            return False  # it waits for a running prompt to compute its prefix: that one must go on
+        cached = len(hits) * self.block_manager.block_size
         rest = req.num_tokens - cached
         return rest <= min(budget.tokens, self._prefill_budget(budget.num_decodes, cached))
 
@@ -115,17 +119,27 @@ class Scheduler:
         return preempted
 
     def _schedule_waiting(self, budget: StepBudget, scheduled: list[tuple[Request, int]]) -> None:
-        """Admit waiting requests in order while the budget, `max_num_seqs` and free blocks allow."""
-        passed = 0  # waiting prompts this step has no prefill room for
+        """Admit waiting requests in order while the budget, `max_num_seqs` and free blocks allow. A prompt
+        whose next uncached block another admitted prompt is computing waits for it (and then finds it
+        cached) instead of computing the same prefix beside it."""
+        passed = 0  # waiting prompts this step has no prefill room for, or that wait for a prefix
+        computing = None  # hashes of prompt blocks admitted prompts have yet to compute
         while passed < len(self.waiting) and budget.tokens > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[passed]
-            if budget.prefill == 0 and not req.num_computed_tokens:
+            # A request whose prompt KV was imported arrives with blocks and computed tokens.
+            imported = req.num_computed_tokens > 0
+            if not imported and self.block_manager.enable_prefix_caching:
+                computing = self._computing_blocks() if computing is None else computing
+                hits = self.block_manager.peek_computed_blocks(req)
+                if len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in computing:
+                    self.prefix_waits += 1
+                    passed += 1
+                    continue
+            if budget.prefill == 0 and not imported:
                 # A prompt to compute, and this step's prefill room is spent (a running prompt's chunk took
                 # it): requests behind it whose KV was imported only decode, and need not wait for it.
                 passed += 1
                 continue
-            # A request whose prompt KV was imported arrives with blocks and computed tokens.
-            imported = req.num_computed_tokens > 0
             computed = [] if imported else self.block_manager.get_computed_blocks(req)
             num_cached = req.num_computed_tokens or len(computed) * self.block_manager.block_size
             num_new = min(req.num_tokens - num_cached, budget.tokens)
@@ -139,6 +153,13 @@ class Scheduler:
             self._admit(req, num_cached, imported)
             scheduled.append((req, num_new))
             budget.take(num_new)
+            if computing is not None:
+                computing.update(req.block_hashes[num_cached // self.block_manager.block_size:])
+
+    def _computing_blocks(self) -> set[int]:
+        """Hashes of the full prompt blocks running requests have not computed yet."""
+        size = self.block_manager.block_size
+        return {h for req in self.running for h in req.block_hashes[req.num_computed_tokens // size:]}
 
     def _chunk(self, budget: StepBudget, num_new: int, start: int) -> int:
         """`num_new` prompt tokens from `start` on, cut to the step's prefill room (set at its first chunk,

@@ -43,11 +43,13 @@ def test_n_candidates_allocate_the_prompts_blocks_once(engine):
     assert active_blocks(engine) == 2 + 4
 
 
-def test_n_separate_requests_allocate_the_prompt_n_times(engine):
+def test_n_separate_requests_of_one_prompt_compute_it_once_then_share_its_full_blocks(engine):
     for i in range(4):
         engine.add_request(f"r{i}", PROMPT, SamplingParams(seed=11 + i, max_tokens=6, ignore_eos=True))
-    engine.step()
-    assert active_blocks(engine) == 4 * 3
+    engine.step()  # the first computes the prompt; the others wait for its blocks instead of computing them too
+    assert active_blocks(engine) == 3 and engine.scheduler.prefix_waits == 3
+    engine.step()  # they find its two full blocks cached, and each computes its own last (partial) one
+    assert active_blocks(engine) == 3 + 3
 
 
 def test_candidates_equal_separate_requests_with_the_candidate_seeds(engine):

@@ -45,7 +45,7 @@ class QueueView:
         self.changed.set()
         self.changed = asyncio.Event()
 
-    def begin(self, decision, request_id, num_tokens):
+    def begin(self, decision, request_id, num_tokens, block_hashes=()):
         self.order.append(request_id)
         self.free -= 1
 

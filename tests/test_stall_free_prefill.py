@@ -90,6 +90,46 @@ def test_a_short_prompt_goes_before_a_long_prompts_next_chunk_beside_running_str
     assert [req.request_id for req in engine.scheduler.waiting] == ["too-long"]
 
 
+def test_a_prompt_waits_for_another_computing_its_prefix_instead_of_computing_it_beside_it(tiny_llama_dir):
+    """A prefill worker's step admits every waiting prompt its budget holds: two arriving together with the
+    same 64-token prefix both computed it. Now the second waits one step and finds it cached."""
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, block_size=16))
+    prefix, a, b = prompts(engine.runner.vocab_size, (64, 10, 12), seed=3)
+    engine.add_request("a", prefix + a, GREEDY)
+    engine.add_request("b", prefix + b, GREEDY)
+    outs = engine.step()
+    assert [out.request_id for out in outs] == ["a"] and engine.scheduler.prefix_waits == 1
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    tokens: dict[str, list[int]] = {}
+    for out in outs:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for rid, p in (("a", prefix + a), ("b", prefix + b)):
+        assert tokens[rid] == hf_greedy(tiny_llama_dir, p, GREEDY.max_tokens), rid
+    assert engine.block_manager.prefix_cache_hits >= 64
+
+
+def test_a_short_prompt_waiting_for_a_long_prompts_prefix_does_not_hold_up_that_prompt(tiny_llama_dir):
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=512))
+    engine.scheduler.prefill_budget = lambda num_decodes, start: BUDGET if num_decodes else 512
+    stream, long = prompts(engine.runner.vocab_size, (5, 160), seed=4)
+    engine.add_request("stream", stream, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    engine.step()
+    engine.add_request("long", long, GREEDY)
+    engine.step()  # its first chunk
+    # 32 tokens, the long prompt's first two blocks: the second is not computed yet, and its 16-token rest
+    # would fit the step's room. Were the long prompt to yield the room to it, neither would ever go on.
+    engine.add_request("short", long[:32], GREEDY)
+    firsts, step = {}, 2
+    while engine.has_unfinished_requests() and step < 40:
+        step += 1
+        for out in engine.step():
+            firsts.setdefault(out.request_id, step)
+    assert engine.scheduler.prefix_waits >= 1  # step 3: the short prompt waited for the long one's chunk
+    assert firsts["short"] == 4  # then found its prefix cached and took step 4's room
+    assert firsts["long"] == 1 + -(-160 // BUDGET) + 1  # chunks from step 2 on, in every step but that one
+
+
 def test_a_decode_workers_budget_keeps_every_step_within_the_itl_slo_with_or_without_streams():
     costs = StepCosts({b: 500.0 for b in (64, 256, 1024)}, {1: 0.02, 8: 0.04, 32: 0.3})
     budget = stall_free_budget(costs, itl_slo_s=0.25, stall_ratio=2.0)
