@@ -1,5 +1,6 @@
 """One 256-token prefill of the default model on the bare engine, one thread: its time and a torch.profiler
-table of where it goes. `.venv/bin/python bench/prefill_profile.py [threads]`"""
+table of where it goes. `.venv/bin/python bench/prefill_profile.py [threads] [cached]`: with `cached` > 0, a
+64-token prefill after that many cached prompt tokens (a prefix hit) instead."""
 import random
 import sys
 import time
@@ -21,8 +22,15 @@ engine = Engine(EngineConfig(model=str(default_model_dir()), num_threads=threads
 rng = random.Random(0)
 
 
+cached = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+prefix = [rng.randrange(100, 40000) for _ in range(cached)]
+if cached:
+    engine.generate([prefix + [5]], SamplingParams(temperature=0, max_tokens=1))
+
+
 def one() -> float:
-    ids = [rng.randrange(100, 40000) for _ in range(256)]  # fresh prompts: no prefix hits
+    # fresh prompts: no prefix hits but the cached prefix
+    ids = prefix + [rng.randrange(100, 40000) for _ in range(64 if cached else 256)]
     started = time.perf_counter()
     engine.generate([ids], SamplingParams(temperature=0, max_tokens=1))
     return time.perf_counter() - started
@@ -30,7 +38,7 @@ def one() -> float:
 
 for _ in range(3):
     one()
-print(f"256-token prefill, {threads} thread(s):", [round(one() * 1e3) for _ in range(5)], "ms")
+print(f"{'64-token prefill after %d cached' % cached if cached else '256-token prefill'}, {threads} thread(s):", [round(one() * 1e3) for _ in range(5)], "ms")
 with profile(activities=[ProfilerActivity.CPU]) as prof:
     one()
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
