@@ -54,7 +54,7 @@ class OneWorkerView:
     def route(self, block_hashes, num_tokens, excluded, **options):
         return RouteDecision(Placement("decode-0", 0, 0.0), None, "only worker")
 
-    def begin(self, decision, request_id, num_tokens):
+    def begin(self, decision, request_id, num_tokens, block_hashes=()):
         pass
 
     def end(self, decision, request_id):
