@@ -70,12 +70,17 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits = self.peek_computed_blocks(req, num_tokens)
-        self.prefix_cache_queries += req.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
+        self.count_lookup(req, hits)
         return hits
 
+    def count_lookup(self, req: Request, hits: list[int]) -> None:
+        """Count a prefix lookup of `req` that found `hits` (vllm:prefix_cache_queries / _hits)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += len(hits) * self.block_size
+
     def peek_computed_blocks(self, req: Request, num_tokens: int | None = None) -> list[int]:
-        """`get_computed_blocks` without counting the lookup (the scheduler sizing a step)."""
+        """`get_computed_blocks` without counting the lookup (`count_lookup` counts it once it is used)."""
         if not self.enable_prefix_caching:
             return []
         self.update_block_hashes(req)

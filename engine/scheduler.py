@@ -77,7 +77,7 @@ class Scheduler:
         if req.num_computed_tokens:  # its KV was imported: it only decodes
             return False
         hits = self.block_manager.peek_computed_blocks(req)
-        if len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in self._computing_blocks():
+        if self._waits_for_prefix(req, hits, self._computing_blocks()):
             return False  # it waits for a running prompt to compute its prefix: that one must go on
         cached = len(hits) * self.block_manager.block_size
         rest = req.num_tokens - cached
@@ -128,10 +128,10 @@ class Scheduler:
             req = self.waiting[passed]
             # A request whose prompt KV was imported arrives with blocks and computed tokens.
             imported = req.num_computed_tokens > 0
+            computed = [] if imported else self.block_manager.peek_computed_blocks(req)
             if not imported and self.block_manager.enable_prefix_caching:
                 computing = self._computing_blocks() if computing is None else computing
-                hits = self.block_manager.peek_computed_blocks(req)
-                if len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in computing:
+                if self._waits_for_prefix(req, computed, computing):
                     self.prefix_waits += 1
                     passed += 1
                     continue
@@ -140,7 +140,8 @@ class Scheduler:
                 # it): requests behind it whose KV was imported only decode, and need not wait for it.
                 passed += 1
                 continue
-            computed = [] if imported else self.block_manager.get_computed_blocks(req)
+            if not imported:
+                self.block_manager.count_lookup(req, computed)
             num_cached = req.num_computed_tokens or len(computed) * self.block_manager.block_size
             num_new = min(req.num_tokens - num_cached, budget.tokens)
             if num_new > 1:
@@ -155,6 +156,11 @@ class Scheduler:
             budget.take(num_new)
             if computing is not None:
                 computing.update(req.block_hashes[num_cached // self.block_manager.block_size:])
+
+    @staticmethod
+    def _waits_for_prefix(req: Request, hits: list[int], computing: set[int]) -> bool:
+        """Whether the first block of `req` past its cached `hits` is one an admitted prompt is computing."""
+        return len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in computing
 
     def _computing_blocks(self) -> set[int]:
         """Hashes of the full prompt blocks running requests have not computed yet."""

@@ -228,6 +228,11 @@ class PinnedCores:
     def threads(self) -> int:
         return self.own_threads + len(self.borrowed)
 
+    @property
+    def lends_while_busy(self) -> bool:
+        """Whether this worker lends its cores between busy steps (`lend_between_steps`)."""
+        return bool(self.binding.lend and self.binding.lend_busy_ms > 0 and self.owned)
+
     def cpus(self) -> set[int]:
         return {cpu for core in [*self.owned, *self.borrowed] for cpu in core}
 
@@ -271,7 +276,7 @@ class PinnedCores:
         step began or `interrupt` is set (work that should not wait: a new request), then take them back,
         waiting (at most RECLAIM_WAIT_S) until the borrower's forward has let go at its next decoder layer.
         Returns the seconds lent (0: it did not pause). Engine loop only."""
-        if not (self.binding.lend and self.binding.lend_busy_ms > 0 and self.owned):
+        if not self.lends_while_busy:
             return 0.0
         start = time.monotonic()
         pause = step_started + self.binding.lend_busy_ms / 1000 - start

@@ -127,7 +127,8 @@ class EngineLoop:
             if self.on_step is not None:
                 self.on_step(outputs)
             self._deliver(outputs)
-            if self.cores is not None and self.engine.has_unfinished_requests() and not self.engine.has_prompt_work():
+            if (self.cores is not None and self.cores.lends_while_busy and self.engine.has_unfinished_requests()
+                    and not self.engine.has_prompt_work()):
                 # Only decodes to run: lend the cores for a while if a neighbour's prompt runs (cpu.lend_busy_ms).
                 self.cores.lend_between_steps(started, self.urgent)
 
