@@ -45,12 +45,14 @@ class PagedDecodes:
 @dataclass(slots=True)
 class PrefillSegment:
     """Packed tokens [start, end) are one sequence's prompt chunk. With a cached or earlier-computed
-    prefix, it attends the `block_ids` blocks under `mask`; without one (block_ids None) it is plain causal."""
+    prefix, it attends the `block_ids` blocks under `mask`; without one (block_ids None) it is plain causal.
+    `paged`: the CPU kernel attends it straight from its blocks (`block_ids`, its whole table; no mask)."""
     start: int
     end: int
     context_len: int
     block_ids: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    paged: bool = False
 
 
 @dataclass(slots=True)
@@ -78,13 +80,17 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         return _paged_decode(q, k_cache, v_cache, md.paged_decodes, scaling).unsqueeze(0), None
     if len(md.decodes) == 1 and not md.prefills:
         return _decode(q, k_cache, v_cache, md.decodes[0], md.workspace, scaling).unsqueeze(0), None
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if md.paged_decodes is not None:
         num_seqs = md.paged_decodes.num_seqs
         out[:num_seqs] = _paged_decode(q[:num_seqs], k_cache, v_cache, md.paged_decodes, scaling)
     for group in md.decodes:
         out[group.start:group.end] = _decode(q[group.start:group.end], k_cache, v_cache, group, md.workspace, scaling)
     for seg in md.prefills:
+        if seg.paged:
+            cpu_kernels.paged_prefill_attention(out[seg.start:seg.end], q[seg.start:seg.end], k_cache, v_cache,
+                                                seg.block_ids, seg.context_len, scaling)
+            continue
         q_seg = q[seg.start:seg.end].transpose(0, 1).unsqueeze(0)
         if seg.block_ids is None:
             k_seg, v_seg = key[:, :, seg.start:seg.end], value[:, :, seg.start:seg.end]

@@ -4,6 +4,8 @@ PyTorch has no paged attention for CPUs: without a kernel, decode attention gath
 sequence's blocks into a padded copy and runs SDPA, which is built for long query blocks and
 spends most of its time on overhead when each sequence has one query token. The kernel in
 `csrc/paged_attention.c` reads K/V in place from the blocks (bench/HISTORY.md, "Offline engine").
+`csrc/prefill_attention.c` attends a prompt chunk over its paged context (flash-attention's loop in
+registers, GQA rows together), where torch's fused CPU attention runs far below the CPU's speed.
 `csrc/fused_ops.c` holds a decoder layer's elementwise ops (RMSNorm with the residual add, SiLU-and-mul,
 rotary embedding), one call each instead of several torch ops (engine/cpu_layers.py).
 
@@ -36,12 +38,15 @@ BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
 # fused_ops.c rounds like torch's separate ops: no contraction of a * b + c into one FMA; without FP traps
 # its clamps and selects vectorize.
 EXTRA_FLAGS = {"fused_ops": ["-ffp-contract=off", "-fno-trapping-math"], "block_linear": ["-fno-trapping-math"]}
+# Kernels that use bf16 dot products (vdpbf16ps) where the CPU has them.
+BF16_DOT = {"prefill_attention"}
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _arch_flags() -> list[str]:
+def _arch_flags(bf16_dot: bool = False) -> list[str]:
     """AVX-512 (F, BW, VL, DQ: x86-64-v4) or AVX2/FMA (x86-64-v3) where the CPU has them; otherwise the
-    compiler's portable default. AVX-512 doubles the lanes and narrows fp32 to bf16 in one instruction."""
+    compiler's portable default. AVX-512 doubles the lanes and narrows fp32 to bf16 in one instruction.
+    With `bf16_dot`, also AVX512-BF16 where the CPU has it (bf16 pair dot products)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
     try:
@@ -51,7 +56,10 @@ def _arch_flags() -> list[str]:
     if not {"avx2", "fma"} <= cpu_flags:
         return []
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-    return ["-mavx2", "-mfma"] + ([f"-m{flag}" for flag in sorted(avx512)] if avx512 <= cpu_flags else [])
+    if not avx512 <= cpu_flags:
+        return ["-mavx2", "-mfma"]
+    bf16 = ["-mavx512bf16"] if bf16_dot and "avx512_bf16" in cpu_flags else []
+    return ["-mavx2", "-mfma"] + [f"-m{flag}" for flag in sorted(avx512)] + bf16
 
 
 def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:
@@ -77,7 +85,7 @@ def _load(name: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler found: the CPU path runs without its C kernels (%s)", name)
         return None
     source = CSRC / f"{name}.c"
-    flags = BASE_FLAGS + EXTRA_FLAGS.get(name, []) + _arch_flags()
+    flags = BASE_FLAGS + EXTRA_FLAGS.get(name, []) + _arch_flags(bf16_dot=name in BF16_DOT)
     headers = b"".join(header.read_bytes() for header in sorted(CSRC.glob("*.h")))
     key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + platform.machine().encode())
     target = cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
@@ -99,6 +107,53 @@ def _library() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
+
+
+@functools.cache
+def _prefill() -> ctypes.CDLL | None:
+    lib = _load("prefill_attention")
+    if lib is not None:
+        ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        lib.paged_prefill_attention.restype = i32
+        lib.paged_prefill_attention.argtypes = [ptr] * 5 + [i64] * 2 + [i32] * 6 + [ctypes.c_float] + [i32] * 3
+        lib.prefill_attention_supported.restype = i32
+        lib.prefill_attention_supported.argtypes = [i32]
+    return lib
+
+
+def prefill_available(head_dim: int) -> bool:
+    """Whether `paged_prefill_attention` runs here for this head size."""
+    lib = _prefill()
+    return lib is not None and bool(lib.prefill_attention_supported(head_dim))
+
+
+def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, context_len: int, scale: float) -> None:
+    """Causal attention of a prompt chunk: out[i] = softmax(q[i] K^T * scale) V over the first
+    context_len - n_q + i + 1 tokens of the sequence whose blocks `block_table` names (its own K/V
+    already written there).
+
+    q: [n_q, num_heads, head_dim], any token and head strides, unit stride within a head; out: contiguous,
+    same shape and dtype as q; caches: contiguous [num_blocks, block_size, num_kv_heads, head_dim]; q and the
+    caches fp32 or bf16 (computed in fp32); block_table: contiguous int64 covering context_len tokens.
+    """
+    if q.dtype not in DTYPES or k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype or out.dtype != q.dtype:
+        raise TypeError(f"paged_prefill_attention takes fp32 or bf16, got q {q.dtype}, cache {k_cache.dtype}")
+    if q.stride(-1) != 1 or not out.is_contiguous() or block_table.dtype != torch.long:
+        raise ValueError("paged_prefill_attention needs unit-stride heads, a contiguous out, an int64 table")
+    n_q, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if -(-context_len // block_size) > block_table.numel():
+        raise ValueError(f"a block table of {block_table.numel()} blocks cannot hold {context_len} tokens")
+    status = _prefill().paged_prefill_attention(
+        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+        q.stride(0), q.stride(1), n_q, context_len, num_heads, num_kv_heads, head_dim, block_size, scale,
+        torch.get_num_threads(), int(q.dtype == torch.bfloat16), int(k_cache.dtype == torch.bfloat16))
+    if status == -2:
+        raise ValueError(f"paged_prefill_attention cannot take {n_q} queries of {num_heads}/{num_kv_heads} heads "
+                         f"of size {head_dim} over {context_len} tokens")
+    if status != 0:
+        raise MemoryError("paged_prefill_attention could not allocate its scratch memory")
 
 
 @functools.cache

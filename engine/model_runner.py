@@ -51,6 +51,8 @@ class ModelRunner:
         # On CPU fp32 and bf16 decodes are attended in place by the C kernel; elsewhere by gather + SDPA.
         self.paged_kernel = (self.device.type == "cpu" and config.torch_dtype in (torch.float32, torch.bfloat16)
                              and cpu_kernels.available())
+        # and prompt chunks by its prefill kernel (several times torch's fused CPU attention in bf16)
+        self.prefill_kernel = self.paged_kernel and cpu_kernels.prefill_available(head_dim)
         # On CUDA, SDPA may pick cuDNN, which plans each new shape on the host (2-2.5 ms per call on an H200,
         # 30 calls a step; a decode's context grows every step, so it never reuses a plan): 60% of a step's
         # host time. Flash and memory-efficient attention launch in microseconds.
@@ -100,7 +102,7 @@ class ModelRunner:
         paged = self._paged_decodes(tables, lens) if self.paged_kernel and tables else None
         decode_groups = [] if paged is not None else self._decode_groups(tables, lens)
         gathered = [len(g.block_ids) for g in decode_groups]
-        gathered += [len(seg.block_ids) for seg in prefills if seg.block_ids is not None]
+        gathered += [len(seg.block_ids) for seg in prefills if seg.block_ids is not None and not seg.paged]
         workspace = self._workspace(max(gathered)) if gathered else None
         md = AttentionMetadata(self.kv_cache, self._tensor(slots), decode_groups, prefills, workspace, paged)
         return PackedBatch(self._tensor(input_ids), self._tensor(positions), md, last_token_idx)
@@ -115,7 +117,9 @@ class ModelRunner:
 
     def _prefill_segment(self, offset: int, num_new: int, context_len: int, table: list[int]) -> PrefillSegment:
         seg = PrefillSegment(offset, offset + num_new, context_len)
-        if context_len > num_new:  # a cached or earlier-computed prefix: attend it through the block table
+        if self.prefill_kernel:  # its own K/V are in the blocks by then: the table covers the whole context
+            seg.block_ids, seg.paged = self._tensor(table), True
+        elif context_len > num_new:  # a cached or earlier-computed prefix: attend it through the block table
             seg.block_ids = self._tensor(table)
             causal = torch.ones(num_new, context_len, dtype=torch.bool, device=self.device)
             seg.mask = causal.tril(context_len - num_new)

@@ -1,4 +1,5 @@
-"""The C paged decode attention equals gather + SDPA, and the engine gives the same tokens with or without it."""
+"""The C paged decode and prefill attentions equal gather + SDPA, and the engine gives the same tokens with or
+without them."""
 import random
 import shutil
 import subprocess
@@ -74,6 +75,8 @@ def test_engine_gives_the_same_tokens_with_the_kernel_and_with_the_sdpa_fallback
     assert with_kernel.runner.paged_kernel
     fallback = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, dtype=dtype))
     fallback.runner.paged_kernel = False
+    # the decode kernel alone: both compute prompts alike (the prefill kernel's test is below)
+    with_kernel.runner.prefill_kernel = fallback.runner.prefill_kernel = False
     assert ([o.token_ids for o in with_kernel.generate(prompts, params)]
             == [o.token_ids for o in fallback.generate(prompts, params)])
 
@@ -88,6 +91,15 @@ def test_kernels_build_for_the_widest_vectors_the_cpu_has(monkeypatch, cpu_flags
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cpu_kernels.Path, "read_text", lambda self, *a, **k: f"flags\t\t: {cpu_flags}\n")
     assert cpu_kernels._arch_flags() == expected
+    assert cpu_kernels._arch_flags(bf16_dot=True) == expected  # no avx512_bf16 among these flags
+
+
+def test_the_prefill_kernel_builds_with_bf16_dot_products_where_the_cpu_has_them(monkeypatch):
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    flags = "fpu avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16"
+    monkeypatch.setattr(cpu_kernels.Path, "read_text", lambda self, *a, **k: f"flags\t\t: {flags}\n")
+    assert cpu_kernels._arch_flags(bf16_dot=True)[-1] == "-mavx512bf16"
+    assert "-mavx512bf16" not in cpu_kernels._arch_flags()  # the other kernels keep their rounding as written
 
 
 def test_the_8_lane_build_matches_sdpa_too():
@@ -95,10 +107,105 @@ def test_the_8_lane_build_matches_sdpa_too():
     if not any(flag.startswith("-mavx512") for flag in cpu_kernels._arch_flags()):
         pytest.skip("this CPU builds the 8-lane kernels already: the test above covered them")
     code = ("import sys, pytest; from engine import cpu_kernels; "
-            "cpu_kernels._arch_flags = lambda: ['-mavx2', '-mfma']; "
+            "cpu_kernels._arch_flags = lambda bf16_dot=False: ['-mavx2', '-mfma']; "
             "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', "
             f"{str(Path(__file__))!r}, '-k', 'matches_sdpa']))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout
+
+
+def prefill_reference(q, k_cache, v_cache, table, context_len, scale):
+    """fp32 attention of q's n tokens, the last n of a context_len-token context, causal, GQA by repetition."""
+    n, num_heads, _ = q.shape
+    group = num_heads // k_cache.shape[2]
+    k = k_cache[table].flatten(0, 1)[:context_len].float().repeat_interleave(group, 1).transpose(0, 1)
+    v = v_cache[table].flatten(0, 1)[:context_len].float().repeat_interleave(group, 1).transpose(0, 1)
+    visible = torch.ones(n, context_len, dtype=torch.bool).tril(context_len - n)
+    return F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=visible,
+                                          scale=scale).transpose(0, 1)
+
+
+# Whole prompts (causal from 0), chunks after a cached prefix, single tokens, tails of every tile size; head
+# sizes 64 and 128 (compiled) and 32 (runtime loops), GQA groups 1, 3, 4 and 8.
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (8, 1, 64)])
+@pytest.mark.parametrize("n_q,context_len", [(1, 1), (7, 7), (256, 256), (64, 1600), (13, 45), (1, 300), (100, 333)])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_matches_sdpa_on_scattered_blocks(num_heads, num_kv_heads, head_dim, n_q, context_len,
+                                                          threads, dtype):
+    if not cpu_kernels.prefill_available(head_dim):
+        pytest.skip(f"no prefill kernel for head size {head_dim} on this build")
+    torch.manual_seed(n_q * 7 + context_len)
+    block_size = 16
+    table = torch.randperm(128)[:-(-context_len // block_size)].contiguous()
+    k_cache = torch.randn(128, block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(128, block_size, num_kv_heads, head_dim).to(dtype)
+    # q as the fused layer hands it over: the Q heads of each token's packed QKV row (token stride > heads)
+    q = torch.randn(n_q, num_heads + 2 * num_kv_heads, head_dim).to(dtype)[:, :num_heads]
+    out = torch.full((n_q, num_heads, head_dim), float("nan"), dtype=dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, table, context_len, head_dim ** -0.5)
+    finally:
+        torch.set_num_threads(previous)
+    expected = prefill_reference(q, k_cache, v_cache, table, context_len, head_dim ** -0.5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:  # the output rounded to bf16 (2^-8 relative) and P rounded to bf16 for P V, as torch's bf16 SDPA does
+        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_prefill_kernel_refuses_what_it_cannot_compute():
+    q = torch.randn(4, 2, 64)
+    cache = torch.zeros(4, 16, 2, 64)
+    table = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(TypeError, match="fp32 or bf16"):
+        cpu_kernels.paged_prefill_attention(q.half(), q.half(), cache.half(), cache.half(), table, 4, 0.125)
+    with pytest.raises(ValueError, match="cannot hold 40 tokens"):
+        cpu_kernels.paged_prefill_attention(torch.empty_like(q), q, cache, cache, table, 40, 0.125)
+    with pytest.raises(ValueError, match="cannot take 4 queries"):  # more queries than context
+        cpu_kernels.paged_prefill_attention(torch.empty_like(q), q, cache, cache, table, 3, 0.125)
+    assert not cpu_kernels.prefill_available(24)  # not a multiple of the vector width: the engine keeps SDPA
+
+
+def _prompts_with_chunks_and_prefix_hits() -> list[list[list[int]]]:
+    """Two batches: whole prompts and one chunked over several 32-token steps, then two that hit its prefix."""
+    rng = random.Random(6)
+    shared = [rng.randrange(3, 1000) for _ in range(48)]
+    first = [[rng.randrange(3, 1000) for _ in range(n)] for n in (3, 17, 90)] + [shared + [7]]
+    return [first, [shared + [rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40)]]
+
+
+def _run(engine, batches, params):
+    return [o for batch in batches for o in engine.generate(batch, params)]
+
+
+def test_engine_gives_the_same_tokens_with_the_prefill_kernel_and_with_sdpa_in_fp32(tiny_llama_dir):
+    batches = _prompts_with_chunks_and_prefix_hits()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    config = dict(model=tiny_llama_dir, num_kv_blocks=128, dtype="float32", max_num_batched_tokens=32)
+    with_kernel, fallback = Engine(EngineConfig(**config)), Engine(EngineConfig(**config))
+    assert with_kernel.runner.prefill_kernel
+    fallback.runner.prefill_kernel = False
+    assert [o.token_ids for o in _run(with_kernel, batches, params)] == \
+        [o.token_ids for o in _run(fallback, batches, params)]
+    assert with_kernel.block_manager.prefix_cache_hits >= 2 * 48  # the second batch hit the prefix
+
+
+def test_prefill_kernel_logprobs_stay_within_bf16_rounding_of_sdpa(tiny_llama_dir):
+    """In bf16 two attentions that round differently may part at a near-tie (this random model's top logits
+    lie ~0.02 apart), so the first tokens' top-5 logprobs are compared, not long generations."""
+    batches = _prompts_with_chunks_and_prefix_hits()
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=5)
+    config = dict(model=tiny_llama_dir, num_kv_blocks=128, dtype="bfloat16", max_num_batched_tokens=32)
+    with_kernel, fallback = Engine(EngineConfig(**config)), Engine(EngineConfig(**config))
+    assert with_kernel.runner.prefill_kernel
+    fallback.runner.prefill_kernel = False
+    for ours, theirs in zip(_run(with_kernel, batches, params), _run(fallback, batches, params), strict=True):
+        top, expected = ours.logprobs[0]["top_logprobs"], theirs.logprobs[0]["top_logprobs"]
+        shared = top.keys() & expected.keys()
+        assert len(shared) >= 4
+        assert max(abs(top[t] - expected[t]) for t in shared) < 0.03

@@ -1,0 +1,437 @@
+/* Causal attention of a prompt chunk over its sequence's paged context, for CPU (fp32 or bf16 q, K/V, out).
+ *
+ * The chunk's n_q query tokens sit at the last n_q positions of a context_len-token context whose K/V
+ * (the chunk's own included: they are written before attention) live in the blocks the block table
+ * names. Query token i sees keys [0, context_len - n_q + i]. PyTorch's fused CPU attention spends most
+ * of a prefix hit's forward here at ~65 GFLOP/s on one core (bench/HISTORY.md, "Prefill attention");
+ * this is the flash-attention loop written for the CPU's registers:
+ *
+ * - a row is one (query token, query head) pair of a KV head; the query heads sharing a KV head are
+ *   rows of one tile, so each K/V row is read once for all of them (GQA for free);
+ * - a tile of RT rows against KT keys: scores in RT x 2 vector registers, each key tile transposed
+ *   once into a [head_dim][KT] buffer so that a score vector is a broadcast query element times a
+ *   row of that buffer (no horizontal sums);
+ * - online softmax per row (running max and sum, the output rescaled), fp32 throughout;
+ * - P V with RB rows' output vectors held in registers while KT value rows stream past.
+ *
+ * Work items are (KV head, ITEM_ROWS consecutive rows); an item transposes the key tiles it needs once
+ * for all its row tiles. Loaded with ctypes (engine/cpu_kernels.py), which releases the GIL; OpenMP
+ * shares torch's thread pool, as in paged_attention.c.
+ */
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vexp.h"
+
+#if defined(__AVX512F__)
+#define VW 16
+#define RT 12  /* rows a tile: RT x 2 score vectors + 2 key vectors fit AVX-512's 32 registers */
+#define ACC_REGS 24
+#else
+#define VW 8
+#define RT 6   /* AVX2 has 16 registers */
+#define ACC_REGS 12
+#endif
+#define KT (2 * VW)      /* keys a tile */
+#define ITEM_ROWS (8 * RT)
+#define MAX_DIM 256
+
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } x = {(uint32_t)h << 16};
+    return x.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float load_elem(const void *base, size_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* Horizontal max and sum by halving (in-order scalar loops would not vectorize without -ffast-math). */
+#if VW == 16
+#define LOW_HALF(x) __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+#define HIGH_HALF(x) __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15)
+typedef float v8f __attribute__((vector_size(32)));
+#else
+#define LOW_HALF(x) (x)
+#define HIGH_HALF(x) (x)
+typedef vf v8f;
+#endif
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+static inline float hmax(vf x) {
+    v8f a = LOW_HALF(x), b = HIGH_HALF(x);
+    v8i gt = a > b;
+    a = (v8f)(((v8i)a & gt) | ((v8i)b & ~gt));
+    v4f c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    v4i gt4 = c > d;
+    c = (v4f)(((v4i)c & gt4) | ((v4i)d & ~gt4));
+    const float e = c[0] > c[1] ? c[0] : c[1], f = c[2] > c[3] ? c[2] : c[3];
+    return e > f ? e : f;
+}
+
+static inline float hsum(vf x) {
+    v8f a = VW == 16 ? LOW_HALF(x) + HIGH_HALF(x) : LOW_HALF(x);
+    v4f c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+static inline vf vmax(vf a, vf b) {
+    const vi gt = a > b;
+    return (vf)(((vi)a & gt) | ((vi)b & ~gt));
+}
+
+/* vexp (vexp.h) on a whole vector, lane by lane the same arithmetic. */
+static inline vf vexp_v(vf x) {
+    const vf lo = x - x - 87.3f, hi = x - x + 88.3f;
+    x = vmax(x, lo);
+    x = -vmax(-x, -hi);
+    const vf shifted = x * 1.44269504088896341f + 12582912.0f, n = shifted - 12582912.0f;
+    const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    vf p = r * 0.0f + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vi bits = (((vi)shifted - 0x4b400000) + 127) << 23;
+    return p * (vf)bits;
+}
+
+/* One row's scores against a key tile, of which the first `visible` keys count: updates the row's running
+ * max and sum, leaves the tile's probabilities in p0, p1 and returns the factor the row's output scales by. */
+static inline float softmax_tile(vf *p0, vf *p1, int visible, float *m, float *l) {
+    vf a0 = *p0, a1 = *p1;
+    if (visible < KT) {
+        vi lane;
+        for (int i = 0; i < VW; i++) lane[i] = i;
+        const vi keep0 = lane < visible, keep1 = lane + VW < visible;
+        const vf floor = a0 - a0 - 3.0e38f;
+        a0 = (vf)(((vi)a0 & keep0) | ((vi)floor & ~keep0));
+        a1 = (vf)(((vi)a1 & keep1) | ((vi)floor & ~keep1));
+        const float tile_max = hmax(vmax(a0, a1)), mx = tile_max > *m ? tile_max : *m;
+        a0 = (vf)((vi)vexp_v(a0 - mx) & keep0);
+        a1 = (vf)((vi)vexp_v(a1 - mx) & keep1);
+        const float alpha = vexp(*m - mx);
+        *l = *l * alpha + hsum(a0 + a1);
+        *m = mx;
+        *p0 = a0, *p1 = a1;
+        return alpha;
+    }
+    const float tile_max = hmax(vmax(a0, a1)), mx = tile_max > *m ? tile_max : *m;
+    a0 = vexp_v(a0 - mx);
+    a1 = vexp_v(a1 - mx);
+    const float alpha = vexp(*m - mx);  /* 0 on a row's first tile: m starts at -3e38 */
+    *l = *l * alpha + hsum(a0 + a1);
+    *m = mx;
+    *p0 = a0, *p1 = a1;
+    return alpha;
+}
+
+typedef struct {
+    void *out;                /* [n_q, num_heads, head_dim] contiguous, the dtype of q */
+    const void *q;            /* [n_q, num_heads, head_dim] with strides q_token_stride, q_head_stride */
+    const void *k_cache;      /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    const void *v_cache;
+    const int64_t *table;     /* the sequence's block ids, ceil(context_len / block_size) of them */
+    int64_t q_token_stride, q_head_stride;
+    int n_q, context_len, num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    int q_bf16, kv_bf16;
+} Job;
+
+typedef struct {  /* one thread's scratch, 64-byte aligned */
+    float *q;      /* [ITEM_ROWS][dim], scaled */
+    float *acc;    /* [ITEM_ROWS][dim] */
+    float *kt;     /* [dim][KT]: a key tile transposed */
+    float *vt;     /* [KT][dim] */
+    float *p;      /* [RT][KT] */
+    uint16_t *qh;  /* bf16 path: [ITEM_ROWS][dim] unscaled q */
+    uint32_t *ktp; /* bf16 path: [dim / 2][KT] dimension pairs of each key */
+    uint32_t *vtp; /* bf16 path: [KT / 2][dim] key pairs of each dimension */
+    float m[ITEM_ROWS], l[ITEM_ROWS], alpha[RT];
+    int qpos[ITEM_ROWS];
+} Scratch;
+
+static inline const void *kv_row(const Job *job, const void *cache, int t, int head) {
+    const size_t token = (size_t)job->table[t / job->block_size] * job->block_size + t % job->block_size;
+    const size_t elem = (token * job->num_kv_heads + head) * job->head_dim;
+    return job->kv_bf16 ? (const void *)((const uint16_t *)cache + elem) : (const void *)((const float *)cache + elem);
+}
+
+/* Keys [t0, t0 + KT) of KV head `head` into kt (transposed) and vt; keys at or past `limit` are zeros. */
+static void load_key_tile(const Job *job, Scratch *s, int head, int t0, int limit) {
+    const int dim = job->head_dim;
+    for (int j = 0; j < KT; j++) {
+        const int t = t0 + j;
+        float *v = s->vt + (size_t)j * dim;
+        if (t >= limit) {
+            for (int d = 0; d < dim; d++) s->kt[(size_t)d * KT + j] = 0.0f, v[d] = 0.0f;
+            continue;
+        }
+        const void *k = kv_row(job, job->k_cache, t, head), *vr = kv_row(job, job->v_cache, t, head);
+        if (job->kv_bf16) {
+            for (int d = 0; d < dim; d++) s->kt[(size_t)d * KT + j] = bf16_to_f32(((const uint16_t *)k)[d]);
+            for (int d = 0; d < dim; d++) v[d] = bf16_to_f32(((const uint16_t *)vr)[d]);
+        } else {
+            for (int d = 0; d < dim; d++) s->kt[(size_t)d * KT + j] = ((const float *)k)[d];
+            memcpy(v, vr, sizeof(float) * dim);
+        }
+    }
+}
+
+/* Rows [r0, r0 + RT) of the item against the key tile at t0: scores, online softmax, P V. Inlined once
+ * per common head size, so that every loop bound is a constant and the sums stay in registers. */
+static inline __attribute__((always_inline)) void tile_dim(Scratch *s, int r0, int rows, int t0, const int dim) {
+    const int nv = dim / VW;
+    vf sc[RT][2];
+    for (int r = 0; r < RT; r++) sc[r][0] = sc[r][1] = (vf){0};
+    const float *q = s->q + (size_t)r0 * dim;
+    for (int d = 0; d < dim; d++) {
+        const vf k0 = ((const vf *)(s->kt + (size_t)d * KT))[0], k1 = ((const vf *)(s->kt + (size_t)d * KT))[1];
+        for (int r = 0; r < RT; r++) {
+            const float x = q[(size_t)r * dim + d];
+            sc[r][0] += x * k0;
+            sc[r][1] += x * k1;
+        }
+    }
+    for (int r = 0; r < RT; r++) {
+        float *p = s->p + (size_t)r * KT;
+        const int pos = r < rows ? s->qpos[r0 + r] : -1, visible = pos - t0 + 1;  /* keys of the tile it sees */
+        if (visible <= 0) {  /* a padding row, or a row before this tile */
+            for (int j = 0; j < KT; j++) p[j] = 0.0f;
+            s->alpha[r] = 1.0f;
+            continue;
+        }
+        vf p0 = sc[r][0], p1 = sc[r][1];
+        s->alpha[r] = softmax_tile(&p0, &p1, visible, s->m + r0 + r, s->l + r0 + r);
+        ((vf *)p)[0] = p0;
+        ((vf *)p)[1] = p1;
+    }
+    enum { RB_MAX = ACC_REGS };
+    const int rb = ACC_REGS / nv > 0 ? ACC_REGS / nv : 1;
+    for (int b = 0; b < RT; b += rb) {
+        vf a[RB_MAX][MAX_DIM / VW];
+        for (int r = 0; r < rb && b + r < RT; r++) {
+            const vf *src = (const vf *)(s->acc + (size_t)(r0 + b + r) * dim);
+            const float alpha = s->alpha[b + r];
+            for (int j = 0; j < nv; j++) a[r][j] = src[j] * alpha;
+        }
+        for (int jk = 0; jk < KT; jk++) {
+            const vf *v = (const vf *)(s->vt + (size_t)jk * dim);
+            for (int r = 0; r < rb && b + r < RT; r++) {
+                const float pr = s->p[(size_t)(b + r) * KT + jk];
+                for (int j = 0; j < nv; j++) a[r][j] += pr * v[j];
+            }
+        }
+        for (int r = 0; r < rb && b + r < RT; r++) {
+            vf *dst = (vf *)(s->acc + (size_t)(r0 + b + r) * dim);
+            for (int j = 0; j < nv; j++) dst[j] = a[r][j];
+        }
+    }
+}
+
+static void tile(const Job *job, Scratch *s, int r0, int rows, int t0) {
+    if (job->head_dim == 64) tile_dim(s, r0, rows, t0, 64);
+    else if (job->head_dim == 128) tile_dim(s, r0, rows, t0, 128);
+    else tile_dim(s, r0, rows, t0, job->head_dim);
+}
+
+#if defined(__AVX512BF16__) && VW == 16
+#include <immintrin.h>
+#define DPBF16 1
+/* The bf16 path: q, K and V are bf16 already, so Q K^T and P V run as bf16 pair dot products into fp32
+ * sums (vdpbf16ps: twice the multiplies of an fp32 FMA). P is rounded to bf16 for P V, as torch's
+ * fused attention does for bf16; max, exp and the running sums stay fp32. */
+static inline __attribute__((always_inline)) void tile_bf16_dim(Scratch *s, int r0, int rows, int t0, float scale,
+                                                               const int dim) {
+    const int np = dim / 2, nv = dim / VW;
+    __m512 sc[RT][2];
+    for (int r = 0; r < RT; r++) sc[r][0] = sc[r][1] = _mm512_setzero_ps();
+    const uint32_t *q = (const uint32_t *)(s->qh + (size_t)r0 * dim);
+    for (int d2 = 0; d2 < np; d2++) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(s->ktp + (size_t)d2 * KT);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(s->ktp + (size_t)d2 * KT + VW);
+        for (int r = 0; r < RT; r++) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)q[(size_t)r * np + d2]);
+            sc[r][0] = _mm512_dpbf16_ps(sc[r][0], x, k0);
+            sc[r][1] = _mm512_dpbf16_ps(sc[r][1], x, k1);
+        }
+    }
+    uint32_t ph[RT][KT / 2];
+    for (int r = 0; r < RT; r++) {
+        const int pos = r < rows ? s->qpos[r0 + r] : -1, visible = pos - t0 + 1;
+        if (visible <= 0) {
+            for (int j = 0; j < KT / 2; j++) ph[r][j] = 0;
+            s->alpha[r] = 1.0f;
+            continue;
+        }
+        vf p0 = (vf)sc[r][0] * scale, p1 = (vf)sc[r][1] * scale;
+        s->alpha[r] = softmax_tile(&p0, &p1, visible, s->m + r0 + r, s->l + r0 + r);
+        _mm512_storeu_si512(ph[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+    }
+    enum { RB_MAX = ACC_REGS };
+    const int rb = ACC_REGS / nv > 0 ? ACC_REGS / nv : 1;
+    for (int b = 0; b < RT; b += rb) {
+        __m512 a[RB_MAX][MAX_DIM / VW];
+        for (int r = 0; r < rb && b + r < RT; r++) {
+            const float *src = s->acc + (size_t)(r0 + b + r) * dim;
+            const __m512 alpha = _mm512_set1_ps(s->alpha[b + r]);
+            for (int j = 0; j < nv; j++) a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(src + j * VW), alpha);
+        }
+        for (int jp = 0; jp < KT / 2; jp++) {
+            __m512bh v[MAX_DIM / VW];
+            for (int j = 0; j < nv; j++) v[j] = (__m512bh)_mm512_loadu_si512(s->vtp + (size_t)jp * dim + j * VW);
+            for (int r = 0; r < rb && b + r < RT; r++) {
+                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)ph[b + r][jp]);
+                for (int j = 0; j < nv; j++) a[r][j] = _mm512_dpbf16_ps(a[r][j], x, v[j]);
+            }
+        }
+        for (int r = 0; r < rb && b + r < RT; r++) {
+            float *dst = s->acc + (size_t)(r0 + b + r) * dim;
+            for (int j = 0; j < nv; j++) _mm512_storeu_ps(dst + j * VW, a[r][j]);
+        }
+    }
+}
+
+static void tile_bf16(const Job *job, Scratch *s, int r0, int rows, int t0) {
+    if (job->head_dim == 64) tile_bf16_dim(s, r0, rows, t0, job->scale, 64);
+    else if (job->head_dim == 128) tile_bf16_dim(s, r0, rows, t0, job->scale, 128);
+    else tile_bf16_dim(s, r0, rows, t0, job->scale, job->head_dim);
+}
+
+/* Keys [t0, t0 + KT) as dimension pairs (for Q K^T) and key pairs (for P V); zeros at or past `limit`. */
+static void load_key_tile_bf16(const Job *job, Scratch *s, int head, int t0, int limit) {
+    const int dim = job->head_dim;
+    for (int j = 0; j < KT; j++) {
+        const int t = t0 + j;
+        const uint32_t *k = t < limit ? (const uint32_t *)kv_row(job, job->k_cache, t, head) : NULL;
+        for (int d2 = 0; d2 < dim / 2; d2++) s->ktp[(size_t)d2 * KT + j] = k ? k[d2] : 0;
+    }
+    for (int jp = 0; jp < KT / 2; jp++) {
+        const int t = t0 + 2 * jp;
+        const uint16_t *v0 = t < limit ? kv_row(job, job->v_cache, t, head) : NULL;
+        const uint16_t *v1 = t + 1 < limit ? kv_row(job, job->v_cache, t + 1, head) : NULL;
+        uint32_t *dst = s->vtp + (size_t)jp * dim;
+        for (int d = 0; d < dim; d++) dst[d] = (v0 ? v0[d] : 0u) | (uint32_t)(v1 ? v1[d] : 0u) << 16;
+    }
+}
+#endif
+
+/* Rows [first, first + rows) of KV head `head`: row i is query token i / group, head head * group + i % group. */
+static void item(const Job *job, Scratch *s, int head, int first, int rows) {
+    const int dim = job->head_dim, group = job->num_heads / job->num_kv_heads;
+    const int padded = (rows + RT - 1) / RT * RT, offset = job->context_len - job->n_q;
+#ifdef DPBF16
+    const int dot_bf16 = job->q_bf16 && job->kv_bf16;
+#else
+    const int dot_bf16 = 0;
+#endif
+    for (int i = 0; i < padded; i++) {
+        float *qr = s->q + (size_t)i * dim;
+        uint16_t *qh = s->qh + (size_t)i * dim;
+        s->m[i] = -3.0e38f, s->l[i] = 0.0f;
+        memset(s->acc + (size_t)i * dim, 0, sizeof(float) * dim);
+        if (i >= rows) {
+            memset(qr, 0, sizeof(float) * dim);
+            memset(qh, 0, sizeof(uint16_t) * dim);
+            continue;
+        }
+        const int token = (first + i) / group, h = head * group + (first + i) % group;
+        s->qpos[i] = offset + token;
+        const size_t base = (size_t)token * job->q_token_stride + (size_t)h * job->q_head_stride;
+        if (dot_bf16) memcpy(qh, (const uint16_t *)job->q + base, sizeof(uint16_t) * dim);
+        else for (int d = 0; d < dim; d++) qr[d] = load_elem(job->q, base + d, job->q_bf16) * job->scale;
+    }
+    const int last_key = s->qpos[rows - 1];  /* rows go by token, so the last row sees the most */
+    for (int t0 = 0; t0 <= last_key; t0 += KT) {
+#ifdef DPBF16
+        if (dot_bf16) load_key_tile_bf16(job, s, head, t0, last_key + 1);
+        else
+#endif
+        load_key_tile(job, s, head, t0, last_key + 1);
+        for (int r0 = 0; r0 < rows; r0 += RT) {
+            const int n = rows - r0 < RT ? rows - r0 : RT;
+            if (s->qpos[r0 + n - 1] < t0) continue;
+#ifdef DPBF16
+            if (dot_bf16) tile_bf16(job, s, r0, n, t0);
+            else
+#endif
+            tile(job, s, r0, n, t0);
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        const int token = (first + i) / group, h = head * group + (first + i) % group;
+        const size_t base = ((size_t)token * job->num_heads + h) * dim;
+        const float inv = 1.0f / s->l[i], *a = s->acc + (size_t)i * dim;
+        if (job->q_bf16) for (int d = 0; d < dim; d++) ((uint16_t *)job->out)[base + d] = f32_to_bf16(a[d] * inv);
+        else for (int d = 0; d < dim; d++) ((float *)job->out)[base + d] = a[d] * inv;
+    }
+}
+
+static int supported(int head_dim) { return head_dim > 0 && head_dim % VW == 0 && head_dim <= MAX_DIM; }
+
+int prefill_attention_supported(int head_dim) { return supported(head_dim); }
+
+/* Returns 0 on success, -1 when scratch memory could not be had, -2 for a shape this kernel does not
+ * take (a head size that is not a multiple of the vector width, or over MAX_DIM). */
+int paged_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
+                            const int64_t *table, int64_t q_token_stride, int64_t q_head_stride, int n_q,
+                            int context_len, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                            float scale, int num_threads, int q_bf16, int kv_bf16) {
+    if (!supported(head_dim) || num_kv_heads < 1 || num_heads % num_kv_heads != 0 || n_q < 1 || n_q > context_len)
+        return -2;
+    const Job job = {out, q, k_cache, v_cache, table, q_token_stride, q_head_stride, n_q, context_len,
+                     num_heads, num_kv_heads, head_dim, block_size, scale, q_bf16, kv_bf16};
+    const int rows = n_q * (num_heads / num_kv_heads), per_head = (rows + ITEM_ROWS - 1) / ITEM_ROWS;
+    const int items = per_head * num_kv_heads;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > items) num_threads = items;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        Scratch *s = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
+        /* q, acc, kt, vt, p as floats; qh, ktp, vtp */
+        const size_t floats = (size_t)2 * ITEM_ROWS * head_dim + 2 * (size_t)KT * head_dim + RT * KT
+                              + (size_t)ITEM_ROWS * head_dim / 2 + (size_t)KT * head_dim;
+        float *buf = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
+        const int ok = s != NULL && buf != NULL;
+        if (ok) {
+            s->q = buf;
+            s->acc = s->q + (size_t)ITEM_ROWS * head_dim;
+            s->kt = s->acc + (size_t)ITEM_ROWS * head_dim;
+            s->vt = s->kt + (size_t)KT * head_dim;
+            s->p = s->vt + (size_t)KT * head_dim;
+            s->qh = (uint16_t *)(s->p + RT * KT);
+            s->ktp = (uint32_t *)(s->qh + (size_t)ITEM_ROWS * head_dim);
+            s->vtp = s->ktp + (size_t)KT * head_dim / 2;
+        }
+        failed |= !ok;
+        /* every thread meets the loop (a worksharing loop must be); the last rows' items do the most
+         * work (they see the most keys), so they are handed out first */
+#pragma omp for schedule(dynamic, 1)
+        for (int it = items - 1; it >= 0; it--) {
+            const int head = it % num_kv_heads, chunk = it / num_kv_heads, first = chunk * ITEM_ROWS;
+            if (ok) item(&job, s, head, first, rows - first < ITEM_ROWS ? rows - first : ITEM_ROWS);
+        }
+        free(s);
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
