@@ -114,33 +114,33 @@ static inline vf vexp_v(vf x) {
     return p * (vf)bits;
 }
 
-/* One row's scores against a key tile, of which the first `visible` keys count: updates the row's running
- * max and sum, leaves the tile's probabilities in p0, p1 and returns the factor the row's output scales by. */
-static inline float softmax_tile(vf *p0, vf *p1, int visible, float *m, float *l) {
-    vf a0 = *p0, a1 = *p1;
-    if (visible < KT) {
+/* One row's scores against a key tile of nk vectors, of which the first `visible` keys count: updates the
+ * row's running max and sum, leaves the tile's probabilities in p and returns the factor the row's output
+ * scales by (0 on a row's first tile: m starts at -3e38). */
+static inline __attribute__((always_inline)) float softmax_tile(vf *p, const int nk, int visible, float *m,
+                                                               float *l) {
+    vi keep[4];
+    if (visible < nk * VW) {
         vi lane;
         for (int i = 0; i < VW; i++) lane[i] = i;
-        const vi keep0 = lane < visible, keep1 = lane + VW < visible;
-        const vf floor = a0 - a0 - 3.0e38f;
-        a0 = (vf)(((vi)a0 & keep0) | ((vi)floor & ~keep0));
-        a1 = (vf)(((vi)a1 & keep1) | ((vi)floor & ~keep1));
-        const float tile_max = hmax(vmax(a0, a1)), mx = tile_max > *m ? tile_max : *m;
-        a0 = (vf)((vi)vexp_v(a0 - mx) & keep0);
-        a1 = (vf)((vi)vexp_v(a1 - mx) & keep1);
-        const float alpha = vexp(*m - mx);
-        *l = *l * alpha + hsum(a0 + a1);
-        *m = mx;
-        *p0 = a0, *p1 = a1;
-        return alpha;
+        for (int k = 0; k < nk; k++) {
+            keep[k] = lane + k * VW < visible;
+            const vf floor = p[k] - p[k] - 3.0e38f;
+            p[k] = (vf)(((vi)p[k] & keep[k]) | ((vi)floor & ~keep[k]));
+        }
     }
-    const float tile_max = hmax(vmax(a0, a1)), mx = tile_max > *m ? tile_max : *m;
-    a0 = vexp_v(a0 - mx);
-    a1 = vexp_v(a1 - mx);
-    const float alpha = vexp(*m - mx);  /* 0 on a row's first tile: m starts at -3e38 */
-    *l = *l * alpha + hsum(a0 + a1);
+    vf top = p[0];
+    for (int k = 1; k < nk; k++) top = vmax(top, p[k]);
+    const float tile_max = hmax(top), mx = tile_max > *m ? tile_max : *m;
+    vf total = p[0] - p[0];
+    for (int k = 0; k < nk; k++) {
+        p[k] = vexp_v(p[k] - mx);
+        if (visible < nk * VW) p[k] = (vf)((vi)p[k] & keep[k]);
+        total += p[k];
+    }
+    const float alpha = vexp(*m - mx);
+    *l = *l * alpha + hsum(total);
     *m = mx;
-    *p0 = a0, *p1 = a1;
     return alpha;
 }
 
@@ -163,8 +163,8 @@ typedef struct {  /* one thread's scratch, 64-byte aligned */
     float *vt;     /* [KT][dim] */
     float *p;      /* [RT][KT] */
     uint16_t *qh;  /* bf16 path: [ITEM_ROWS][dim] unscaled q */
-    uint32_t *ktp; /* bf16 path: [dim / 2][KT] dimension pairs of each key */
-    uint32_t *vtp; /* bf16 path: [KT / 2][dim] key pairs of each dimension */
+    uint32_t *ktp; /* bf16 path: [dim / 2][KT_BF] dimension pairs of each key */
+    uint32_t *vtp; /* bf16 path: [KT_BF / 2][dim] key pairs of each dimension */
     float m[ITEM_ROWS], l[ITEM_ROWS], alpha[RT];
     int qpos[ITEM_ROWS];
 } Scratch;
@@ -219,10 +219,10 @@ static inline __attribute__((always_inline)) void tile_dim(Scratch *s, int r0, i
             s->alpha[r] = 1.0f;
             continue;
         }
-        vf p0 = sc[r][0], p1 = sc[r][1];
-        s->alpha[r] = softmax_tile(&p0, &p1, visible, s->m + r0 + r, s->l + r0 + r);
-        ((vf *)p)[0] = p0;
-        ((vf *)p)[1] = p1;
+        vf row[2] = {sc[r][0], sc[r][1]};
+        s->alpha[r] = softmax_tile(row, 2, visible, s->m + r0 + r, s->l + r0 + r);
+        ((vf *)p)[0] = row[0];
+        ((vf *)p)[1] = row[1];
     }
     enum { RB_MAX = ACC_REGS };
     const int rb = ACC_REGS / nv > 0 ? ACC_REGS / nv : 1;
@@ -256,54 +256,59 @@ static void tile(const Job *job, Scratch *s, int r0, int rows, int t0) {
 #if defined(__AVX512BF16__) && VW == 16
 #include <immintrin.h>
 #define DPBF16 1
+#define RT_BF 6             /* rows a tile: 6 x 4 score vectors */
+#define NK_BF 4
+#define KT_BF (NK_BF * VW)  /* keys a tile: softmax's fixed costs per row and tile spread over 64 keys */
 /* The bf16 path: q, K and V are bf16 already, so Q K^T and P V run as bf16 pair dot products into fp32
  * sums (vdpbf16ps: twice the multiplies of an fp32 FMA). P is rounded to bf16 for P V, as torch's
  * fused attention does for bf16; max, exp and the running sums stay fp32. */
 static inline __attribute__((always_inline)) void tile_bf16_dim(Scratch *s, int r0, int rows, int t0, float scale,
                                                                const int dim) {
     const int np = dim / 2, nv = dim / VW;
-    __m512 sc[RT][2];
-    for (int r = 0; r < RT; r++) sc[r][0] = sc[r][1] = _mm512_setzero_ps();
+    __m512 sc[RT_BF][NK_BF];
+    for (int r = 0; r < RT_BF; r++)
+        for (int k = 0; k < NK_BF; k++) sc[r][k] = _mm512_setzero_ps();
     const uint32_t *q = (const uint32_t *)(s->qh + (size_t)r0 * dim);
     for (int d2 = 0; d2 < np; d2++) {
-        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(s->ktp + (size_t)d2 * KT);
-        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(s->ktp + (size_t)d2 * KT + VW);
-        for (int r = 0; r < RT; r++) {
+        __m512bh kv[NK_BF];
+        for (int k = 0; k < NK_BF; k++) kv[k] = (__m512bh)_mm512_loadu_si512(s->ktp + (size_t)d2 * KT_BF + k * VW);
+        for (int r = 0; r < RT_BF; r++) {
             const __m512bh x = (__m512bh)_mm512_set1_epi32((int)q[(size_t)r * np + d2]);
-            sc[r][0] = _mm512_dpbf16_ps(sc[r][0], x, k0);
-            sc[r][1] = _mm512_dpbf16_ps(sc[r][1], x, k1);
+            for (int k = 0; k < NK_BF; k++) sc[r][k] = _mm512_dpbf16_ps(sc[r][k], x, kv[k]);
         }
     }
-    uint32_t ph[RT][KT / 2];
-    for (int r = 0; r < RT; r++) {
+    uint32_t ph[RT_BF][KT_BF / 2];
+    for (int r = 0; r < RT_BF; r++) {
         const int pos = r < rows ? s->qpos[r0 + r] : -1, visible = pos - t0 + 1;
         if (visible <= 0) {
-            for (int j = 0; j < KT / 2; j++) ph[r][j] = 0;
+            for (int j = 0; j < KT_BF / 2; j++) ph[r][j] = 0;
             s->alpha[r] = 1.0f;
             continue;
         }
-        vf p0 = (vf)sc[r][0] * scale, p1 = (vf)sc[r][1] * scale;
-        s->alpha[r] = softmax_tile(&p0, &p1, visible, s->m + r0 + r, s->l + r0 + r);
-        _mm512_storeu_si512(ph[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+        vf row[NK_BF];
+        for (int k = 0; k < NK_BF; k++) row[k] = (vf)sc[r][k] * scale;
+        s->alpha[r] = softmax_tile(row, NK_BF, visible, s->m + r0 + r, s->l + r0 + r);
+        for (int k = 0; k < NK_BF; k += 2)
+            _mm512_storeu_si512(ph[r] + k * VW / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)row[k + 1], (__m512)row[k]));
     }
     enum { RB_MAX = ACC_REGS };
     const int rb = ACC_REGS / nv > 0 ? ACC_REGS / nv : 1;
-    for (int b = 0; b < RT; b += rb) {
+    for (int b = 0; b < RT_BF; b += rb) {
         __m512 a[RB_MAX][MAX_DIM / VW];
-        for (int r = 0; r < rb && b + r < RT; r++) {
+        for (int r = 0; r < rb && b + r < RT_BF; r++) {
             const float *src = s->acc + (size_t)(r0 + b + r) * dim;
             const __m512 alpha = _mm512_set1_ps(s->alpha[b + r]);
             for (int j = 0; j < nv; j++) a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(src + j * VW), alpha);
         }
-        for (int jp = 0; jp < KT / 2; jp++) {
+        for (int jp = 0; jp < KT_BF / 2; jp++) {
             __m512bh v[MAX_DIM / VW];
             for (int j = 0; j < nv; j++) v[j] = (__m512bh)_mm512_loadu_si512(s->vtp + (size_t)jp * dim + j * VW);
-            for (int r = 0; r < rb && b + r < RT; r++) {
+            for (int r = 0; r < rb && b + r < RT_BF; r++) {
                 const __m512bh x = (__m512bh)_mm512_set1_epi32((int)ph[b + r][jp]);
                 for (int j = 0; j < nv; j++) a[r][j] = _mm512_dpbf16_ps(a[r][j], x, v[j]);
             }
         }
-        for (int r = 0; r < rb && b + r < RT; r++) {
+        for (int r = 0; r < rb && b + r < RT_BF; r++) {
             float *dst = s->acc + (size_t)(r0 + b + r) * dim;
             for (int j = 0; j < nv; j++) _mm512_storeu_ps(dst + j * VW, a[r][j]);
         }
@@ -319,12 +324,12 @@ static void tile_bf16(const Job *job, Scratch *s, int r0, int rows, int t0) {
 /* Keys [t0, t0 + KT) as dimension pairs (for Q K^T) and key pairs (for P V); zeros at or past `limit`. */
 static void load_key_tile_bf16(const Job *job, Scratch *s, int head, int t0, int limit) {
     const int dim = job->head_dim;
-    for (int j = 0; j < KT; j++) {
+    for (int j = 0; j < KT_BF; j++) {
         const int t = t0 + j;
         const uint32_t *k = t < limit ? (const uint32_t *)kv_row(job, job->k_cache, t, head) : NULL;
-        for (int d2 = 0; d2 < dim / 2; d2++) s->ktp[(size_t)d2 * KT + j] = k ? k[d2] : 0;
+        for (int d2 = 0; d2 < dim / 2; d2++) s->ktp[(size_t)d2 * KT_BF + j] = k ? k[d2] : 0;
     }
-    for (int jp = 0; jp < KT / 2; jp++) {
+    for (int jp = 0; jp < KT_BF / 2; jp++) {
         const int t = t0 + 2 * jp;
         const uint16_t *v0 = t < limit ? kv_row(job, job->v_cache, t, head) : NULL;
         const uint16_t *v1 = t + 1 < limit ? kv_row(job, job->v_cache, t + 1, head) : NULL;
@@ -360,14 +365,19 @@ static void item(const Job *job, Scratch *s, int head, int first, int rows) {
         else for (int d = 0; d < dim; d++) qr[d] = load_elem(job->q, base + d, job->q_bf16) * job->scale;
     }
     const int last_key = s->qpos[rows - 1];  /* rows go by token, so the last row sees the most */
-    for (int t0 = 0; t0 <= last_key; t0 += KT) {
+#ifdef DPBF16
+    const int kt = dot_bf16 ? KT_BF : KT, rt = dot_bf16 ? RT_BF : RT;
+#else
+    const int kt = KT, rt = RT;
+#endif
+    for (int t0 = 0; t0 <= last_key; t0 += kt) {
 #ifdef DPBF16
         if (dot_bf16) load_key_tile_bf16(job, s, head, t0, last_key + 1);
         else
 #endif
         load_key_tile(job, s, head, t0, last_key + 1);
-        for (int r0 = 0; r0 < rows; r0 += RT) {
-            const int n = rows - r0 < RT ? rows - r0 : RT;
+        for (int r0 = 0; r0 < rows; r0 += rt) {
+            const int n = rows - r0 < rt ? rows - r0 : rt;
             if (s->qpos[r0 + n - 1] < t0) continue;
 #ifdef DPBF16
             if (dot_bf16) tile_bf16(job, s, r0, n, t0);
@@ -409,7 +419,7 @@ int paged_prefill_attention(void *out, const void *q, const void *k_cache, const
         Scratch *s = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
         /* q, acc, kt, vt, p as floats; qh, ktp, vtp */
         const size_t floats = (size_t)2 * ITEM_ROWS * head_dim + 2 * (size_t)KT * head_dim + RT * KT
-                              + (size_t)ITEM_ROWS * head_dim / 2 + (size_t)KT * head_dim;
+                              + (size_t)ITEM_ROWS * head_dim / 2 + (size_t)2 * KT * head_dim;
         float *buf = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
         const int ok = s != NULL && buf != NULL;
         if (ok) {
@@ -420,7 +430,7 @@ int paged_prefill_attention(void *out, const void *q, const void *k_cache, const
             s->p = s->vt + (size_t)KT * head_dim;
             s->qh = (uint16_t *)(s->p + RT * KT);
             s->ktp = (uint32_t *)(s->qh + (size_t)ITEM_ROWS * head_dim);
-            s->vtp = s->ktp + (size_t)KT * head_dim / 2;
+            s->vtp = s->ktp + (size_t)KT * head_dim;  /* KT_BF = 2 KT keys, dim / 2 pairs each */
         }
         failed |= !ok;
         /* every thread meets the loop (a worksharing loop must be); the last rows' items do the most
