@@ -1,6 +1,7 @@
 """One 256-token prefill of the default model on the bare engine, one thread: its time and a torch.profiler
-table of where it goes. `.venv/bin/python bench/prefill_profile.py [threads] [cached]`: with `cached` > 0, a
-64-token prefill after that many cached prompt tokens (a prefix hit) instead."""
+table of where it goes. `.venv/bin/python bench/prefill_profile.py [threads] [cached] [sdpa]`: with `cached` > 0, a
+64-token prefill after that many cached prompt tokens (a prefix hit) instead; with `sdpa`, attention runs on torch's
+fused SDPA instead of the C prefill kernel (the baseline of engine/csrc/prefill_attention.c)."""
 import random
 import sys
 import time
@@ -20,6 +21,8 @@ torch.set_num_threads(threads)
 engine = Engine(EngineConfig(model=str(default_model_dir()), num_threads=threads, num_kv_blocks=512,
                              max_num_batched_tokens=2048))
 rng = random.Random(0)
+if "sdpa" in sys.argv[3:]:
+    engine.runner.prefill_kernel = False
 
 
 cached = int(sys.argv[2]) if len(sys.argv) > 2 else 0
@@ -38,7 +41,9 @@ def one() -> float:
 
 for _ in range(3):
     one()
-print(f"{'64-token prefill after %d cached' % cached if cached else '256-token prefill'}, {threads} thread(s):", [round(one() * 1e3) for _ in range(5)], "ms")
+attention = "SDPA" if not engine.runner.prefill_kernel else "the C prefill kernel"
+print(f"{'64-token prefill after %d cached' % cached if cached else '256-token prefill'}, {threads} thread(s), "
+      f"attention on {attention}:", [round(one() * 1e3) for _ in range(5)], "ms")
 with profile(activities=[ProfilerActivity.CPU]) as prof:
     one()
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))

@@ -147,9 +147,11 @@ def _stop(config: ClusterConfig, say: Callable[[str], None]) -> None:
 
 def prepare_model(config: ClusterConfig, say: Callable[[str], None]) -> None:
     """Convert the default model once (before any worker starts, so they do not all convert it), or check
-    that a model directory exists; also that CUDA is there when asked for."""
+    that a model directory exists and that its attention is one the engine runs exactly; also that CUDA is
+    there when asked for."""
     from engine.config import DEFAULT_MODEL
     from engine.model_loader import cache_dir, resolve_model_dir
+    from engine.model_support import UnsupportedModelError, check_model_dir
 
     if config.model in (None, DEFAULT_MODEL) and not (cache_dir() / "models" / DEFAULT_MODEL).exists():
         say("converting the default model from GGUF to safetensors (once, about 20 s)")
@@ -157,6 +159,10 @@ def prepare_model(config: ClusterConfig, say: Callable[[str], None]) -> None:
         path = resolve_model_dir(config.model)
     except FileNotFoundError as exc:
         raise CLIError(f"{exc}; pass --model DIR with a Hugging Face model directory") from None
+    try:
+        check_model_dir(path)
+    except UnsupportedModelError as exc:
+        raise CLIError(str(exc)) from None
     say(f"model {config.model_name} from {path}")
     if config.device == "cuda":
         import torch

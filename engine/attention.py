@@ -68,6 +68,7 @@ class AttentionMetadata:
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     tandem_attn: AttentionMetadata | None = None, **kwargs):
     md = tandem_attn
+    _refuse_what_it_cannot_attend(module, kwargs)
     layer = module.layer_idx
     k_cache, v_cache = md.kv_cache.k[layer], md.kv_cache.v[layer]
     _, num_kv_heads, _, head_dim = key.shape
@@ -102,6 +103,16 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                                            scale=scaling, enable_gqa=num_heads != num_kv_heads)
         out[seg.start:seg.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _refuse_what_it_cannot_attend(module, kwargs) -> None:
+    """The HF layer asks for attention this module does not compute: fail, never answer wrongly.
+    (engine/model_support.py refuses such models at start; this catches what a config does not declare.)"""
+    softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
+    if softcap is not None:
+        raise NotImplementedError(f"attention logit soft-capping ({softcap}) is not implemented")
+    if window is not None and window < getattr(module.config, "max_position_embeddings", window + 1):
+        raise NotImplementedError(f"sliding-window attention ({window} tokens) is not implemented")
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int, buffer: torch.Tensor) -> torch.Tensor:

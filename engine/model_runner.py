@@ -14,6 +14,7 @@ from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeGroup
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVLayout
 from engine.model_loader import load_model
+from engine.model_support import check_model_dir
 from engine.request import Request
 
 
@@ -31,6 +32,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path):
         self.config = config
         self.device = config.torch_device
+        check_model_dir(model_dir)  # before the weights: a model the attention cannot run exactly is refused
         self.model = load_model(model_dir, config.torch_dtype, self.device, ATTN_IMPLEMENTATION)
         self.fused_layers = 0  # decoder layers running on engine/cpu_layers.py's fused path
         if self.device.type == "cpu" and config.torch_dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():

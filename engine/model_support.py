@@ -1,0 +1,56 @@
+"""What the engine cannot run exactly yet, read from a model's HF config before any weight is loaded.
+
+The paged attention (engine/attention.py and the C kernels) computes plain causal attention over every
+earlier token, with the model's scaling. A model whose attention differs — a sliding window that binds
+within its context, logit soft-capping inside attention, chunked attention — would run and answer, but
+wrongly. Such a model is refused at start, naming the feature, as vLLM refuses what its backends lack.
+Features the model's own forward applies outside attention (final logit soft-capping, QK-norm, biases,
+tied heads) need nothing here.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class UnsupportedModelError(ValueError):
+    """The model needs an attention feature the engine does not implement."""
+
+
+def unsupported_features(hf_config) -> list[str]:
+    """Each attention feature of this config that the engine would silently ignore, described for a user."""
+    features = []
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = list(getattr(hf_config, "layer_types", None) or [])
+    sliding_layers = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    if layer_types and sliding_layers and window is not None:
+        binds = positions is None or window < positions
+        if binds:
+            features.append(f"sliding-window attention ({window} tokens) on {len(sliding_layers)} of "
+                            f"{len(layer_types)} layers")
+    elif not layer_types and window is not None and getattr(hf_config, "use_sliding_window", True):
+        if positions is None or window < positions:  # a window as long as the context never hides a token
+            features.append(f"sliding-window attention ({window} tokens, context {positions})")
+    softcap = getattr(hf_config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        features.append(f"attention logit soft-capping ({softcap})")
+    chunk = getattr(hf_config, "attention_chunk_size", None)
+    if chunk is not None:
+        features.append(f"chunked local attention ({chunk} tokens)")
+    return features
+
+
+def check_supported(hf_config, name: str) -> None:
+    """Raise UnsupportedModelError naming every feature of `hf_config` the engine cannot run exactly."""
+    features = unsupported_features(hf_config)
+    if features:
+        arch = ", ".join(getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "?")])
+        raise UnsupportedModelError(
+            f"model {name} ({arch}) uses {' and '.join(features)}, which tandem's paged attention does not "
+            f"implement yet; refusing to serve it rather than answer wrongly")
+
+
+def check_model_dir(model_dir: str | Path) -> None:
+    """check_supported on a model directory's config.json (no weights read)."""
+    from transformers import AutoConfig
+    check_supported(AutoConfig.from_pretrained(model_dir), str(model_dir))
