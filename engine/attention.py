@@ -24,12 +24,14 @@ ATTN_IMPLEMENTATION = "tandem_paged"
 @dataclass(slots=True)
 class DecodeGroup:
     """Packed tokens [start, end) are decodes of sequences whose block tables, padded to one width,
-    are `block_ids` (flattened). `mask` hides the padding; None when every context is `context_len` long."""
+    are `block_ids` (flattened). `mask` hides the padding; None when every context is `context_len` long.
+    `lens`: each sequence's context length (for sliding-window layers)."""
     start: int
     end: int
     block_ids: torch.Tensor
     context_len: int
     mask: torch.Tensor | None
+    lens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -68,7 +70,9 @@ class AttentionMetadata:
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     tandem_attn: AttentionMetadata | None = None, **kwargs):
     md = tandem_attn
-    _refuse_what_it_cannot_attend(module, kwargs)
+    _refuse_what_it_cannot_attend(kwargs)
+    # HF's attention passes its layer's window (None on full-attention layers); the fused layer holds it
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     layer = module.layer_idx
     k_cache, v_cache = md.kv_cache.k[layer], md.kv_cache.v[layer]
     _, num_kv_heads, _, head_dim = key.shape
@@ -78,19 +82,20 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     q = query[0].transpose(0, 1)
     scaling = head_dim ** -0.5 if scaling is None else scaling
     if md.paged_decodes is not None and not md.prefills:
-        return _paged_decode(q, k_cache, v_cache, md.paged_decodes, scaling).unsqueeze(0), None
+        return _paged_decode(q, k_cache, v_cache, md.paged_decodes, scaling, window).unsqueeze(0), None
     if len(md.decodes) == 1 and not md.prefills:
-        return _decode(q, k_cache, v_cache, md.decodes[0], md.workspace, scaling).unsqueeze(0), None
+        return _decode(q, k_cache, v_cache, md.decodes[0], md.workspace, scaling, window).unsqueeze(0), None
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if md.paged_decodes is not None:
         num_seqs = md.paged_decodes.num_seqs
-        out[:num_seqs] = _paged_decode(q[:num_seqs], k_cache, v_cache, md.paged_decodes, scaling)
+        out[:num_seqs] = _paged_decode(q[:num_seqs], k_cache, v_cache, md.paged_decodes, scaling, window)
     for group in md.decodes:
-        out[group.start:group.end] = _decode(q[group.start:group.end], k_cache, v_cache, group, md.workspace, scaling)
+        out[group.start:group.end] = _decode(q[group.start:group.end], k_cache, v_cache, group, md.workspace, scaling,
+                                             window)
     for seg in md.prefills:
         if seg.paged:
             cpu_kernels.paged_prefill_attention(out[seg.start:seg.end], q[seg.start:seg.end], k_cache, v_cache,
-                                                seg.block_ids, seg.context_len, scaling)
+                                                seg.block_ids, seg.context_len, scaling, window)
             continue
         q_seg = q[seg.start:seg.end].transpose(0, 1).unsqueeze(0)
         if seg.block_ids is None:
@@ -98,21 +103,30 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         else:
             k_seg = _gather(k_cache, seg.block_ids, seg.context_len, md.workspace[0]).transpose(0, 1).unsqueeze(0)
             v_seg = _gather(v_cache, seg.block_ids, seg.context_len, md.workspace[1]).transpose(0, 1).unsqueeze(0)
+        mask, causal = seg.mask, seg.block_ids is None
+        if window is not None and window < seg.context_len:
+            mask, causal = _window_mask(seg.end - seg.start, seg.context_len, window, q.device), False
         # 4-d inputs keep SDPA on its fused CPU kernel; 3-d ones with GQA fall back to the math path.
-        o = F.scaled_dot_product_attention(q_seg, k_seg, v_seg, attn_mask=seg.mask, is_causal=seg.block_ids is None,
+        o = F.scaled_dot_product_attention(q_seg, k_seg, v_seg, attn_mask=mask, is_causal=causal,
                                            scale=scaling, enable_gqa=num_heads != num_kv_heads)
         out[seg.start:seg.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
 
-def _refuse_what_it_cannot_attend(module, kwargs) -> None:
+def _refuse_what_it_cannot_attend(kwargs) -> None:
     """The HF layer asks for attention this module does not compute: fail, never answer wrongly.
     (engine/model_support.py refuses such models at start; this catches what a config does not declare.)"""
-    softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
     if softcap is not None:
         raise NotImplementedError(f"attention logit soft-capping ({softcap}) is not implemented")
-    if window is not None and window < getattr(module.config, "max_position_embeddings", window + 1):
-        raise NotImplementedError(f"sliding-window attention ({window} tokens) is not implemented")
+
+
+def _window_mask(num_new: int, context_len: int, window: int, device) -> torch.Tensor:
+    """[num_new, context_len]: the chunk's token i, at position context_len - num_new + i, sees the keys in
+    (position - window, position], as HF's sliding window does."""
+    pos = torch.arange(context_len - num_new, context_len, device=device).unsqueeze(1)
+    keys = torch.arange(context_len, device=device).unsqueeze(0)
+    return (keys <= pos) & (keys > pos - window)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int, buffer: torch.Tensor) -> torch.Tensor:
@@ -121,16 +135,16 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int, buff
     return blocks.flatten(0, 1)[:context_len]
 
 
-def _paged_decode(q, k_cache, v_cache, decodes: PagedDecodes, scaling: float) -> torch.Tensor:
+def _paged_decode(q, k_cache, v_cache, decodes: PagedDecodes, scaling: float, window: int | None) -> torch.Tensor:
     """The C kernel computes in fp32 (a bf16 cache is widened as it is read); q and out follow."""
     q32 = q.to(torch.float32).contiguous()
     out = torch.empty_like(q32)
     cpu_kernels.paged_decode_attention(out, q32, k_cache, v_cache, decodes.block_tables, decodes.context_lens,
-                                       decodes.max_len, scaling)
+                                       decodes.max_len, scaling, window)
     return out.to(q.dtype)
 
 
-def _decode(q, k_cache, v_cache, group: DecodeGroup, workspace, scaling):
+def _decode(q, k_cache, v_cache, group: DecodeGroup, workspace, scaling, window: int | None = None):
     """q [B, H, D], one token per sequence, against each sequence's context in one SDPA call.
     The query heads sharing a KV head become that head's query rows, so K/V are never repeated."""
     batch, num_heads, head_dim = q.shape
@@ -142,7 +156,12 @@ def _decode(q, k_cache, v_cache, group: DecodeGroup, workspace, scaling):
     k = k[:, :group.context_len].transpose(1, 2)
     v = v[:, :group.context_len].transpose(1, 2)
     q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
+    mask = group.mask
+    if window is not None and window < group.context_len:  # each sequence sees its last `window` positions
+        span = torch.arange(group.context_len, device=q.device).unsqueeze(0)
+        lens = group.lens.unsqueeze(1)
+        mask = ((span < lens) & (span >= lens - window))[:, None, None, :]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     return o.reshape(batch, num_heads, head_dim)
 
 

@@ -126,6 +126,8 @@ class FusedDecoderLayer(torch.nn.Module):
         self.num_heads = attn.q_proj.out_features // self.head_dim
         self.num_kv_heads = attn.k_proj.out_features // self.head_dim
         self.scaling = attn.scaling
+        # HF's layer holds its window (Qwen2: None on full-attention layers) or reads the config's (Mistral)
+        self.sliding_window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
         self.qkv_proj = _packed(attn.q_proj, attn.k_proj, attn.v_proj, blocks=blocks)
         self.o_proj = _linear(attn.o_proj, blocks)
         self.gate_up_proj = _packed(mlp.gate_proj, mlp.up_proj, blocks=blocks)

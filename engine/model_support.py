@@ -1,11 +1,11 @@
 """What the engine cannot run exactly yet, read from a model's HF config before any weight is loaded.
 
-The paged attention (engine/attention.py and the C kernels) computes plain causal attention over every
-earlier token, with the model's scaling. A model whose attention differs — a sliding window that binds
-within its context, logit soft-capping inside attention, chunked attention — would run and answer, but
-wrongly. Such a model is refused at start, naming the feature, as vLLM refuses what its backends lack.
-Features the model's own forward applies outside attention (final logit soft-capping, QK-norm, biases,
-tied heads) need nothing here.
+The paged attention (engine/attention.py and the C kernels) computes causal attention over every earlier
+token, or over a sliding window of them where a layer has one (Mistral, Qwen2's optional window, Gemma's
+local layers), with the model's scaling. A model whose attention differs otherwise — logit soft-capping
+inside attention, chunked attention — would run and answer, but wrongly. Such a model is refused at start,
+naming the feature, as vLLM refuses what its backends lack. Features the model's own forward applies
+outside attention (final logit soft-capping, QK-norm, biases, tied heads) need nothing here.
 """
 from __future__ import annotations
 
@@ -19,18 +19,6 @@ class UnsupportedModelError(ValueError):
 def unsupported_features(hf_config) -> list[str]:
     """Each attention feature of this config that the engine would silently ignore, described for a user."""
     features = []
-    positions = getattr(hf_config, "max_position_embeddings", None)
-    window = getattr(hf_config, "sliding_window", None)
-    layer_types = list(getattr(hf_config, "layer_types", None) or [])
-    sliding_layers = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
-    if layer_types and sliding_layers and window is not None:
-        binds = positions is None or window < positions
-        if binds:
-            features.append(f"sliding-window attention ({window} tokens) on {len(sliding_layers)} of "
-                            f"{len(layer_types)} layers")
-    elif not layer_types and window is not None and getattr(hf_config, "use_sliding_window", True):
-        if positions is None or window < positions:  # a window as long as the context never hides a token
-            features.append(f"sliding-window attention ({window} tokens, context {positions})")
     softcap = getattr(hf_config, "attn_logit_softcapping", None)
     if softcap is not None:
         features.append(f"attention logit soft-capping ({softcap})")

@@ -209,3 +209,51 @@ def test_prefill_kernel_logprobs_stay_within_bf16_rounding_of_sdpa(tiny_llama_di
         shared = top.keys() & expected.keys()
         assert len(shared) >= 4
         assert max(abs(top[t] - expected[t]) for t in shared) < 0.03
+
+
+def window_reference(q, k_cache, v_cache, table, context_len, scale, window):
+    n, num_heads, _ = q.shape
+    group = num_heads // k_cache.shape[2]
+    k = k_cache[table].flatten(0, 1)[:context_len].float().repeat_interleave(group, 1).transpose(0, 1)
+    v = v_cache[table].flatten(0, 1)[:context_len].float().repeat_interleave(group, 1).transpose(0, 1)
+    pos = torch.arange(context_len - n, context_len).unsqueeze(1)
+    keys = torch.arange(context_len).unsqueeze(0)
+    visible = (keys <= pos) & (keys > pos - window)
+    return F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=visible,
+                                          scale=scale).transpose(0, 1)
+
+
+# Windows shorter than a key tile, longer than several, starting inside tiles and rows; whole prompts and chunks.
+@pytest.mark.parametrize("window", [1, 5, 16, 40, 100])
+@pytest.mark.parametrize("n_q,context_len", [(1, 1), (13, 45), (100, 333), (256, 256), (1, 300)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_honours_a_sliding_window_matches_sdpa(window, n_q, context_len, dtype):
+    torch.manual_seed(window + n_q)
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    table = torch.randperm(64)[:-(-context_len // block_size)].contiguous()
+    k_cache = torch.randn(64, block_size, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(64, block_size, kv_heads, dim).to(dtype)
+    q = torch.randn(n_q, heads, dim).to(dtype)
+    out = torch.empty_like(q)
+    cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, table, context_len, dim ** -0.5, window)
+    expected = window_reference(q, k_cache, v_cache, table, context_len, dim ** -0.5, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 50])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_honours_a_sliding_window_matches_sdpa(window, cache_dtype):
+    torch.manual_seed(window)
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    k_cache = torch.randn(64, block_size, kv_heads, dim).to(cache_dtype)
+    v_cache = torch.randn(64, block_size, kv_heads, dim).to(cache_dtype)
+    lens = torch.tensor([100, 1, 15, 16, 17, 64, 33, 8, 9])
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.randperm(64)[:len(lens) * width].view(len(lens), width).contiguous()
+    q = torch.randn(len(lens), heads, dim)
+    out = torch.empty_like(q)
+    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, int(lens.max()), dim ** -0.5, window)
+    for s, length in enumerate(lens.tolist()):
+        expected = window_reference(q[s:s + 1], k_cache, v_cache, tables[s], length, dim ** -0.5, window)
+        torch.testing.assert_close(out[s:s + 1], expected, rtol=1e-5, atol=1e-5)

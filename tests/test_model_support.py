@@ -1,5 +1,6 @@
-"""Models whose attention the engine cannot compute exactly are refused at start, naming the feature; the
-ones it can (Mistral without a binding window, Qwen2 without its optional window) run and match HF."""
+"""Sliding-window models run exactly (Mistral, Qwen2's optional window): prefill, chunked prefill, prefix hits
+and decode on the C kernels and on the SDPA paths match HF generate. Models whose attention the engine cannot
+compute (soft-capping, chunked attention) are refused at start, naming the feature."""
 from types import SimpleNamespace
 
 import pytest
@@ -7,7 +8,7 @@ from transformers import AutoConfig
 
 from cluster.admin_client import CLIError
 from cluster.launcher import prepare_model
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, SamplingParams
 from engine.model_loader import build_random_model
 from engine.model_support import UnsupportedModelError, check_supported, unsupported_features
 from tests.test_engine_reference import assert_matches_hf, mixed_prompts
@@ -18,14 +19,10 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 
 @pytest.mark.parametrize("arch, overrides, expected", [
     ("llama", {}, []),
-    ("qwen2", {}, []),  # its window is off unless use_sliding_window
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
-     ["sliding-window attention (64 tokens) on 2 of 2 layers"]),
-    ("mistral", {"sliding_window": 64}, ["sliding-window attention (64 tokens, context 512)"]),
-    ("mistral", {"sliding_window": 4096}, []),  # a window past the context never hides a token
-    ("mistral", {"sliding_window": None}, []),
-    ("gemma2", {"sliding_window": 32}, ["sliding-window attention (32 tokens) on 1 of 2 layers",
-                                        "attention logit soft-capping (50.0)"]),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}, []),
+    ("mistral", {"sliding_window": 64}, []),
+    ("gemma2", {"sliding_window": 32}, ["attention logit soft-capping (50.0)"]),
+    ("gemma2", {"attn_logit_softcapping": None}, []),
     ("llama", {"attention_chunk_size": 128}, ["chunked local attention (128 tokens)"]),
 ])
 def test_unsupported_features_are_read_from_the_config(arch, overrides, expected):
@@ -34,32 +31,58 @@ def test_unsupported_features_are_read_from_the_config(arch, overrides, expected
 
 
 def test_the_refusal_names_the_model_the_architecture_and_every_feature():
-    config = AutoConfig.for_model("gemma2", **SMALL, sliding_window=32, architectures=["Gemma2ForCausalLM"])
-    with pytest.raises(UnsupportedModelError, match=r"model g \(Gemma2ForCausalLM\) uses sliding-window attention "
-                                                    r".* and attention logit soft-capping \(50.0\).*rather than "
+    config = AutoConfig.for_model("gemma2", **SMALL, attention_chunk_size=8, architectures=["Gemma2ForCausalLM"])
+    with pytest.raises(UnsupportedModelError, match=r"model g \(Gemma2ForCausalLM\) uses attention logit soft-capping "
+                                                    r"\(50.0\) and chunked local attention \(8 tokens\).*rather than "
                                                     r"answer wrongly"):
         check_supported(config, "g")
 
 
 @pytest.fixture(scope="module")
-def windowed_mistral_dir(tmp_path_factory):
-    return str(build_random_model(tmp_path_factory.mktemp("models") / "mistral-window", "mistral",
-                                  sliding_window=16))
+def softcapped_dir(tmp_path_factory):
+    return str(build_random_model(tmp_path_factory.mktemp("models") / "gemma2", "gemma2", head_dim=16))
 
 
-def test_the_engine_refuses_a_binding_window_before_loading_weights(windowed_mistral_dir):
-    with pytest.raises(UnsupportedModelError, match=r"sliding-window attention \(16 tokens, context 512\)"):
-        Engine(EngineConfig(model=windowed_mistral_dir, num_kv_blocks=64))
+def test_the_engine_refuses_soft_capping_before_loading_weights(softcapped_dir):
+    with pytest.raises(UnsupportedModelError, match=r"attention logit soft-capping \(50.0\)"):
+        Engine(EngineConfig(model=softcapped_dir, num_kv_blocks=64))
 
 
-def test_tandem_serve_refuses_it_at_start_with_the_same_message(windowed_mistral_dir):
+def test_tandem_serve_refuses_it_at_start_with_the_same_message(softcapped_dir):
     said = []
-    with pytest.raises(CLIError, match="sliding-window attention"):
-        prepare_model(SimpleNamespace(model=windowed_mistral_dir, model_name="m", device="cpu"), said.append)
+    with pytest.raises(CLIError, match="attention logit soft-capping"):
+        prepare_model(SimpleNamespace(model=softcapped_dir, model_name="m", device="cpu"), said.append)
     assert not said  # refused before announcing the model
 
 
-def test_mistral_without_a_binding_window_runs_and_matches_hf(tmp_path):
-    model_dir = str(build_random_model(tmp_path / "mistral", "mistral", sliding_window=4096))
+@pytest.fixture(scope="module")
+def windowed_dirs(tmp_path_factory):
+    """A window of 16 tokens: every prompt of mixed_prompts but the shortest runs past it."""
+    root = tmp_path_factory.mktemp("windowed")
+    return {"mistral": str(build_random_model(root / "mistral", "mistral", sliding_window=16)),
+            "qwen2": str(build_random_model(root / "qwen2", "qwen2", seed=3, use_sliding_window=True,
+                                            sliding_window=16, max_window_layers=1))}  # layer 1 windowed, 0 full
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "sdpa"])
+def test_sliding_window_models_match_hf(windowed_dirs, arch, kernels):
+    model_dir = windowed_dirs[arch]
     engine = Engine(EngineConfig(model=model_dir, num_kv_blocks=128))
-    assert_matches_hf(engine, model_dir, mixed_prompts(engine.runner.vocab_size))
+    if not kernels:
+        engine.runner.paged_kernel = engine.runner.prefill_kernel = False
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # decodes run past the window too
+    assert_matches_hf(engine, model_dir, mixed_prompts(engine.runner.vocab_size), params)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "sdpa"])
+def test_a_windowed_model_chunked_and_hitting_its_prefix_matches_hf(windowed_dirs, kernels):
+    model_dir = windowed_dirs["mistral"]
+    engine = Engine(EngineConfig(model=model_dir, num_kv_blocks=128, max_num_batched_tokens=24))
+    if not kernels:
+        engine.runner.paged_kernel = engine.runner.prefill_kernel = False
+    prompts = mixed_prompts(engine.runner.vocab_size, seed=4)
+    shared = prompts[-1]
+    assert_matches_hf(engine, model_dir, [shared + [5, 6, 7]])
+    assert_matches_hf(engine, model_dir, [shared + [9] * 20, prompts[3]])  # a 96-token prefix hit, chunked
+    assert engine.block_manager.prefix_cache_hits >= 96

@@ -23,6 +23,7 @@ typedef struct {
     const int64_t *lens;     /* [num_seqs] context lengths, the new token included */
     int num_seqs, num_heads, num_kv_heads, head_dim, block_size, table_width, max_len;
     float scale;
+    int window;                /* > 0: each token attends only its last `window` positions */
     int first_item, last_item; /* this thread's share of the (sequence, KV head) items */
 } Job;
 
@@ -80,7 +81,8 @@ static inline void prefetch_row(const void *row, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)row + off);
 }
 
-#define ROW_AT(cache, T, t) ((const T *)(cache) + table[(t) / bs] * block_stride + ((t) % bs) * token_stride + head_offset)
+/* Row t of the attended keys: position first + t of the sequence (first > 0 under a sliding window). */
+#define ROW_AT(cache, T, t) ((const T *)(cache) + table[((t) + first) / bs] * block_stride + (((t) + first) % bs) * token_stride + head_offset)
 
 /* One work item for a head size and group size known at compile time (the head size a multiple of
  * VW): the group's queries and output sums stay in vector registers (all of them with AVX-512 at
@@ -213,7 +215,9 @@ static void attend(Job *job, int kv_bf16, float *restrict scores, float *restric
     const size_t token_stride = (size_t)job->num_kv_heads * dim, block_stride = bs * token_stride;
     for (int item = job->first_item; item < job->last_item; item++) {
         const int seq = item / job->num_kv_heads, head = item % job->num_kv_heads;
-        const int len = (int)job->lens[seq];
+        /* a sliding window of W tokens sees the last W positions, the new token's included (HF's kv > q - W) */
+        const int full = (int)job->lens[seq], first = job->window > 0 && full > job->window ? full - job->window : 0;
+        const int len = full - first;
         const int64_t *table = job->tables + (size_t)seq * job->table_width;
         const float *restrict q = job->q + ((size_t)seq * job->num_heads + (size_t)head * group) * dim;
         const size_t head_offset = (size_t)head * dim;
@@ -231,7 +235,7 @@ static void attend(Job *job, int kv_bf16, float *restrict scores, float *restric
 int paged_decode_attention(float *out, const float *q, const void *k_cache, const void *v_cache,
                            const int64_t *tables, const int64_t *lens, int num_seqs, int num_heads,
                            int num_kv_heads, int head_dim, int block_size, int table_width, int max_len,
-                           float scale, int num_threads, int kv_bf16) {
+                           float scale, int num_threads, int kv_bf16, int window) {
     const int items = num_seqs * num_kv_heads, group = num_heads / num_kv_heads;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > items) num_threads = items > 0 ? items : 1;
@@ -244,7 +248,7 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
         threads = omp_get_num_threads();
 #endif
         Job job = {out, q, k_cache, v_cache, tables, lens, num_seqs, num_heads, num_kv_heads, head_dim,
-                   block_size, table_width, max_len, scale,
+                   block_size, table_width, max_len, scale, window,
                    (int)((int64_t)items * thread / threads), (int)((int64_t)items * (thread + 1) / threads)};
         float *scores = malloc(sizeof(float) * (size_t)group * (max_len > 0 ? max_len : 1));
         float *acc = malloc(sizeof(float) * (size_t)group * head_dim);

@@ -114,17 +114,19 @@ static inline vf vexp_v(vf x) {
     return p * (vf)bits;
 }
 
-/* One row's scores against a key tile of nk vectors, of which the first `visible` keys count: updates the
- * row's running max and sum, leaves the tile's probabilities in p and returns the factor the row's output
- * scales by (0 on a row's first tile: m starts at -3e38). */
-static inline __attribute__((always_inline)) float softmax_tile(vf *p, const int nk, int visible, float *m,
-                                                               float *l) {
+/* One row's scores against a key tile of nk vectors, of which keys [skip, visible) count (skip > 0 where a
+ * sliding window starts inside the tile): updates the row's running max and sum, leaves the tile's
+ * probabilities in p and returns the factor the row's output scales by (0 on a row's first tile: m starts
+ * at -3e38). */
+static inline __attribute__((always_inline)) float softmax_tile(vf *p, const int nk, int skip, int visible,
+                                                               float *m, float *l) {
     vi keep[4];
-    if (visible < nk * VW) {
+    const int masked = visible < nk * VW || skip > 0;
+    if (masked) {
         vi lane;
         for (int i = 0; i < VW; i++) lane[i] = i;
         for (int k = 0; k < nk; k++) {
-            keep[k] = lane + k * VW < visible;
+            keep[k] = (lane + k * VW < visible) & (lane + k * VW >= skip);
             const vf floor = p[k] - p[k] - 3.0e38f;
             p[k] = (vf)(((vi)p[k] & keep[k]) | ((vi)floor & ~keep[k]));
         }
@@ -135,7 +137,7 @@ static inline __attribute__((always_inline)) float softmax_tile(vf *p, const int
     vf total = p[0] - p[0];
     for (int k = 0; k < nk; k++) {
         p[k] = vexp_v(p[k] - mx);
-        if (visible < nk * VW) p[k] = (vf)((vi)p[k] & keep[k]);
+        if (masked) p[k] = (vf)((vi)p[k] & keep[k]);
         total += p[k];
     }
     const float alpha = vexp(*m - mx);
@@ -154,6 +156,7 @@ typedef struct {
     int n_q, context_len, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
     int q_bf16, kv_bf16;
+    int window;               /* > 0: query token at position p sees keys (p - window, p] (HF's sliding window) */
 } Job;
 
 typedef struct {  /* one thread's scratch, 64-byte aligned */
@@ -198,7 +201,8 @@ static void load_key_tile(const Job *job, Scratch *s, int head, int t0, int limi
 
 /* Rows [r0, r0 + RT) of the item against the key tile at t0: scores, online softmax, P V. Inlined once
  * per common head size, so that every loop bound is a constant and the sums stay in registers. */
-static inline __attribute__((always_inline)) void tile_dim(Scratch *s, int r0, int rows, int t0, const int dim) {
+static inline __attribute__((always_inline)) void tile_dim(Scratch *s, int r0, int rows, int t0, int window,
+                                                           const int dim) {
     const int nv = dim / VW;
     vf sc[RT][2];
     for (int r = 0; r < RT; r++) sc[r][0] = sc[r][1] = (vf){0};
@@ -213,14 +217,16 @@ static inline __attribute__((always_inline)) void tile_dim(Scratch *s, int r0, i
     }
     for (int r = 0; r < RT; r++) {
         float *p = s->p + (size_t)r * KT;
-        const int pos = r < rows ? s->qpos[r0 + r] : -1, visible = pos - t0 + 1;  /* keys of the tile it sees */
-        if (visible <= 0) {  /* a padding row, or a row before this tile */
+        /* the keys of the tile it sees: [skip, visible) */
+        const int pos = r < rows ? s->qpos[r0 + r] : -1, visible = pos - t0 + 1;
+        const int skip = window > 0 ? pos - window + 1 - t0 : 0;
+        if (visible <= 0 || skip >= KT) {  /* a padding row, a row before this tile or whose window starts after it */
             for (int j = 0; j < KT; j++) p[j] = 0.0f;
             s->alpha[r] = 1.0f;
             continue;
         }
         vf row[2] = {sc[r][0], sc[r][1]};
-        s->alpha[r] = softmax_tile(row, 2, visible, s->m + r0 + r, s->l + r0 + r);
+        s->alpha[r] = softmax_tile(row, 2, skip, visible, s->m + r0 + r, s->l + r0 + r);
         ((vf *)p)[0] = row[0];
         ((vf *)p)[1] = row[1];
     }
@@ -248,9 +254,9 @@ static inline __attribute__((always_inline)) void tile_dim(Scratch *s, int r0, i
 }
 
 static void tile(const Job *job, Scratch *s, int r0, int rows, int t0) {
-    if (job->head_dim == 64) tile_dim(s, r0, rows, t0, 64);
-    else if (job->head_dim == 128) tile_dim(s, r0, rows, t0, 128);
-    else tile_dim(s, r0, rows, t0, job->head_dim);
+    if (job->head_dim == 64) tile_dim(s, r0, rows, t0, job->window, 64);
+    else if (job->head_dim == 128) tile_dim(s, r0, rows, t0, job->window, 128);
+    else tile_dim(s, r0, rows, t0, job->window, job->head_dim);
 }
 
 #if defined(__AVX512BF16__) && VW == 16
@@ -263,7 +269,7 @@ static void tile(const Job *job, Scratch *s, int r0, int rows, int t0) {
  * sums (vdpbf16ps: twice the multiplies of an fp32 FMA). P is rounded to bf16 for P V, as torch's
  * fused attention does for bf16; max, exp and the running sums stay fp32. */
 static inline __attribute__((always_inline)) void tile_bf16_dim(Scratch *s, int r0, int rows, int t0, float scale,
-                                                               const int dim) {
+                                                               int window, const int dim) {
     const int np = dim / 2, nv = dim / VW;
     __m512 sc[RT_BF][NK_BF];
     for (int r = 0; r < RT_BF; r++)
@@ -280,14 +286,15 @@ static inline __attribute__((always_inline)) void tile_bf16_dim(Scratch *s, int 
     uint32_t ph[RT_BF][KT_BF / 2];
     for (int r = 0; r < RT_BF; r++) {
         const int pos = r < rows ? s->qpos[r0 + r] : -1, visible = pos - t0 + 1;
-        if (visible <= 0) {
+        const int skip = window > 0 ? pos - window + 1 - t0 : 0;
+        if (visible <= 0 || skip >= KT_BF) {
             for (int j = 0; j < KT_BF / 2; j++) ph[r][j] = 0;
             s->alpha[r] = 1.0f;
             continue;
         }
         vf row[NK_BF];
         for (int k = 0; k < NK_BF; k++) row[k] = (vf)sc[r][k] * scale;
-        s->alpha[r] = softmax_tile(row, NK_BF, visible, s->m + r0 + r, s->l + r0 + r);
+        s->alpha[r] = softmax_tile(row, NK_BF, skip, visible, s->m + r0 + r, s->l + r0 + r);
         for (int k = 0; k < NK_BF; k += 2)
             _mm512_storeu_si512(ph[r] + k * VW / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)row[k + 1], (__m512)row[k]));
     }
@@ -316,9 +323,9 @@ static inline __attribute__((always_inline)) void tile_bf16_dim(Scratch *s, int 
 }
 
 static void tile_bf16(const Job *job, Scratch *s, int r0, int rows, int t0) {
-    if (job->head_dim == 64) tile_bf16_dim(s, r0, rows, t0, job->scale, 64);
-    else if (job->head_dim == 128) tile_bf16_dim(s, r0, rows, t0, job->scale, 128);
-    else tile_bf16_dim(s, r0, rows, t0, job->scale, job->head_dim);
+    if (job->head_dim == 64) tile_bf16_dim(s, r0, rows, t0, job->scale, job->window, 64);
+    else if (job->head_dim == 128) tile_bf16_dim(s, r0, rows, t0, job->scale, job->window, 128);
+    else tile_bf16_dim(s, r0, rows, t0, job->scale, job->window, job->head_dim);
 }
 
 /* Keys [t0, t0 + KT) as dimension pairs (for Q K^T) and key pairs (for P V); zeros at or past `limit`. */
@@ -370,7 +377,9 @@ static void item(const Job *job, Scratch *s, int head, int first, int rows) {
 #else
     const int kt = KT, rt = RT;
 #endif
-    for (int t0 = 0; t0 <= last_key; t0 += kt) {
+    /* under a sliding window the first row's window starts at its position - window + 1; no row sees before */
+    const int first_key = job->window > 0 && s->qpos[0] - job->window + 1 > 0 ? s->qpos[0] - job->window + 1 : 0;
+    for (int t0 = first_key / kt * kt; t0 <= last_key; t0 += kt) {
 #ifdef DPBF16
         if (dot_bf16) load_key_tile_bf16(job, s, head, t0, last_key + 1);
         else
@@ -379,6 +388,7 @@ static void item(const Job *job, Scratch *s, int head, int first, int rows) {
         for (int r0 = 0; r0 < rows; r0 += rt) {
             const int n = rows - r0 < rt ? rows - r0 : rt;
             if (s->qpos[r0 + n - 1] < t0) continue;
+            if (job->window > 0 && s->qpos[r0] - job->window + 1 >= t0 + kt) continue;  /* all its windows start later */
 #ifdef DPBF16
             if (dot_bf16) tile_bf16(job, s, r0, n, t0);
             else
@@ -404,11 +414,11 @@ int prefill_attention_supported(int head_dim) { return supported(head_dim); }
 int paged_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                             const int64_t *table, int64_t q_token_stride, int64_t q_head_stride, int n_q,
                             int context_len, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                            float scale, int num_threads, int q_bf16, int kv_bf16) {
+                            float scale, int num_threads, int q_bf16, int kv_bf16, int window) {
     if (!supported(head_dim) || num_kv_heads < 1 || num_heads % num_kv_heads != 0 || n_q < 1 || n_q > context_len)
         return -2;
     const Job job = {out, q, k_cache, v_cache, table, q_token_stride, q_head_stride, n_q, context_len,
-                     num_heads, num_kv_heads, head_dim, block_size, scale, q_bf16, kv_bf16};
+                     num_heads, num_kv_heads, head_dim, block_size, scale, q_bf16, kv_bf16, window};
     const int rows = n_q * (num_heads / num_kv_heads), per_head = (rows + ITEM_ROWS - 1) / ITEM_ROWS;
     const int items = per_head * num_kv_heads;
     if (num_threads < 1) num_threads = 1;
