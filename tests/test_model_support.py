@@ -1,4 +1,4 @@
-"""Sliding-window models run exactly (Mistral, Qwen2's optional window): prefill, chunked prefill, prefix hits
+"""Sliding-window models run exactly (Mistral, Qwen2's optional window, Gemma 3's local layers): prefill, chunked prefill, prefix hits
 and decode on the C kernels and on the SDPA paths match HF generate. Models whose attention the engine cannot
 compute (soft-capping, chunked attention) are refused at start, naming the feature."""
 from types import SimpleNamespace
@@ -61,10 +61,13 @@ def windowed_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("windowed")
     return {"mistral": str(build_random_model(root / "mistral", "mistral", sliding_window=16)),
             "qwen2": str(build_random_model(root / "qwen2", "qwen2", seed=3, use_sliding_window=True,
-                                            sliding_window=16, max_window_layers=1))}  # layer 1 windowed, 0 full
+                                            sliding_window=16, max_window_layers=1)),  # layer 1 windowed, 0 full
+            # QK-norm, scaled embeddings, its own query scale, local and global rotary; layers 0-4 local, 5 global
+            "gemma3": str(build_random_model(root / "gemma3", "gemma3_text", seed=4, num_layers=6, head_dim=16,
+                                             sliding_window=16))}
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma3"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "sdpa"])
 def test_sliding_window_models_match_hf(windowed_dirs, arch, kernels):
     model_dir = windowed_dirs[arch]
