@@ -70,9 +70,10 @@ class AttentionMetadata:
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     tandem_attn: AttentionMetadata | None = None, **kwargs):
     md = tandem_attn
-    _refuse_what_it_cannot_attend(kwargs)
-    # HF's attention passes its layer's window (None on full-attention layers); the fused layer holds it
+    # HF's attention passes its layer's window (None on full-attention layers); the fused layer holds it.
+    # Gemma 2 passes `softcap`: its scores go through softcap * tanh(score / softcap) before the softmax.
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    softcap = kwargs.get("softcap")
     layer = module.layer_idx
     k_cache, v_cache = md.kv_cache.k[layer], md.kv_cache.v[layer]
     _, num_kv_heads, _, head_dim = key.shape
@@ -82,20 +83,20 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     q = query[0].transpose(0, 1)
     scaling = head_dim ** -0.5 if scaling is None else scaling
     if md.paged_decodes is not None and not md.prefills:
-        return _paged_decode(q, k_cache, v_cache, md.paged_decodes, scaling, window).unsqueeze(0), None
+        return _paged_decode(q, k_cache, v_cache, md.paged_decodes, scaling, window, softcap).unsqueeze(0), None
     if len(md.decodes) == 1 and not md.prefills:
-        return _decode(q, k_cache, v_cache, md.decodes[0], md.workspace, scaling, window).unsqueeze(0), None
+        return _decode(q, k_cache, v_cache, md.decodes[0], md.workspace, scaling, window, softcap).unsqueeze(0), None
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if md.paged_decodes is not None:
         num_seqs = md.paged_decodes.num_seqs
-        out[:num_seqs] = _paged_decode(q[:num_seqs], k_cache, v_cache, md.paged_decodes, scaling, window)
+        out[:num_seqs] = _paged_decode(q[:num_seqs], k_cache, v_cache, md.paged_decodes, scaling, window, softcap)
     for group in md.decodes:
         out[group.start:group.end] = _decode(q[group.start:group.end], k_cache, v_cache, group, md.workspace, scaling,
-                                             window)
+                                             window, softcap)
     for seg in md.prefills:
         if seg.paged:
             cpu_kernels.paged_prefill_attention(out[seg.start:seg.end], q[seg.start:seg.end], k_cache, v_cache,
-                                                seg.block_ids, seg.context_len, scaling, window)
+                                                seg.block_ids, seg.context_len, scaling, window, softcap)
             continue
         q_seg = q[seg.start:seg.end].transpose(0, 1).unsqueeze(0)
         if seg.block_ids is None:
@@ -106,19 +107,27 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         mask, causal = seg.mask, seg.block_ids is None
         if window is not None and window < seg.context_len:
             mask, causal = _window_mask(seg.end - seg.start, seg.context_len, window, q.device), False
-        # 4-d inputs keep SDPA on its fused CPU kernel; 3-d ones with GQA fall back to the math path.
-        o = F.scaled_dot_product_attention(q_seg, k_seg, v_seg, attn_mask=mask, is_causal=causal,
-                                           scale=scaling, enable_gqa=num_heads != num_kv_heads)
+        if softcap is not None:
+            if causal:
+                mask = _window_mask(seg.end - seg.start, seg.context_len, seg.context_len, q.device)
+            k_seg = k_seg.repeat_interleave(num_heads // num_kv_heads, dim=1)
+            v_seg = v_seg.repeat_interleave(num_heads // num_kv_heads, dim=1)
+            o = _softcapped_attention(q_seg, k_seg, v_seg, mask, scaling, softcap)
+        else:  # 4-d inputs keep SDPA on its fused CPU kernel; 3-d ones with GQA fall back to the math path.
+            o = F.scaled_dot_product_attention(q_seg, k_seg, v_seg, attn_mask=mask, is_causal=causal,
+                                               scale=scaling, enable_gqa=num_heads != num_kv_heads)
         out[seg.start:seg.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
 
-def _refuse_what_it_cannot_attend(kwargs) -> None:
-    """The HF layer asks for attention this module does not compute: fail, never answer wrongly.
-    (engine/model_support.py refuses such models at start; this catches what a config does not declare.)"""
-    softcap = kwargs.get("softcap")
-    if softcap is not None:
-        raise NotImplementedError(f"attention logit soft-capping ({softcap}) is not implemented")
+def _softcapped_attention(q, k, v, mask: torch.Tensor | None, scaling: float, softcap: float) -> torch.Tensor:
+    """Attention whose scores go through softcap * tanh(score / softcap), which SDPA cannot do: in fp32, as
+    HF's eager attention for Gemma 2 computes it; `mask` (True = attend) broadcasts over the scores."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
 
 def _window_mask(num_new: int, context_len: int, window: int, device) -> torch.Tensor:
@@ -135,16 +144,18 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int, buff
     return blocks.flatten(0, 1)[:context_len]
 
 
-def _paged_decode(q, k_cache, v_cache, decodes: PagedDecodes, scaling: float, window: int | None) -> torch.Tensor:
+def _paged_decode(q, k_cache, v_cache, decodes: PagedDecodes, scaling: float, window: int | None,
+                  softcap: float | None) -> torch.Tensor:
     """The C kernel computes in fp32 (a bf16 cache is widened as it is read); q and out follow."""
     q32 = q.to(torch.float32).contiguous()
     out = torch.empty_like(q32)
     cpu_kernels.paged_decode_attention(out, q32, k_cache, v_cache, decodes.block_tables, decodes.context_lens,
-                                       decodes.max_len, scaling, window)
+                                       decodes.max_len, scaling, window, softcap)
     return out.to(q.dtype)
 
 
-def _decode(q, k_cache, v_cache, group: DecodeGroup, workspace, scaling, window: int | None = None):
+def _decode(q, k_cache, v_cache, group: DecodeGroup, workspace, scaling, window: int | None = None,
+            softcap: float | None = None):
     """q [B, H, D], one token per sequence, against each sequence's context in one SDPA call.
     The query heads sharing a KV head become that head's query rows, so K/V are never repeated."""
     batch, num_heads, head_dim = q.shape
@@ -161,7 +172,10 @@ def _decode(q, k_cache, v_cache, group: DecodeGroup, workspace, scaling, window:
         span = torch.arange(group.context_len, device=q.device).unsqueeze(0)
         lens = group.lens.unsqueeze(1)
         mask = ((span < lens) & (span >= lens - window))[:, None, None, :]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    if softcap is not None:
+        o = _softcapped_attention(q, k, v, mask, scaling, softcap)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     return o.reshape(batch, num_heads, head_dim)
 
 

@@ -105,7 +105,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         fn = lib.paged_decode_attention
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 3
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_int] * 3 + [ctypes.c_float]
     return lib
 
 
@@ -115,7 +115,8 @@ def _prefill() -> ctypes.CDLL | None:
     if lib is not None:
         ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         lib.paged_prefill_attention.restype = i32
-        lib.paged_prefill_attention.argtypes = [ptr] * 5 + [i64] * 2 + [i32] * 6 + [ctypes.c_float] + [i32] * 4
+        lib.paged_prefill_attention.argtypes = ([ptr] * 5 + [i64] * 2 + [i32] * 6 + [ctypes.c_float] + [i32] * 4
+                                                + [ctypes.c_float])
         lib.prefill_attention_supported.restype = i32
         lib.prefill_attention_supported.argtypes = [i32]
     return lib
@@ -129,10 +130,11 @@ def prefill_available(head_dim: int) -> bool:
 
 def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, context_len: int, scale: float,
-                            window: int | None = None) -> None:
+                            window: int | None = None, softcap: float | None = None) -> None:
     """Causal attention of a prompt chunk: out[i] = softmax(q[i] K^T * scale) V over the first
     context_len - n_q + i + 1 tokens of the sequence whose blocks `block_table` names (its own K/V
-    already written there); with a sliding `window`, over the last `window` of those only.
+    already written there); with a sliding `window`, over the last `window` of those only; with `softcap`,
+    the scores pass through softcap * tanh(score / softcap) first.
 
     q: [n_q, num_heads, head_dim], any token and head strides, unit stride within a head; out: contiguous,
     same shape and dtype as q; caches: contiguous [num_blocks, block_size, num_kv_heads, head_dim]; q and the
@@ -149,7 +151,8 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.T
     status = _prefill().paged_prefill_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
         q.stride(0), q.stride(1), n_q, context_len, num_heads, num_kv_heads, head_dim, block_size, scale,
-        torch.get_num_threads(), int(q.dtype == torch.bfloat16), int(k_cache.dtype == torch.bfloat16), window or 0)
+        torch.get_num_threads(), int(q.dtype == torch.bfloat16), int(k_cache.dtype == torch.bfloat16), window or 0,
+        softcap or 0.0)
     if status == -2:
         raise ValueError(f"paged_prefill_attention cannot take {n_q} queries of {num_heads}/{num_kv_heads} heads "
                          f"of size {head_dim} over {context_len} tokens")
@@ -207,9 +210,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head
 
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, max_len: int,
-                           scale: float, window: int | None = None) -> None:
+                           scale: float, window: int | None = None, softcap: float | None = None) -> None:
     """out[s] = softmax(q[s] K_s^T * scale) V_s for each sequence s, one query token each; with a sliding
-    `window`, over the last `window` positions of each context only.
+    `window`, over the last `window` positions of each context only; with `softcap`, the scores pass through
+    softcap * tanh(score / softcap) before the softmax.
 
     q and out: contiguous fp32 [num_seqs, num_heads, head_dim]; caches: contiguous fp32 or bf16
     [num_blocks, block_size, num_kv_heads, head_dim]; block_tables: contiguous int64
@@ -223,7 +227,7 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     status = lib.paged_decode_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-        max_len, scale, torch.get_num_threads(), int(k_cache.dtype == torch.bfloat16), window or 0)
+        max_len, scale, torch.get_num_threads(), int(k_cache.dtype == torch.bfloat16), window or 0, softcap or 0.0)
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its scratch memory or threads")
 

@@ -2,8 +2,8 @@
 
 The paged attention (engine/attention.py and the C kernels) computes causal attention over every earlier
 token, or over a sliding window of them where a layer has one (Mistral, Qwen2's optional window, Gemma's
-local layers), with the model's scaling. A model whose attention differs otherwise — logit soft-capping
-inside attention, chunked attention — would run and answer, but wrongly. Such a model is refused at start,
+local layers), with the model's scaling and Gemma 2's logit soft-capping. A model whose attention differs
+otherwise — chunked attention (Llama 4) — would run and answer, but wrongly. Such a model is refused at start,
 naming the feature, as vLLM refuses what its backends lack. Features the model's own forward applies
 outside attention (final logit soft-capping, QK-norm, biases, tied heads) need nothing here.
 """
@@ -19,9 +19,6 @@ class UnsupportedModelError(ValueError):
 def unsupported_features(hf_config) -> list[str]:
     """Each attention feature of this config that the engine would silently ignore, described for a user."""
     features = []
-    softcap = getattr(hf_config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        features.append(f"attention logit soft-capping ({softcap})")
     chunk = getattr(hf_config, "attention_chunk_size", None)
     if chunk is not None:
         features.append(f"chunked local attention ({chunk} tokens)")

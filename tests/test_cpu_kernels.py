@@ -257,3 +257,32 @@ def test_decode_kernel_honours_a_sliding_window_matches_sdpa(window, cache_dtype
     for s, length in enumerate(lens.tolist()):
         expected = window_reference(q[s:s + 1], k_cache, v_cache, tables[s], length, dim ** -0.5, window)
         torch.testing.assert_close(out[s:s + 1], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 16])
+def test_both_kernels_soft_cap_scores_as_gemma2_does(dtype, window):
+    """scores -> softcap * tanh(scores / softcap) before the softmax; a cap of 2 binds on N(0, 1) data at scale 1."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim, block_size, softcap, scale = 8, 2, 64, 16, 2.0, 1.0
+    k_cache = torch.randn(32, block_size, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(32, block_size, kv_heads, dim).to(dtype)
+    context_len, n_q = 90, 40
+    table = torch.randperm(32)[:6].contiguous()
+    q = torch.randn(n_q, heads, dim).to(dtype)
+    k = k_cache[table].flatten(0, 1)[:context_len].float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+    v = v_cache[table].flatten(0, 1)[:context_len].float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+    pos = torch.arange(context_len - n_q, context_len).unsqueeze(1)
+    keys = torch.arange(context_len).unsqueeze(0)
+    visible = (keys <= pos) & ((keys > pos - window) if window else True)
+    scores = torch.tanh(q.float().transpose(0, 1) @ k.transpose(1, 2) * scale / softcap) * softcap
+    expected = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+    out = torch.empty_like(q)
+    cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, table, context_len, scale, window, softcap)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+    # the decode kernel: the chunk's last token alone (q fp32), a one-token decode of the same context
+    last = torch.empty(1, heads, dim)
+    cpu_kernels.paged_decode_attention(last, q[-1:].float(), k_cache, v_cache, table.view(1, -1),
+                                       torch.tensor([context_len]), context_len, scale, window, softcap)
+    torch.testing.assert_close(last, expected[-1:], rtol=1e-5, atol=1e-5)

@@ -1,6 +1,6 @@
-"""Sliding-window models run exactly (Mistral, Qwen2's optional window, Gemma 3's local layers): prefill, chunked prefill, prefix hits
-and decode on the C kernels and on the SDPA paths match HF generate. Models whose attention the engine cannot
-compute (soft-capping, chunked attention) are refused at start, naming the feature."""
+"""Sliding-window and soft-capped models run exactly (Mistral, Qwen2's optional window, Gemma 2 and 3): prefill,
+chunked prefill, prefix hits and decode on the C kernels and on the SDPA paths match HF generate. Models whose
+attention the engine cannot compute (chunked attention) are refused at start, naming the feature."""
 from types import SimpleNamespace
 
 import pytest
@@ -21,8 +21,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
     ("llama", {}, []),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}, []),
     ("mistral", {"sliding_window": 64}, []),
-    ("gemma2", {"sliding_window": 32}, ["attention logit soft-capping (50.0)"]),
-    ("gemma2", {"attn_logit_softcapping": None}, []),
+    ("gemma2", {"sliding_window": 32}, []),
     ("llama", {"attention_chunk_size": 128}, ["chunked local attention (128 tokens)"]),
 ])
 def test_unsupported_features_are_read_from_the_config(arch, overrides, expected):
@@ -30,28 +29,27 @@ def test_unsupported_features_are_read_from_the_config(arch, overrides, expected
     assert unsupported_features(config) == expected
 
 
-def test_the_refusal_names_the_model_the_architecture_and_every_feature():
-    config = AutoConfig.for_model("gemma2", **SMALL, attention_chunk_size=8, architectures=["Gemma2ForCausalLM"])
-    with pytest.raises(UnsupportedModelError, match=r"model g \(Gemma2ForCausalLM\) uses attention logit soft-capping "
-                                                    r"\(50.0\) and chunked local attention \(8 tokens\).*rather than "
-                                                    r"answer wrongly"):
+def test_the_refusal_names_the_model_the_architecture_and_the_feature():
+    config = AutoConfig.for_model("llama", **SMALL, attention_chunk_size=8, architectures=["LlamaForCausalLM"])
+    with pytest.raises(UnsupportedModelError, match=r"model g \(LlamaForCausalLM\) uses chunked local attention "
+                                                    r"\(8 tokens\).*rather than answer wrongly"):
         check_supported(config, "g")
 
 
 @pytest.fixture(scope="module")
-def softcapped_dir(tmp_path_factory):
-    return str(build_random_model(tmp_path_factory.mktemp("models") / "gemma2", "gemma2", head_dim=16))
+def chunked_dir(tmp_path_factory):
+    return str(build_random_model(tmp_path_factory.mktemp("models") / "chunked", "llama", attention_chunk_size=8))
 
 
-def test_the_engine_refuses_soft_capping_before_loading_weights(softcapped_dir):
-    with pytest.raises(UnsupportedModelError, match=r"attention logit soft-capping \(50.0\)"):
-        Engine(EngineConfig(model=softcapped_dir, num_kv_blocks=64))
+def test_the_engine_refuses_chunked_attention_before_loading_weights(chunked_dir):
+    with pytest.raises(UnsupportedModelError, match=r"chunked local attention \(8 tokens\)"):
+        Engine(EngineConfig(model=chunked_dir, num_kv_blocks=64))
 
 
-def test_tandem_serve_refuses_it_at_start_with_the_same_message(softcapped_dir):
+def test_tandem_serve_refuses_it_at_start_with_the_same_message(chunked_dir):
     said = []
-    with pytest.raises(CLIError, match="attention logit soft-capping"):
-        prepare_model(SimpleNamespace(model=softcapped_dir, model_name="m", device="cpu"), said.append)
+    with pytest.raises(CLIError, match="chunked local attention"):
+        prepare_model(SimpleNamespace(model=chunked_dir, model_name="m", device="cpu"), said.append)
     assert not said  # refused before announcing the model
 
 
@@ -64,10 +62,13 @@ def windowed_dirs(tmp_path_factory):
                                             sliding_window=16, max_window_layers=1)),  # layer 1 windowed, 0 full
             # QK-norm, scaled embeddings, its own query scale, local and global rotary; layers 0-4 local, 5 global
             "gemma3": str(build_random_model(root / "gemma3", "gemma3_text", seed=4, num_layers=6, head_dim=16,
-                                             sliding_window=16))}
+                                             sliding_window=16)),
+            # soft-capping that binds (this random model's scores reach well past 2) on local and global layers
+            "gemma2": str(build_random_model(root / "gemma2", "gemma2", seed=5, head_dim=16, sliding_window=16,
+                                             attn_logit_softcapping=2.0, final_logit_softcapping=5.0))}
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma3"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma3", "gemma2"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "sdpa"])
 def test_sliding_window_models_match_hf(windowed_dirs, arch, kernels):
     model_dir = windowed_dirs[arch]

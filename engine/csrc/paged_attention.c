@@ -23,6 +23,7 @@ typedef struct {
     const int64_t *lens;     /* [num_seqs] context lengths, the new token included */
     int num_seqs, num_heads, num_kv_heads, head_dim, block_size, table_width, max_len;
     float scale;
+    float softcap;             /* > 0: attention logit soft-capping */
     int window;                /* > 0: each token attends only its last `window` positions */
     int first_item, last_item; /* this thread's share of the (sequence, KV head) items */
 } Job;
@@ -118,7 +119,7 @@ static inline void prefetch_row(const void *row, size_t bytes) {
                 else for (int i = 0; i < n; i++) dst[i] = sums[i];                                     \
             }                                                                                          \
         }                                                                                              \
-        softmax_rows(scores, (GROUP), len);                                                            \
+        softmax_rows(scores, (GROUP), len, job->softcap);                                                            \
         for (int g = 0; g < (GROUP); g++)                                                              \
             for (int j = 0; j < NV; j++) acc[g][j] = (vf){0};                                          \
         for (int t = 0; t < len; t++) {                                                                \
@@ -148,7 +149,7 @@ static inline void prefetch_row(const void *row, size_t bytes) {
             scores[(size_t)g * len + t] = hsum(a) * job->scale;                                        \
         }                                                                                              \
     }                                                                                                  \
-    softmax_rows(scores, group, len);                                                                  \
+    softmax_rows(scores, group, len, job->softcap);                                                                \
     for (int i = 0; i < group * (DIM); i++) acc_out[i] = 0.0f;                                         \
     for (int t = 0; t < len; t++) {                                                                    \
         const T *v = ROW_AT(job->v_cache, T, t);                                                       \
@@ -171,7 +172,7 @@ static inline void prefetch_row(const void *row, size_t bytes) {
             scores[(size_t)g * len + t] = dot * job->scale;                                            \
         }                                                                                              \
     }                                                                                                  \
-    softmax_rows(scores, group, len);                                                                  \
+    softmax_rows(scores, group, len, job->softcap);                                                                \
     for (int i = 0; i < group * (DIM); i++) acc_out[i] = 0.0f;                                         \
     for (int t = 0; t < len; t++) {                                                                    \
         const T *v = ROW_AT(job->v_cache, T, t);                                                       \
@@ -181,9 +182,16 @@ static inline void prefetch_row(const void *row, size_t bytes) {
         }                                                                                              \
     }
 
-static void softmax_rows(float *scores, int rows, int len) {
+/* softcap > 0: scores pass through cap * tanh(score / cap) first (Gemma 2's attention logit soft-capping). */
+static void softmax_rows(float *scores, int rows, int len, float softcap) {
     for (int g = 0; g < rows; g++) {
-        float *s = scores + (size_t)g * len, max = s[0], sum = 0.0f;
+        float *s = scores + (size_t)g * len;
+        if (softcap > 0.0f)
+            for (int t = 0; t < len; t++) {  /* tanh(x) = 1 - 2 / (e^2x + 1): vexp vectorizes, tanhf does not */
+                const float e = vexp(2.0f * s[t] / softcap);
+                s[t] = softcap * (1.0f - 2.0f / (e + 1.0f));
+            }
+        float max = s[0], sum = 0.0f;
         for (int t = 1; t < len; t++) max = s[t] > max ? s[t] : max;
         for (int t = 0; t < len; t++) s[t] = vexp(s[t] - max);  /* vectorizes; expf does not */
         for (int t = 0; t < len; t++) sum += s[t];
@@ -235,7 +243,7 @@ static void attend(Job *job, int kv_bf16, float *restrict scores, float *restric
 int paged_decode_attention(float *out, const float *q, const void *k_cache, const void *v_cache,
                            const int64_t *tables, const int64_t *lens, int num_seqs, int num_heads,
                            int num_kv_heads, int head_dim, int block_size, int table_width, int max_len,
-                           float scale, int num_threads, int kv_bf16, int window) {
+                           float scale, int num_threads, int kv_bf16, int window, float softcap) {
     const int items = num_seqs * num_kv_heads, group = num_heads / num_kv_heads;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > items) num_threads = items > 0 ? items : 1;
@@ -248,7 +256,7 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
         threads = omp_get_num_threads();
 #endif
         Job job = {out, q, k_cache, v_cache, tables, lens, num_seqs, num_heads, num_kv_heads, head_dim,
-                   block_size, table_width, max_len, scale, window,
+                   block_size, table_width, max_len, scale, softcap, window,
                    (int)((int64_t)items * thread / threads), (int)((int64_t)items * (thread + 1) / threads)};
         float *scores = malloc(sizeof(float) * (size_t)group * (max_len > 0 ? max_len : 1));
         float *acc = malloc(sizeof(float) * (size_t)group * head_dim);

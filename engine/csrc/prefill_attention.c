@@ -114,6 +114,12 @@ static inline vf vexp_v(vf x) {
     return p * (vf)bits;
 }
 
+/* cap * tanh(x / cap), as 1 - 2 / (e^(2x/cap) + 1) through vexp_v. */
+static inline vf vsoftcap(vf x, float cap) {
+    const vf e = vexp_v(x * (2.0f / cap));
+    return (1.0f - 2.0f / (e + 1.0f)) * cap;
+}
+
 /* One row's scores against a key tile of nk vectors, of which keys [skip, visible) count (skip > 0 where a
  * sliding window starts inside the tile): updates the row's running max and sum, leaves the tile's
  * probabilities in p and returns the factor the row's output scales by (0 on a row's first tile: m starts
@@ -157,6 +163,7 @@ typedef struct {
     float scale;
     int q_bf16, kv_bf16;
     int window;               /* > 0: query token at position p sees keys (p - window, p] (HF's sliding window) */
+    float softcap;            /* > 0: scores pass through softcap * tanh(score / softcap) (Gemma 2) */
 } Job;
 
 typedef struct {  /* one thread's scratch, 64-byte aligned */
@@ -202,7 +209,7 @@ static void load_key_tile(const Job *job, Scratch *s, int head, int t0, int limi
 /* Rows [r0, r0 + RT) of the item against the key tile at t0: scores, online softmax, P V. Inlined once
  * per common head size, so that every loop bound is a constant and the sums stay in registers. */
 static inline __attribute__((always_inline)) void tile_dim(Scratch *s, int r0, int rows, int t0, int window,
-                                                           const int dim) {
+                                                           float softcap, const int dim) {
     const int nv = dim / VW;
     vf sc[RT][2];
     for (int r = 0; r < RT; r++) sc[r][0] = sc[r][1] = (vf){0};
@@ -226,6 +233,7 @@ static inline __attribute__((always_inline)) void tile_dim(Scratch *s, int r0, i
             continue;
         }
         vf row[2] = {sc[r][0], sc[r][1]};
+        if (softcap > 0.0f) row[0] = vsoftcap(row[0], softcap), row[1] = vsoftcap(row[1], softcap);
         s->alpha[r] = softmax_tile(row, 2, skip, visible, s->m + r0 + r, s->l + r0 + r);
         ((vf *)p)[0] = row[0];
         ((vf *)p)[1] = row[1];
@@ -254,9 +262,9 @@ static inline __attribute__((always_inline)) void tile_dim(Scratch *s, int r0, i
 }
 
 static void tile(const Job *job, Scratch *s, int r0, int rows, int t0) {
-    if (job->head_dim == 64) tile_dim(s, r0, rows, t0, job->window, 64);
-    else if (job->head_dim == 128) tile_dim(s, r0, rows, t0, job->window, 128);
-    else tile_dim(s, r0, rows, t0, job->window, job->head_dim);
+    if (job->head_dim == 64) tile_dim(s, r0, rows, t0, job->window, job->softcap, 64);
+    else if (job->head_dim == 128) tile_dim(s, r0, rows, t0, job->window, job->softcap, 128);
+    else tile_dim(s, r0, rows, t0, job->window, job->softcap, job->head_dim);
 }
 
 #if defined(__AVX512BF16__) && VW == 16
@@ -269,7 +277,7 @@ static void tile(const Job *job, Scratch *s, int r0, int rows, int t0) {
  * sums (vdpbf16ps: twice the multiplies of an fp32 FMA). P is rounded to bf16 for P V, as torch's
  * fused attention does for bf16; max, exp and the running sums stay fp32. */
 static inline __attribute__((always_inline)) void tile_bf16_dim(Scratch *s, int r0, int rows, int t0, float scale,
-                                                               int window, const int dim) {
+                                                               int window, float softcap, const int dim) {
     const int np = dim / 2, nv = dim / VW;
     __m512 sc[RT_BF][NK_BF];
     for (int r = 0; r < RT_BF; r++)
@@ -294,6 +302,8 @@ static inline __attribute__((always_inline)) void tile_bf16_dim(Scratch *s, int 
         }
         vf row[NK_BF];
         for (int k = 0; k < NK_BF; k++) row[k] = (vf)sc[r][k] * scale;
+        if (softcap > 0.0f)
+            for (int k = 0; k < NK_BF; k++) row[k] = vsoftcap(row[k], softcap);
         s->alpha[r] = softmax_tile(row, NK_BF, skip, visible, s->m + r0 + r, s->l + r0 + r);
         for (int k = 0; k < NK_BF; k += 2)
             _mm512_storeu_si512(ph[r] + k * VW / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)row[k + 1], (__m512)row[k]));
@@ -323,9 +333,9 @@ static inline __attribute__((always_inline)) void tile_bf16_dim(Scratch *s, int 
 }
 
 static void tile_bf16(const Job *job, Scratch *s, int r0, int rows, int t0) {
-    if (job->head_dim == 64) tile_bf16_dim(s, r0, rows, t0, job->scale, job->window, 64);
-    else if (job->head_dim == 128) tile_bf16_dim(s, r0, rows, t0, job->scale, job->window, 128);
-    else tile_bf16_dim(s, r0, rows, t0, job->scale, job->window, job->head_dim);
+    if (job->head_dim == 64) tile_bf16_dim(s, r0, rows, t0, job->scale, job->window, job->softcap, 64);
+    else if (job->head_dim == 128) tile_bf16_dim(s, r0, rows, t0, job->scale, job->window, job->softcap, 128);
+    else tile_bf16_dim(s, r0, rows, t0, job->scale, job->window, job->softcap, job->head_dim);
 }
 
 /* Keys [t0, t0 + KT) as dimension pairs (for Q K^T) and key pairs (for P V); zeros at or past `limit`. */
@@ -414,11 +424,11 @@ int prefill_attention_supported(int head_dim) { return supported(head_dim); }
 int paged_prefill_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                             const int64_t *table, int64_t q_token_stride, int64_t q_head_stride, int n_q,
                             int context_len, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                            float scale, int num_threads, int q_bf16, int kv_bf16, int window) {
+                            float scale, int num_threads, int q_bf16, int kv_bf16, int window, float softcap) {
     if (!supported(head_dim) || num_kv_heads < 1 || num_heads % num_kv_heads != 0 || n_q < 1 || n_q > context_len)
         return -2;
     const Job job = {out, q, k_cache, v_cache, table, q_token_stride, q_head_stride, n_q, context_len,
-                     num_heads, num_kv_heads, head_dim, block_size, scale, q_bf16, kv_bf16, window};
+                     num_heads, num_kv_heads, head_dim, block_size, scale, q_bf16, kv_bf16, window, softcap};
     const int rows = n_q * (num_heads / num_kv_heads), per_head = (rows + ITEM_ROWS - 1) / ITEM_ROWS;
     const int items = per_head * num_kv_heads;
     if (num_threads < 1) num_threads = 1;
