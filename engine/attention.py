@@ -25,13 +25,13 @@ ATTN_IMPLEMENTATION = "tandem_paged"
 class DecodeGroup:
     """Packed tokens [start, end) are decodes of sequences whose block tables, padded to one width,
     are `block_ids` (flattened). `mask` hides the padding; None when every context is `context_len` long.
-    `lens`: each sequence's context length (for sliding-window layers)."""
+    `lens`: each sequence's context length (made a tensor only by sliding-window layers)."""
     start: int
     end: int
     block_ids: torch.Tensor
     context_len: int
     mask: torch.Tensor | None
-    lens: torch.Tensor | None = None
+    lens: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -170,7 +170,7 @@ def _decode(q, k_cache, v_cache, group: DecodeGroup, workspace, scaling, window:
     mask = group.mask
     if window is not None and window < group.context_len:  # each sequence sees its last `window` positions
         span = torch.arange(group.context_len, device=q.device).unsqueeze(0)
-        lens = group.lens.unsqueeze(1)
+        lens = torch.tensor(group.lens, device=q.device).unsqueeze(1)
         mask = ((span < lens) & (span >= lens - window))[:, None, None, :]
     if softcap is not None:
         o = _softcapped_attention(q, k, v, mask, scaling, softcap)

@@ -150,7 +150,7 @@ class ModelRunner:
         if lens[-1] != lens[0]:
             span = torch.arange(lens[0], device=self.device)
             mask = (span.unsqueeze(0) < self._tensor(lens).unsqueeze(1))[:, None, None, :]
-        return DecodeGroup(start, start + len(tables), block_ids, lens[0], mask, self._tensor(lens))
+        return DecodeGroup(start, start + len(tables), block_ids, lens[0], mask, lens)
 
     def _padded_tables(self, tables: list[list[int]]) -> torch.Tensor:
         """Block tables padded with block 0 to the widest one's width, flattened."""
