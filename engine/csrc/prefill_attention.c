@@ -101,17 +101,10 @@ static inline vf vexp_v(vf x) {
     const vf lo = x - x - 87.3f, hi = x - x + 88.3f;
     x = vmax(x, lo);
     x = -vmax(-x, -hi);
-    const vf shifted = x * 1.44269504088896341f + 12582912.0f, n = shifted - 12582912.0f;
-    const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    vf p = r * 0.0f + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const vi bits = (((vi)shifted - 0x4b400000) + 127) << 23;
-    return p * (vf)bits;
+    const vf shifted = x * VEXP_LOG2E + VEXP_SHIFT, n = shifted - VEXP_SHIFT;
+    const vf r = (x - n * VEXP_LN2_HI) + n * VEXP_LN2_LO;
+    const vi bits = (((vi)shifted - 0x4b400000) + 127) << 23;  /* 2^n */
+    return VEXP_POLY(r) * (vf)bits;
 }
 
 /* cap * tanh(x / cap), as 1 - 2 / (e^(2x/cap) + 1) through vexp_v. */
