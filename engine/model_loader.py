@@ -141,7 +141,7 @@ def build_random_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, 
         arch, vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, **config_overrides)
+        eos_token_id=tokenizer.eos_token_id, **{"tie_word_embeddings": False, **config_overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -90,3 +90,23 @@ def test_a_windowed_model_chunked_and_hitting_its_prefix_matches_hf(windowed_dir
     assert_matches_hf(engine, model_dir, [shared + [5, 6, 7]])
     assert_matches_hf(engine, model_dir, [shared + [9] * 20, prompts[3]])  # a 96-token prefix hit, chunked
     assert engine.block_manager.prefix_cache_hits >= 96
+
+
+ARCHITECTURES = {  # HF model type and config: each differs from Llama where the engine could go wrong
+    "qwen3": ("qwen3", dict(head_dim=16)),  # QK-norm, a head size of its own
+    "phi3": ("phi3", {}),  # fused qkv and gate_up projections
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),  # MoE blocks (HF's expert layers)
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=64)),  # MoE with a shared expert, qkv biases
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)),
+    "llama_tied_biased": ("llama", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_more_architectures_match_hf(tmp_path, name):
+    arch, overrides = ARCHITECTURES[name]
+    model_dir = str(build_random_model(tmp_path / name, arch, seed=7, **overrides))
+    engine = Engine(EngineConfig(model=model_dir, num_kv_blocks=128, max_num_batched_tokens=48))  # chunks the longest
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert_matches_hf(engine, model_dir, mixed_prompts(engine.runner.vocab_size, seed=8), params)
