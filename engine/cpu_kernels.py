@@ -76,6 +76,16 @@ def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
+# Kernels wanted here that could not be built or loaded, so that torch computes their work instead: a fallback,
+# exported per worker as tandem:cpu_kernel_fallbacks (engine stats) and expected to stay empty.
+FAILED: set[str] = set()
+
+
+def failed_kernels() -> list[str]:
+    """The C kernels this process tried to load and runs without (not those turned off by TANDEM_CPU_KERNELS=0)."""
+    return sorted(FAILED)
+
+
 @functools.cache
 def _load(name: str) -> ctypes.CDLL | None:
     if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
@@ -83,6 +93,7 @@ def _load(name: str) -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: the CPU path runs without its C kernels (%s)", name)
+        FAILED.add(name)
         return None
     source = CSRC / f"{name}.c"
     flags = BASE_FLAGS + EXTRA_FLAGS.get(name, []) + _arch_flags(bf16_dot=name in BF16_DOT)
@@ -96,6 +107,7 @@ def _load(name: str) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("building the CPU kernels of %s failed, running without them: %s", name, detail)
+        FAILED.add(name)
         return None
 
 

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from engine import cpu_kernels
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -148,7 +149,8 @@ class Engine:
                 "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": sched.num_preemptions,
                 "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
                 "step_costs": self.step_costs.copy(), "kv_bytes_per_token": self.kv_cache.layout.bytes_per_token,
-                "spec_decode": None if self.speculator is None else self.speculator.stats.copy()}
+                "spec_decode": None if self.speculator is None else self.speculator.stats.copy(),
+                "cpu_kernel_fallbacks": len(cpu_kernels.failed_kernels()) if self.runner.device.type == "cpu" else 0}
 
     def reserve_for_import(self, req: Request) -> list[int] | None:
         """Blocks for `req`'s whole prompt (BlockManager.reserve_for_import): the indices of those whose KV must

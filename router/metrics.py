@@ -252,6 +252,8 @@ _STATS_GAUGES = {
     "vllm:num_requests_waiting": ("Requests waiting to be scheduled.", lambda s: s.num_waiting),
     "vllm:kv_cache_usage_perc": ("Fraction of KV blocks in use.", lambda s: s.kv_usage),
     "tandem:queued_prefill_tokens": ("Prompt tokens accepted but not computed.", lambda s: s.queued_prefill_tokens),
+    "tandem:cpu_kernel_fallbacks": ("C kernels of the CPU path that could not be built or loaded, so torch runs "
+                                    "their work, slower (should stay 0).", lambda s: s.cpu_kernel_fallbacks),
 }
 _STATS_COUNTERS = {
     "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),

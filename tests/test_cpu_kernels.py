@@ -1,5 +1,6 @@
 """The C paged decode and prefill attentions equal gather + SDPA, and the engine gives the same tokens with or
 without them."""
+import os
 import random
 import shutil
 import subprocess
@@ -11,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, EngineConfig, SamplingParams, cpu_kernels
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine runs on its SDPA fallback")
@@ -286,3 +289,23 @@ def test_both_kernels_soft_cap_scores_as_gemma2_does(dtype, window):
     cpu_kernels.paged_decode_attention(last, q[-1:].float(), k_cache, v_cache, table.view(1, -1),
                                        torch.tensor([context_len]), context_len, scale, window, softcap)
     torch.testing.assert_close(last, expected[-1:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_kernel_that_cannot_be_built_is_a_counted_fallback(tiny_llama_dir, tmp_path):
+    """No working compiler: the engine runs on torch, and its stats (tandem:cpu_kernel_fallbacks) say how many
+    kernels it runs without; the suite's clusters check that this stays 0 on the normal path."""
+    script = ("import sys; from pathlib import Path\n"
+              "from engine import Engine, EngineConfig, SamplingParams, cpu_kernels\n"
+              "cpu_kernels.cache_dir = lambda: Path(sys.argv[2])  # nothing built before\n"
+              "engine = Engine(EngineConfig(model=sys.argv[1], num_kv_blocks=32))\n"
+              "out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))[0]\n"
+              "print(cpu_kernels.failed_kernels(), engine.stats()['cpu_kernel_fallbacks'], engine.runner.paged_kernel,"
+              " len(out.token_ids))\n")
+    env = {**os.environ, "CC": "/bin/false", "TANDEM_CPU_KERNELS": "1"}
+    done = subprocess.run([sys.executable, "-c", script, tiny_llama_dir, str(tmp_path)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "building the CPU kernels of paged_attention failed" in done.stderr
+    failed, count, paged, n = done.stdout.strip().rsplit(" ", 3)
+    assert "'paged_attention'" in failed and "'fused_ops'" in failed
+    assert int(count) == failed.count("'") // 2 and paged == "False" and n == "3"

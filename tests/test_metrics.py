@@ -118,8 +118,11 @@ def test_every_documented_series_is_exported(metrics):
         "tandem:kv_transfer_failures",
         "tandem:routing_decisions", "tandem:routing_prefix_hit_blocks", "tandem:scaling_events",
         "tandem:pool_replicas", "tandem:autoscaler_desired_replicas", "tandem:queued_prefill_tokens",
-        "tandem:cpu_busy_lends", "tandem:cpu_reclaim_timeouts"}
+        "tandem:cpu_busy_lends", "tandem:cpu_reclaim_timeouts", "tandem:cpu_kernel_fallbacks"}
     assert expected <= set(metrics)
+    # the C kernels built on every worker: nothing fell back to torch
+    fallbacks = metrics["tandem:cpu_kernel_fallbacks"]
+    assert {s.labels["pool"] for s in fallbacks} == {"prefill", "decode"} and all(s.value == 0 for s in fallbacks)
 
 
 def test_request_histograms_count_every_request_and_every_token_gap(metrics, traffic):

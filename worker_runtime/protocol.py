@@ -124,6 +124,7 @@ class WorkerStats:
     cpu_busy_lends: int = 0
     cpu_busy_lent_s: float = 0.0
     cpu_reclaim_timeouts: int = 0
+    cpu_kernel_fallbacks: int = 0  # C kernels of the CPU path that failed to build: torch does their work (stay 0)
 
     @property
     def kv_usage(self) -> float:
