@@ -1,4 +1,5 @@
 """Placement policy: cost-based worker choice per pool and conditional disaggregation."""
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -11,7 +12,8 @@ from router.placement.index import PrefixIndex
 from engine.step_costs import (DECODE_WINDOW, PRIOR_BORROW_EFFICIENCY, PRIOR_DECODE_BATCH_SLOPE, PRIOR_DECODE_STEP_S,
                                PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, PRIOR_PREFILL_TOKENS_PER_S,
                                StepCosts, TransferSpeed)
-from router.placement.routing import EXPECTED_OUTPUT_TOKENS, NoDecodeWorker, Router, with_backlog
+from router.placement.routing import (EXPECTED_OUTPUT_TOKENS, ArrivalRate, NoDecodeWorker, Router, with_arrivals,
+                                      with_backlog)
 from router.placement.pool_policy import CostWeights, PoolPolicy
 from router.placement.cost_model import (DisaggConfig, PrefillDecision, decode_seconds, displaced_seconds,
                                          decide_prefill, decide_prefill_by_cost, local_prefill_cost,
@@ -736,3 +738,62 @@ def test_a_prefix_being_computed_on_the_prefill_worker_draws_the_requests_that_s
     # Decode placement is by what decode workers hold only.
     index.begin_prompt("d0", "local", block_hashes(first, BLOCK))
     assert index.overlap(block_hashes(second, BLOCK), ["d0"]) == {"d0": 0}
+
+
+def test_a_long_local_prefill_is_priced_beside_the_streams_that_join_while_it_runs():
+    """Seen at 1 req/s: a cold 1,600-token prompt placed on a decode worker idle at that moment was predicted
+    at 4.2 s; streams joined meanwhile, each shrinking its chunks, and it took 8.6 s in 97 chunks. Priced with
+    the streams expected to arrive during it, it goes to the prefill worker, which is faster then."""
+    prefill = prefill_worker(queued_prefill_tokens=500, num_waiting=1)  # ~1 s of queue, then ~3.3 s
+    idle_now = decode_worker()
+    assert by_cost(1600, idle_now, prefill) == PrefillDecision(False, "decode_idle")
+    arriving = decode_worker(arrivals_per_s=1.0)
+    alone, _ = local_prefill_cost(1600, 0, idle_now, SLO.itl_slo_s, BLOCK, SLO.stall_ratio)
+    beside, stall = local_prefill_cost(1600, 0, arriving, SLO.itl_slo_s, BLOCK, SLO.stall_ratio)
+    assert beside > 1.5 * alone and stall == 0.0  # nothing runs there now to stall
+    # its chunks beside the ~3 streams that join during it (half of the arrivals over its ~6 s)
+    assert beside == pytest.approx(local_prefill_cost(1600, 0, decode_worker(num_running=3), SLO.itl_slo_s, BLOCK,
+                                                      SLO.stall_ratio)[0])
+    assert by_cost(1600, arriving, prefill).remote
+    # A prompt of one step is not affected: no stream is expected to join during it.
+    assert by_cost(100, arriving, prefill_worker()) == PrefillDecision(False, "decode_idle")
+    assert local_prefill_cost(100, 0, arriving, SLO.itl_slo_s, BLOCK) == local_prefill_cost(100, 0, idle_now,
+                                                                                             SLO.itl_slo_s, BLOCK)
+
+
+def test_the_arrival_rate_counts_recent_placements_and_decays_when_they_stop():
+    now = [0.0]
+    rate = ArrivalRate(window=4, horizon_s=10.0, min_span_s=1.0, clock=lambda: now[0])
+    assert rate.per_second() == 0.0
+    for _ in range(6):
+        rate.note()
+        now[0] += 0.5
+    now[0] -= 0.5
+    assert rate.per_second() == pytest.approx(3 / 1.5)  # the last 4 placements, 0.5 s apart
+    now[0] += 1.5
+    assert rate.per_second() == pytest.approx(3 / 3.0)  # none since: the rate falls
+    now[0] += 10.0
+    assert rate.per_second() == 0.0  # all older than the horizon
+    for _ in range(4):
+        rate.note()  # a burst: four at once
+    assert rate.per_second() == pytest.approx(3 / 1.0)  # over the shortest span
+
+
+def test_the_router_gives_each_decode_worker_its_share_of_the_arrivals():
+    now = [0.0]
+    router = Router(PrefixIndex(), BLOCK, disagg=SLO, rng=random.Random(0))
+    router.arrivals = ArrivalRate(clock=lambda: now[0])
+    tokens = prompt(2, prefix=[], suffix_blocks=100)  # 1,600 cold tokens
+    hashes = block_hashes(tokens, BLOCK)
+    prefill = [prefill_worker(queued_prefill_tokens=500, num_waiting=1)]
+    assert router.route(hashes, len(tokens), prefill, [decode_worker()]).reason == "decode_idle"
+    for _ in range(8):  # 2 req/s over two decode workers: 1 req/s joins each
+        now[0] += 0.5
+        router.route(block_hashes([7] * 16, BLOCK), 16, prefill, [decode_worker()])
+    decodes = [decode_worker(), dataclasses.replace(decode_worker(), worker_id="d1")]
+    assert [load.arrivals_per_s for load in with_arrivals(decodes, router.arrivals.per_second())] == \
+        pytest.approx([1.0, 1.0], rel=0.15)
+    route = router.route(hashes, len(tokens), prefill, decodes)
+    assert route.prefill is not None
+    draining = [decodes[0], dataclasses.replace(decodes[1], draining=True)]
+    assert [load.arrivals_per_s for load in with_arrivals(draining, 2.0)] == [2.0, 0.0]

@@ -150,6 +150,9 @@ class WorkerLoad:
     # A CPU prefill worker's threads if it started a forward now, borrowing the cores that the decode
     # workers of its node lend while idle, as the router sees them now (`lent_threads`); None: unknown.
     borrow_threads_now: int | None = None
+    # A decode worker: the streams the router expects to join it per second (its share of the recent
+    # arrival rate), which a long local prefill will run beside.
+    arrivals_per_s: float = 0.0
 
     @classmethod
     def reported(cls, worker_id: str, stats: WorkerStats | None, healthy: bool) -> WorkerLoad:

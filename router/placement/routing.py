@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Mapping, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,6 +39,30 @@ from engine.timeline import RequestTimeline
 EXPECTED_OUTPUT_TOKENS = 128
 TIE_TOLERANCE_S = 0.001  # costs this close count as equal; the worker with fewer sequences wins
 HIT_SHARE_ALPHA = 0.1  # weight of the newest placement in a decode worker's measured prefix-hit share
+
+
+class ArrivalRate:
+    """Requests placed per second lately: over the last `window` placements, and none older than `horizon_s`;
+    the time since the oldest runs to now, so the rate decays when arrivals stop, and spans `min_span_s` at
+    least, so that a burst reads as that many requests, not as a sustained rate of thousands a second."""
+
+    def __init__(self, window: int = 16, horizon_s: float = 30.0, min_span_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.times: deque[float] = deque(maxlen=window)
+        self.horizon_s = horizon_s
+        self.min_span_s = min_span_s
+        self.clock = clock
+
+    def note(self) -> None:
+        self.times.append(self.clock())
+
+    def per_second(self) -> float:
+        now = self.clock()
+        while self.times and now - self.times[0] > self.horizon_s:
+            self.times.popleft()
+        if len(self.times) < 2:
+            return 0.0
+        return (len(self.times) - 1) / max(now - self.times[0], self.min_span_s)
 
 
 class NoDecodeWorker(RuntimeError):
@@ -108,6 +134,8 @@ class Router:
         # Per decode worker: of the prompt tokens placed there, the share it cached (an EWMA).
         self.hit_share: dict[str, float] = {}
         self._placements: dict[str, int] = {}
+        # Streams join decode workers at this rate: a long local prefill runs beside those that join meanwhile.
+        self.arrivals = ArrivalRate()
 
     def route(self, block_hashes: Sequence[int], prompt_tokens: int, prefill_loads: Sequence[WorkerLoad],
               decode_loads: Sequence[WorkerLoad], elapsed_s: float = 0.0,
@@ -120,6 +148,7 @@ class Router:
         which it would queue behind (`with_backlog`)."""
         if prefill_backlog:
             prefill_loads = [with_backlog(load, prefill_backlog.get(load.worker_id)) for load in prefill_loads]
+        decode_loads = with_arrivals(decode_loads, self.arrivals.per_second())
         prefill = self.prefill_policy.place(block_hashes, prompt_tokens, prefill_loads)
         prefill_load = None if prefill is None else lent_threads(_load_of(prefill, prefill_loads), decode_loads)
         prefill_cached = prefill.cached_tokens if prefill else 0
@@ -135,8 +164,10 @@ class Router:
             else:
                 decision = decide_prefill_by_cost(prompt_tokens, decode.cached_tokens, prefill_cached,
                                                   _load_of(decode, decode_loads), prefill_load, self.disagg, elapsed_s)
-        if not decision.wait and prompt_tokens > 0:
-            self._note_hit(decode.worker_id, decode.cached_tokens / prompt_tokens)
+        if not decision.wait:
+            self.arrivals.note()
+            if prompt_tokens > 0:
+                self._note_hit(decode.worker_id, decode.cached_tokens / prompt_tokens)
         return RouteDecision(decode, prefill if decision.remote else None, decision.reason, decision.wait,
                              decision.predicted_ttft_s)
 
@@ -185,6 +216,15 @@ def with_backlog(prefill: WorkerLoad, backlog: tuple[int, int] | None) -> Worker
     return dataclasses.replace(prefill, num_waiting=prefill.num_waiting + requests,
                                queued_prefill_tokens=prefill.queued_prefill_tokens + tokens)
 
+
+def with_arrivals(decode_loads: Sequence[WorkerLoad], per_second: float) -> Sequence[WorkerLoad]:
+    """The decode loads with each schedulable worker's share of `per_second` arrivals as the streams expected
+    to join it (`WorkerLoad.arrivals_per_s`)."""
+    schedulable = sum(load.schedulable for load in decode_loads)
+    if per_second <= 0 or not schedulable:
+        return decode_loads
+    return [dataclasses.replace(load, arrivals_per_s=per_second / schedulable) if load.schedulable else load
+            for load in decode_loads]
 
 
 def _load_of(placement: Placement, loads: Sequence[WorkerLoad]) -> WorkerLoad:
