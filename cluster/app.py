@@ -75,7 +75,7 @@ def ingress_config(config: ClusterConfig) -> IngressConfig:
                          reasoning=config.reasoning,
                          tool_call_parser=config.tool_call_parser, otlp_endpoint=config.tracing.otlp_endpoint,
                          service_name=config.tracing.service_name, recent_requests=config.tracing.recent_requests,
-                         audit=audit_config(config))
+                         audit=audit_config(config), flow=config.flow_config())
 
 
 def audit_config(config: ClusterConfig) -> AuditConfig:

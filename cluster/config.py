@@ -19,6 +19,7 @@ from kv_transfer.config import TLSFiles, TransferConfig
 from kv_transfer.addresses import check_host
 from kv_transfer.tls import check_files
 from router.api.audit_sink import check_sink
+from router.api.flow_control import FlowConfig, TenantPolicy
 from router.api.reasoning_parser import ReasoningOptions
 from router.api.request_limits import RequestLimits
 from router.api.tool_parsers import TOOL_PARSERS
@@ -241,6 +242,32 @@ class AuditOptions(_Strict):
         return check_sink(sink)
 
 
+class TenantOptions(_Strict):
+    """One tenant's share of the ingress under saturation and its quotas (router/api/flow_control.py);
+    null: no limit. `max_priority`: the most urgent priority (the smallest number) its requests may ask for."""
+    weight: float = Field(1.0, gt=0, le=1e6)
+    max_concurrent: int | None = Field(None, ge=1)
+    max_queued: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    max_priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
+
+    def policy(self) -> TenantPolicy:
+        return TenantPolicy(self.weight, self.max_concurrent, self.max_queued, self.tokens_per_minute,
+                            self.max_priority)
+
+
+class FlowOptions(_Strict):
+    """The ingress queue (router/api/flow_control.py). Requests queue there while the router is saturated
+    (requests wait for a prefill slot) or `max_in_flight` requests are placed (per ingress replica; null: no
+    cap), and leave it by priority (aging one band per `aging_s`), then by tenant weight on predicted tokens
+    (`quantum_tokens` per round at weight 1). `default_tenant` applies to requests without a key and to
+    tenants `tenants:` does not name."""
+    max_in_flight: int | None = Field(None, ge=1)
+    aging_s: float = Field(10.0, gt=0, le=86400)
+    quantum_tokens: int = Field(2048, ge=1, le=10_000_000)
+    default_tenant: TenantOptions = Field(default_factory=TenantOptions)
+
+
 class CpuOptions(_Strict):
     """On CPU, `pin` gives each worker int(num_cpus) physical cores of its own (threads: one per core
     unless the pool's num_threads says otherwise); `borrow` lets a prefill forward also use the cores of
@@ -298,6 +325,8 @@ class ClusterConfig(_Strict):
     autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
     cpu: CpuOptions = Field(default_factory=CpuOptions)
     audit: AuditOptions = Field(default_factory=AuditOptions)
+    flow: FlowOptions = Field(default_factory=FlowOptions)
+    tenants: dict[str, TenantOptions] = Field(default_factory=dict, description="tenant -> share and quotas")
     ingress_replicas: int = Field(1, ge=1, le=64)  # Serve replicas of the HTTP ingress
     limits: RequestLimits = Field(default_factory=RequestLimits)  # what one request may ask of the ingress
     tracing: TracingOptions = Field(default_factory=TracingOptions)
@@ -320,6 +349,11 @@ class ClusterConfig(_Strict):
         for key in keys:
             refuse_placeholder(key, "api_keys")
         return keys
+
+    def flow_config(self) -> FlowConfig:
+        f = self.flow
+        return FlowConfig(f.max_in_flight, f.aging_s, f.quantum_tokens,
+                          {name: t.policy() for name, t in self.tenants.items()}, f.default_tenant.policy())
 
     @field_validator("served_model_name")
     @classmethod

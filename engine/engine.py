@@ -100,16 +100,19 @@ class Engine:
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                      cache_salt: str | None = None, output_token_ids: Sequence[int] = (),
-                     timeline: RequestTimeline | None = None) -> Request:
+                     timeline: RequestTimeline | None = None, priority: int = 0) -> Request:
         """Validate and build a request without queueing it (InputProcessor.make_request). A worker passes
         the output tokens a migrated request already streamed, and its request's timeline for the engine
-        to stamp (a new one otherwise)."""
-        return self.inputs.make_request(request_id, prompt, params, cache_salt, output_token_ids, timeline)
+        to stamp (a new one otherwise). `priority`: lower is scheduled first and preempted last."""
+        req = self.inputs.make_request(request_id, prompt, params, cache_salt, output_token_ids, timeline)
+        for r in (req, *req.pending_forks):
+            r.priority = priority
+        return req
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> Request:
+                    cache_salt: str | None = None, priority: int = 0) -> Request:
         """Queue a request; raises InvalidRequestError (naming the field) when it cannot run."""
-        req = self.make_request(request_id, prompt, params or SamplingParams(), cache_salt)
+        req = self.make_request(request_id, prompt, params or SamplingParams(), cache_salt, priority=priority)
         if any(rid in self.requests for rid in output_ids(req)):
             raise InvalidRequestError(f"request id {request_id!r} is already running", field="request_id")
         self.add(req)

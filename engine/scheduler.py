@@ -48,7 +48,18 @@ class Scheduler:
         self.prefill_budget = prefill_budget  # (decodes, chunk start) -> tokens
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        """Queue behind every waiting request of its priority or a more urgent one (lower runs first)."""
+        self._enqueue(req, front=False)
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        """Insert into `waiting` by priority: at the front of its band (`front`: a preempted request resumes
+        first within it) or at its back."""
+        position = len(self.waiting)
+        for i, other in enumerate(self.waiting):
+            if other.priority > req.priority or (front and other.priority == req.priority):
+                position = i
+                break
+        self.waiting.insert(position, req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -107,7 +118,8 @@ class Scheduler:
                 if req.spec_token_ids:  # drop the draft before preempting anyone for it
                     req.spec_token_ids = []
                     continue
-                victim = self.running.pop()
+                victim = self._victim(i)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -221,6 +233,13 @@ class Scheduler:
             self.block_manager.free(req)
         req.status = RequestStatus.FINISHED
 
+    def _victim(self, i: int) -> Request:
+        """Whom to preempt for running[i]'s block: of it and those after it (not scheduled this step yet),
+        the least urgent, then the most recently admitted (vLLM's priority policy; without priorities, the
+        last admitted)."""
+        newest_first = range(len(self.running) - 1, i - 1, -1)
+        return self.running[max(newest_first, key=lambda j: self.running[j].priority)]  # the first of the max
+
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
         req.num_computed_tokens = 0
@@ -228,4 +247,4 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)

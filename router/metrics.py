@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -83,6 +83,7 @@ class Metrics:
         self.audit_records = Counter("tandem:audit_records", "Audit records written.", registry=r)
         self.audit_dropped = Counter("tandem:audit_records_dropped", "Audit records not written, by reason "
                                      "(queue_full, write_failed, build_failed).", ["reason"], registry=r)
+        self.flow = FlowMetrics(r)
         self.workers = WorkerStatsCollector()
         self.scaling = ScalingCollector()
         self.shared = CollectorRegistry()
@@ -185,6 +186,25 @@ class MetricsHub:
     def forget(self, replica: str) -> None:
         with self.lock:
             self.series.pop(replica, None)
+
+
+class FlowMetrics:
+    """The ingress queue's series (router/api/flow_control.py), per tenant and priority."""
+
+    def __init__(self, r: CollectorRegistry):
+        self.queued = Gauge("tandem:flow_queued_requests", "Requests waiting in the ingress queue for room.",
+                            ["tenant"], registry=r)
+        self.running = Gauge("tandem:flow_running_requests", "Requests let through flow control and not ended.",
+                             ["tenant"], registry=r)
+        self.admitted = Counter("tandem:flow_admitted_requests", "Requests let through flow control (at once or "
+                                "after queueing).", ["tenant", "priority"], registry=r)
+        self.refused = Counter("tandem:flow_refused_requests", "Requests refused by flow control, by reason "
+                               "(tokens_per_minute, max_queued: 429).", ["tenant", "priority", "reason"],
+                               registry=r)
+        self.cancelled = Counter("tandem:flow_cancelled_requests", "Queued requests whose client left before "
+                                 "their turn.", ["tenant"], registry=r)
+        self.queue_time = Histogram("tandem:flow_queue_seconds", "Time in the ingress queue before placement.",
+                                    ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
 
 
 class ScalingCollector:

@@ -12,7 +12,7 @@ from router.placement.routing import RouteDecision
 from router.placement.request_router import RequestRouter
 from tests.helpers import wait_for_async
 
-LENGTHS = {"first": 40, "second": 41, "third": 42, "gone": 43}  # the view tells requests apart by length
+LENGTHS = {"first": 40, "second": 41, "third": 42, "gone": 43, "urgent": 44}  # the view tells requests apart by length
 CACHED = 8
 
 
@@ -50,8 +50,8 @@ class QueueView:
         self.free -= 1
 
 
-def request(name: str) -> GenerateRequest:
-    r = GenerateRequest(name, list(range(LENGTHS[name])), SamplingParams(max_tokens=4))
+def request(name: str, priority: int = 0) -> GenerateRequest:
+    r = GenerateRequest(name, list(range(LENGTHS[name])), SamplingParams(max_tokens=4), priority=priority)
     r.stamp("arrival")
     return r
 
@@ -69,7 +69,7 @@ def test_waiters_count_as_queued_for_those_behind_them_and_take_slots_in_order()
             tasks.append(asyncio.create_task(route(name)))
             assert await wait_for_async(lambda: name in router.slot_waiters)
         assert list(router.slot_waiters) == ["first", "second", "third"]
-        assert router.slot_waiters["first"] == ("p0", 40 - CACHED)
+        assert router.slot_waiters["first"] == ("p0", 40 - CACHED, 0)
         for placed in range(1, 4):
             view.open_slot()
             assert await wait_for_async(lambda: len(view.order) == placed)
@@ -100,3 +100,25 @@ def test_a_request_that_stops_waiting_by_error_leaves_no_backlog_behind():
 
     asyncio.run(main())
     assert router.slot_waiters == {}
+
+
+def test_a_more_urgent_waiter_takes_the_next_slot_before_those_that_waited_longer():
+    view = QueueView()
+    router = RequestRouter(view, Metrics(), LatencyReporter(controller=None))
+
+    async def main():
+        tasks = []
+        for name, priority in (("first", 0), ("second", 0), ("urgent", -1)):
+            tasks.append(asyncio.create_task(router._route(request(name, priority), [], set())))
+            assert await wait_for_async(lambda: name in router.slot_waiters)
+        assert router.saturated()
+        for placed in range(1, 4):
+            view.open_slot()
+            assert await wait_for_async(lambda: len(view.order) == placed)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert view.order == ["urgent", "first", "second"]
+    assert view.backlogs["urgent"][-1] == {}  # nobody ahead of it
+    assert view.backlogs["first"][-1] == {}
+    assert not router.saturated()

@@ -215,3 +215,29 @@ def test_a_draft_is_verified_as_one_plus_k_tokens_cut_to_the_budget():
     a.spec_token_ids = [5, 6, 7]
     assert sched.schedule() == [(a, 3)]  # the decode token and two of the three drafts
     assert a.spec_token_ids == [5, 6]
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    sched = scheduler(max_num_seqs=1)
+    reqs = {name: request(name, 3, first_token=10 * i) for i, name in enumerate(("late", "urgent", "later", "bg"))}
+    for name, priority in (("late", 0), ("urgent", -1), ("later", 0), ("bg", 5)):
+        reqs[name].priority = priority
+        sched.add(reqs[name])
+    assert [r.request_id for r in sched.waiting] == ["urgent", "late", "later", "bg"]
+
+
+def test_the_least_urgent_running_request_is_preempted_and_resumes_first_in_its_band():
+    sched = scheduler(num_blocks=6, prefix_caching=False)
+    a, b, c = request("a", 7), request("b", 7, first_token=100), request("c", 7, first_token=200)
+    b.priority = 3  # admitted before c, but less urgent
+    for req in (a, b, c):
+        sched.add(req)
+    assert [r.request_id for r in sched.waiting] == ["a", "c", "b"]
+    step(sched)
+    step(sched)
+    assert step(sched) == [("a", 1), ("c", 1)]  # b, not c (the latest admitted), gives up its blocks
+    assert [r.request_id for r in sched.waiting] == ["b"]
+    late = request("d", 3, first_token=300)
+    late.priority = 3
+    sched.add(late)
+    assert [r.request_id for r in sched.waiting] == ["b", "d"]  # the preempted one resumes first in its band

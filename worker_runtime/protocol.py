@@ -45,6 +45,7 @@ class GenerateRequest:
     # placement (more than one after a re-route or a migration). Workers ignore it.
     placements: list[dict] = field(default_factory=list)
     dispatch: DispatchPath = DispatchPath.LOCAL  # set by the router's placement; workers follow it
+    priority: int = 0  # vLLM's meaning: lower is scheduled first (prefill and decode queues) and preempted last
 
     def __post_init__(self):
         if self.timeline is None:
@@ -72,7 +73,8 @@ class GenerateRequest:
         """Candidate `index` of the request as a request of its own (placed, run and migrated alone): its own
         id and params, the same prompt, context and salt, a copy of the timeline."""
         return GenerateRequest(candidate_id(self.request_id, index), self.prompt_token_ids,
-                               self.candidate_params(index), self.cache_salt, self.timeline.copy())
+                               self.candidate_params(index), self.cache_salt, self.timeline.copy(),
+                               priority=self.priority)
 
     @property
     def num_context_tokens(self) -> int:

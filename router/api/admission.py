@@ -33,15 +33,19 @@ class Admission:
 class Ticket:
     """Admitted slots; `release` is idempotent so every exit path may call it."""
 
-    __slots__ = ("admission", "num_sequences")
+    __slots__ = ("admission", "num_sequences", "on_release")
 
     def __init__(self, admission: Admission, num_sequences: int):
         self.admission = admission
         self.num_sequences = num_sequences
+        self.on_release = None  # called once with the slots (flow control's grant)
 
     def release(self) -> None:
         self.admission.in_flight -= self.num_sequences
         self.num_sequences = 0
+        if self.on_release is not None:
+            on_release, self.on_release = self.on_release, None
+            on_release()
 
     def __enter__(self) -> Ticket:
         return self

@@ -30,6 +30,7 @@ from router.api.audit import Audit, AuditConfig
 from router.api.audit_sink import AuditWriter
 from router.api.auth import Authenticator
 from router.api.chat_output import ChatParsing
+from router.api.flow_control import FlowConfig, FlowControl
 from router.placement.index import PrefixIndex
 from router.placement.latency_report import LatencyReporter
 from router.metrics import Metrics
@@ -78,6 +79,7 @@ class IngressConfig:
     service_name: str = "tandem"
     recent_requests: int = 1000  # finished requests' timelines kept for `tandem trace`
     audit: AuditConfig = field(default_factory=AuditConfig)  # per-request audit records (router/api/audit.py)
+    flow: FlowConfig = field(default_factory=FlowConfig)  # the ingress queue (router/api/flow_control.py)
 
 
 def load_model_info(config: IngressConfig):
@@ -131,16 +133,17 @@ class Ingress:
                        asyncio.create_task(self._share_traces())]
         writer = None if config.audit.sink is None else AuditWriter(
             config.audit.sink, config.audit.max_queue, self.metrics.audit_records, self.metrics.audit_dropped)
+        requests = RequestRouter(self.view, self.metrics, latencies, migration_limit=config.migration_limit,
+                                 decode_wait_s=config.decode_wait_s, layerwise=config.layerwise)
+        flow = FlowControl(config.flow, saturated=requests.saturated, metrics=self.metrics.flow,
+                           wait_for_loads=self.view.wait_for_loads)
         self.service = OpenAIService(model, tokenizer, Authenticator(config.api_keys),
                                      Admission(config.max_queued_requests,
                                                self.metrics.rejected.labels("admission_full")),
-                                     RequestRouter(self.view, self.metrics, latencies,
-                                                   migration_limit=config.migration_limit,
-                                                   decode_wait_s=config.decode_wait_s, layerwise=config.layerwise),
-                                     config.block_size, config.limits,
+                                     requests, config.block_size, config.limits,
                                      ChatParsing(tokenizer, config.reasoning, config.tool_call_parser),
                                      TraceStore(config.recent_requests),
-                                     Audit(config.audit, model.name, model.revision, writer))
+                                     Audit(config.audit, model.name, model.revision, writer), flow)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Serve's proxy makes the request id when the client sends none (so the replica always sees one in

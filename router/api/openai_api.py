@@ -54,7 +54,7 @@ class _Body(BaseModel):
 # Fields OpenAI's API or vLLM's define that change nothing this server outputs: accepted (typed) and
 # logged at debug, as vLLM does, so clients that send them work unchanged.
 IGNORED_FIELDS = ("metadata", "store", "service_tier", "user", "prompt_cache_key", "safety_identifier",
-                  "priority", "request_id", "parallel_tool_calls")
+                  "request_id", "parallel_tool_calls")
 # Fields that would change the output and that this server does not implement: a 400 saying so, never
 # an answer that silently differs from what was asked.
 UNSUPPORTED_FIELDS = ("audio", "modalities", "prediction", "web_search_options", "functions", "function_call",
@@ -135,8 +135,9 @@ class _GenerationRequest(_Body):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    priority: int = 0
     request_id: str | None = None
+    # vLLM's meaning: lower runs first (the ingress queue, prefill and decode queues, preemption last)
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
 
     def ignored_fields(self) -> list[str]:
         """The IGNORED_FIELDS this request set (for a debug log line)."""

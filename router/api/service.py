@@ -29,6 +29,7 @@ from router.api.admission import Admission, Ticket
 from router.api.audit import Audit, AuditConfig, AuditEntry, AuditRecorder, chat_options
 from router.api.auth import Authenticator, cache_salt
 from router.api.chat_output import ChatParsing
+from router.api.flow_control import FlowControl
 from router.api.openai_api import APIError, ChatCompletionRequest, CompletionRequest, error_event, parse_body, sse
 from router.api.openai_responses import (ChatFormatter, Choice, CompletionFormatter, Formatter, ModelCard, ModelList,
                                          usage)
@@ -75,7 +76,7 @@ class OpenAIService:
     def __init__(self, model: ModelInfo, tokenizer, auth: Authenticator, admission: Admission,
                  requests: RequestRouter, block_size: int, limits: RequestLimits | None = None,
                  parsing: ChatParsing | None = None, traces: TraceStore | None = None,
-                 audit: Audit | None = None):
+                 audit: Audit | None = None, flow: FlowControl | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.auth = auth
@@ -87,6 +88,7 @@ class OpenAIService:
         self.parsing = parsing or ChatParsing(tokenizer, None, "hermes")
         self.traces = traces or TraceStore()
         self.audit = audit or Audit(AuditConfig(), model.name, model.revision, None)
+        self.flow = flow or FlowControl()  # priorities, tenants' shares and quotas (router/api/flow_control.py)
 
     def models(self, authorization: str | None) -> ModelList:
         self.auth.tenant(authorization)
@@ -160,19 +162,26 @@ class OpenAIService:
             untruncated, keep = tokenize, req.truncate_prompt_tokens
             tokenize = lambda: [ids[-keep:] for ids in untruncated()]  # noqa: E731
         salt = cache_salt(tenant, req.cache_salt)
+        self.flow.check_priority(tenant, req.priority)
         ticket = self.admission.acquire(num_prompts * params.beam_width)  # sequences that run
         try:
             prompts, hashes = await self.tokenizers.run(self._prepare, tokenize, salt, max_tokens, prompt_field,
                                                         req.max_tokens_param, req.check_structured)
             trace.timeline.stamp("tokenized")
+            # Its turn by priority and tenant share, within its tenant's quotas (429 past them).
+            max_output = params.max_tokens or self.model.max_model_len - min(len(ids) for ids in prompts)
+            grant = await self.flow.enter(tenant, req.priority, sum(len(ids) for ids in prompts),
+                                          max_output * num_prompts * params.beam_width)
             candidates, seeds = [], []
+            ticket.on_release = lambda: grant.release(sum(c.num_tokens for cand in candidates for c in cand.choices))
             for p, ids in enumerate(prompts):
                 # Unseeded requests get a seed here: workers seed their generators alike, so letting each
                 # worker pick would give equal samples on different workers. Candidate i of n draws from
                 # candidate_seed(seed, i), on a prefill, a decode or a migration target alike.
                 seeds.append(secrets.randbits(62) if params.seed is None else params.seed)
                 seeded = params if params.seed is not None else replace(params, seed=seeds[-1])
-                candidates += _candidates(f"{fmt.id}-{p}", p, ids, seeded, salt, hashes[p], trace.timeline)
+                candidates += _candidates(f"{fmt.id}-{p}", p, ids, seeded, salt, hashes[p], trace.timeline,
+                                          req.priority)
             logger.debug("%s: %d candidates for tenant %r user %r", fmt.id, len(candidates), tenant, req.user)
             prompt_lengths = [len(ids) for ids in prompts]
             record = AuditRecorder(audit, params, seeds, candidates, prompts)
@@ -322,12 +331,12 @@ class OpenAIService:
 
 
 def _candidates(request_id: str, prompt: int, ids: list[int], params: SamplingParams, salt: str | None,
-                hashes: list[int], timeline: RequestTimeline) -> list[Candidates]:
+                hashes: list[int], timeline: RequestTimeline, priority: int = 0) -> list[Candidates]:
     """Prompt `prompt`'s n candidates: one request whose candidates fork on one worker, or, for outputs
     under a grammar or a reasoning budget (which forked candidates do not carry yet), n requests of one
     candidate each, seeded candidate_seed(seed, i) alike."""
     first = prompt * params.n
-    request = GenerateRequest(request_id, ids, params, salt, timeline.copy())
+    request = GenerateRequest(request_id, ids, params, salt, timeline.copy(), priority=priority)
     if params.n == 1 or (params.structured is None and params.max_reasoning_tokens is None):
         return [Candidates([Choice(first + i, prompt) for i in range(params.n)], request, hashes)]
     return [Candidates([Choice(first + i, prompt)], request.candidate(i), hashes) for i in range(params.n)]

@@ -90,8 +90,14 @@ class RequestRouter:
         self.max_attempts = max_attempts  # placements before the first token
         self.migration_limit = migration_limit  # placements after it
         self.decode_wait_s = decode_wait_s  # for a decode worker, while none is schedulable and the pool can heal
-        # Requests waiting for a prefill slot, in the order they began to: id -> (prefill worker, prompt tokens).
-        self.slot_waiters: dict[str, tuple[str, int]] = {}
+        # Requests waiting for a prefill slot, in the order they began to: id -> (prefill worker, prompt tokens,
+        # priority).
+        self.slot_waiters: dict[str, tuple[str, int, int]] = {}
+
+    def saturated(self) -> bool:
+        """Whether placing more requests now would only queue them: some already wait here for a prefill
+        slot. The ingress queue (router/api/flow_control.py) then holds new ones and lets them on by rule."""
+        return bool(self.slot_waiters)
 
     async def stream(self, request: GenerateRequest, block_hashes: Sequence[int]) -> AsyncIterator[RequestOutput]:
         """Yield the request's token deltas (each of its n candidates' under its `index`, all run on one
@@ -256,7 +262,8 @@ class RequestRouter:
                                                                    request.sampling_params.use_beam_search),
                                                elapsed_s=max(0.0, time.time() - request.times["arrival"]),
                                                output_tokens=expected_output_tokens(request),
-                                               prefill_backlog=self._backlog_ahead_of(request.request_id))
+                                               prefill_backlog=self._backlog_ahead_of(request.request_id,
+                                                                                      request.priority))
                 except NoDecodeWorker:
                     decode_wait = decode_wait or DecodeWait(request, self.decode_wait_s, self.metrics)
                     if await decode_wait.wait(self.view):
@@ -269,7 +276,8 @@ class RequestRouter:
                     break
                 waited_since = waited_since or time.monotonic()
                 self.slot_waiters[request.request_id] = (
-                    decision.prefill.worker_id, request.num_context_tokens - decision.prefill.cached_tokens)
+                    decision.prefill.worker_id, request.num_context_tokens - decision.prefill.cached_tokens,
+                    request.priority)
                 await self.view.wait_for_loads(PREFILL_SLOT_POLL_S)
         finally:
             self.slot_waiters.pop(request.request_id, None)
@@ -284,13 +292,16 @@ class RequestRouter:
         self.view.begin(decision, request.request_id, request.num_context_tokens, block_hashes)
         return decision
 
-    def _backlog_ahead_of(self, request_id: str) -> dict[str, tuple[int, int]]:
-        """Per prefill worker, the (requests, prompt tokens) waiting here for a slot there that began to wait
-        before `request_id` (all of them for a request not waiting yet): the slots they take first."""
+    def _backlog_ahead_of(self, request_id: str, priority: int = 0) -> dict[str, tuple[int, int]]:
+        """Per prefill worker, the (requests, prompt tokens) waiting here for a slot there that take the
+        slots before `request_id` (of `priority`): the more urgent ones, and those of its priority that began
+        to wait before it (all of them for a request not waiting yet)."""
         backlog: dict[str, tuple[int, int]] = {}
-        for waiter, (worker_id, tokens) in self.slot_waiters.items():
-            if waiter == request_id:
-                break
+        before = True
+        for waiter, (worker_id, tokens, waiter_priority) in self.slot_waiters.items():
+            before = before and waiter != request_id
+            if waiter == request_id or waiter_priority > priority or (waiter_priority == priority and not before):
+                continue
             requests, queued = backlog.get(worker_id, (0, 0))
             backlog[worker_id] = (requests + 1, queued + tokens)
         return backlog

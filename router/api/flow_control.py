@@ -1,0 +1,375 @@
+"""Flow control at the ingress: priorities, per-tenant fair queueing and quotas.
+
+A request admitted by the ingress (router/api/admission.py bounds how many it holds) passes `FlowControl.enter`
+before it is placed. While the cluster has room (`FlowConfig.max_in_flight` not reached and the router not
+saturated) it goes on at once; otherwise it waits in a `FairQueue`, and requests leave that queue by rule as
+room frees up:
+
+- priority first (vLLM's meaning: lower runs first, default 0), in whole bands; a queued request's priority
+  improves by one every `aging_s` seconds, so none waits forever behind a stream of urgent ones;
+- within a band, tenants share by weight: deficit round robin on each request's predicted tokens (prompt +
+  expected output), so a tenant sending long prompts does not get more than its share by sending fewer;
+- within a tenant, priority then arrival.
+
+Quotas per tenant (`TenantPolicy`): requests in flight at once (the rest queue), requests queued (beyond it,
+429), and prompt + output tokens per minute (a token bucket charged with the prompt and max_tokens when the
+request is let in, refunded by what it did not generate; a request the bucket cannot cover now gets 429 with
+a Retry-After at which it can). A client that leaves while queued is removed at once (`enter` is cancelled).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from router.api.openai_api import APIError
+
+DEFAULT_TENANT = "default"  # requests without an API key, and tenants the config does not name
+WATCH_POLL_S = 0.05  # while requests queue, how often the gate looks again at least
+
+
+@dataclass(slots=True)
+class TenantPolicy:
+    """One tenant's share and limits; None: no limit."""
+    weight: float = 1.0
+    max_concurrent: int | None = None  # requests placed on workers at once; beyond it they queue
+    max_queued: int | None = None  # requests waiting in the ingress queue; beyond it, 429
+    tokens_per_minute: int | None = None  # prompt + output tokens; beyond it, 429 with Retry-After
+    max_priority: int | None = None  # the most urgent priority (the smallest number) its requests may ask for
+
+    def __post_init__(self):
+        if not self.weight > 0:
+            raise ValueError(f"weight must be > 0, got {self.weight}")
+        for name in ("max_concurrent", "max_queued", "tokens_per_minute"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or null, got {value!r}")
+        if self.max_priority is not None and (not isinstance(self.max_priority, int)
+                                              or isinstance(self.max_priority, bool)):
+            raise ValueError(f"max_priority must be an integer or null, got {self.max_priority!r}")
+
+
+@dataclass(slots=True)
+class FlowConfig:
+    """The ingress's queue discipline (ClusterConfig `flow:` and `tenants:`)."""
+    max_in_flight: int | None = None  # requests placed at once by this ingress replica; None: the router decides
+    aging_s: float = 10.0  # a queued request's priority improves by one per aging_s seconds waited
+    quantum_tokens: int = 2048  # tokens a tenant of weight 1 may send per round of the fair queue
+    tenants: dict[str, TenantPolicy] = field(default_factory=dict)
+    default_tenant: TenantPolicy = field(default_factory=TenantPolicy)  # any tenant not named in `tenants`
+
+    def __post_init__(self):
+        if self.max_in_flight is not None and (not isinstance(self.max_in_flight, int) or self.max_in_flight < 1):
+            raise ValueError(f"max_in_flight must be a positive integer or null, got {self.max_in_flight!r}")
+        if not self.aging_s > 0:
+            raise ValueError(f"aging_s must be > 0, got {self.aging_s}")
+        if not isinstance(self.quantum_tokens, int) or self.quantum_tokens < 1:
+            raise ValueError(f"quantum_tokens must be a positive integer, got {self.quantum_tokens!r}")
+
+    def policy(self, tenant: str) -> TenantPolicy:
+        return self.tenants.get(tenant, self.default_tenant)
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """One queued request."""
+    tenant: str
+    priority: int
+    cost: int  # predicted tokens: the fair queue's unit
+    enqueued_at: float
+    seq: int
+    granted: asyncio.Future | None = None
+
+    def effective_priority(self, now: float, aging_s: float) -> int:
+        return self.priority - int((now - self.enqueued_at) / aging_s)
+
+
+class TokenBucket:
+    """Tokens per minute: holds up to one minute's worth, refilled continuously."""
+
+    def __init__(self, per_minute: int, clock: Callable[[], float]):
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self.level = self.capacity
+        self.clock = clock
+        self.at = clock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
+        self.at = now
+
+    def take(self, tokens: int) -> float:
+        """Take `tokens` and return 0, or take nothing and return the seconds until they are there."""
+        self._refill()
+        if self.level >= tokens:
+            self.level -= tokens
+            return 0.0
+        return (tokens - self.level) / self.rate
+
+    def give_back(self, tokens: int) -> None:
+        self._refill()
+        self.level = min(self.capacity, self.level + tokens)
+
+
+class _TenantQueue:
+    __slots__ = ("name", "weight", "entries", "deficit")
+
+    def __init__(self, name: str, weight: float):
+        self.name, self.weight = name, weight
+        self.entries: list[Entry] = []
+        self.deficit = 0.0
+
+    def head(self, now: float, aging_s: float) -> Entry:
+        return min(self.entries, key=lambda e: (e.effective_priority(now, aging_s), e.seq))
+
+
+class FairQueue:
+    """Priority bands (with aging), then deficit round robin across tenants by weight on predicted tokens.
+    `pop(now, eligible)` takes the next entry among tenants `eligible` allows (a tenant at its concurrency
+    cap waits)."""
+
+    def __init__(self, aging_s: float = 10.0, quantum_tokens: int = 2048):
+        self.aging_s = aging_s
+        self.quantum = quantum_tokens
+        self.tenants: dict[str, _TenantQueue] = {}
+        self.ring: deque[str] = deque()  # tenants with queued entries, in round-robin order
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return sum(len(t.entries) for t in self.tenants.values())
+
+    def queued(self, tenant: str) -> int:
+        t = self.tenants.get(tenant)
+        return len(t.entries) if t else 0
+
+    def push(self, tenant: str, priority: int, cost: int, now: float, weight: float = 1.0) -> Entry:
+        entry = Entry(tenant, priority, max(1, cost), now, next(self._seq))
+        t = self.tenants.get(tenant)
+        if t is None:
+            t = self.tenants[tenant] = _TenantQueue(tenant, weight)
+        t.weight = weight
+        if not t.entries:
+            self.ring.append(tenant)
+        t.entries.append(entry)
+        return entry
+
+    def remove(self, entry: Entry) -> None:
+        t = self.tenants.get(entry.tenant)
+        if t is None or entry not in t.entries:
+            return
+        t.entries.remove(entry)
+        if not t.entries:
+            self._drop(t)
+
+    def _drop(self, t: _TenantQueue) -> None:
+        t.deficit = 0.0  # DRR: an idle tenant banks no credit
+        self.ring.remove(t.name)
+        del self.tenants[t.name]
+
+    def pop(self, now: float, eligible: Callable[[str], bool] = lambda tenant: True) -> Entry | None:
+        heads = {name: self.tenants[name].head(now, self.aging_s) for name in self.ring if eligible(name)}
+        if not heads:
+            return None
+        band = min(e.effective_priority(now, self.aging_s) for e in heads.values())
+        contenders = {name for name, e in heads.items() if e.effective_priority(now, self.aging_s) == band}
+        if len(contenders) == 1:
+            (name,) = contenders
+            return self._take(self.tenants[name], heads[name], charge=True)
+        # Deficit round robin over the contenders: the first in ring order whose deficit covers its head
+        # is served; otherwise every contender earns its quantum (as many rounds as the nearest needs).
+        order = [name for name in self.ring if name in contenders]
+        while True:
+            for name in order:
+                t = self.tenants[name]
+                if t.deficit >= heads[name].cost:
+                    self.ring.remove(name)
+                    self.ring.append(name)  # the next pop starts after it
+                    return self._take(t, heads[name], charge=True)
+            rounds = min(math.ceil((heads[n].cost - self.tenants[n].deficit) / (self.quantum * self.tenants[n].weight))
+                         for n in order)
+            for name in order:
+                t = self.tenants[name]
+                t.deficit += max(1, rounds) * self.quantum * t.weight
+
+    def _take(self, t: _TenantQueue, entry: Entry, charge: bool) -> Entry:
+        if charge:
+            t.deficit = max(0.0, t.deficit - entry.cost)
+        t.entries.remove(entry)
+        if not t.entries:
+            self._drop(t)
+        return entry
+
+
+class Grant:
+    """A request let through flow control; `release(output_tokens)` when it ends (idempotent): the tokens
+    it generated, so that its tenant's budget gets back the rest of its max_tokens (None: keep the charge)."""
+
+    __slots__ = ("flow", "tenant", "charged", "max_output", "released")
+
+    def __init__(self, flow: FlowControl, tenant: str, charged: int, max_output: int):
+        self.flow, self.tenant, self.charged, self.max_output = flow, tenant, charged, max_output
+        self.released = False
+
+    def release(self, output_tokens: int | None = None) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.flow._leave(self, None if output_tokens is None else max(0, self.max_output - output_tokens))
+
+
+class FlowControl:
+    """The ingress's gate: `enter` returns a Grant at once, after waiting its turn, or raises 429 / 400."""
+
+    def __init__(self, config: FlowConfig | None = None, saturated: Callable[[], bool] = lambda: False,
+                 metrics=None, clock: Callable[[], float] = time.monotonic,
+                 wait_for_loads: Callable[[float], Awaitable[None]] | None = None):
+        self.config = config or FlowConfig()
+        self.saturated = saturated  # the router's word: placing more now only queues them on workers
+        self.wait_for_loads = wait_for_loads
+        self._watcher: asyncio.Task | None = None
+        self.metrics = metrics  # router/metrics.py FlowMetrics, or None
+        self.clock = clock
+        self.queue = FairQueue(self.config.aging_s, self.config.quantum_tokens)
+        self.in_flight = 0
+        self.running: dict[str, int] = {}  # per tenant
+        self.buckets: dict[str, TokenBucket] = {}
+
+    def check_priority(self, tenant: str | None, priority: int) -> None:
+        """400 when the tenant's key may not ask for `priority`."""
+        policy = self.config.policy(tenant or DEFAULT_TENANT)
+        if policy.max_priority is not None and priority < policy.max_priority:
+            raise APIError.bad_request(f"priority {priority} is more urgent than this API key may ask for "
+                                       f"(at most {policy.max_priority}; lower runs first)", "priority")
+
+    async def enter(self, tenant: str | None, priority: int, prompt_tokens: int, max_output: int) -> Grant:
+        """Let a request in: charge its tenant's token budget (429 when short), then place it now if there
+        is room and nobody of its band or better waits, else queue it (429 past the tenant's max_queued)
+        and return when the fair queue picks it."""
+        tenant = tenant or DEFAULT_TENANT
+        policy = self.config.policy(tenant)
+        self.check_priority(tenant, priority)
+        cost = prompt_tokens + max_output
+        if policy.tokens_per_minute is not None:
+            if cost > policy.tokens_per_minute:
+                raise APIError.bad_request(
+                    f"the request may use {cost} tokens (prompt {prompt_tokens} + max_tokens {max_output}), more "
+                    f"than tenant {tenant!r} may use in a minute ({policy.tokens_per_minute}); lower max_tokens",
+                    "max_tokens")
+            bucket = self.buckets.get(tenant)
+            if bucket is None:
+                bucket = self.buckets[tenant] = TokenBucket(policy.tokens_per_minute, self.clock)
+            wait_s = bucket.take(cost)
+            if wait_s:
+                self._refused(tenant, priority, "tokens_per_minute")
+                retry = max(1, math.ceil(wait_s))
+                raise APIError(429, f"tenant {tenant!r} is over its {policy.tokens_per_minute} tokens per minute; "
+                                    f"this request's {cost} tokens are there in {retry}s",
+                               type="rate_limit_exceeded", code="rate_limit_exceeded",
+                               headers={"Retry-After": str(retry)})
+        grant = Grant(self, tenant, cost if policy.tokens_per_minute is not None else 0, max_output)
+        try:
+            if not len(self.queue) and self._has_room(tenant):
+                self._start(tenant, priority, 0.0)
+                return grant
+            if policy.max_queued is not None and self.queue.queued(tenant) >= policy.max_queued:
+                self._refused(tenant, priority, "max_queued")
+                raise APIError(429, f"tenant {tenant!r} has {policy.max_queued} requests queued, its limit; "
+                                    f"retry after 1s", type="rate_limit_exceeded", code="rate_limit_exceeded",
+                               headers={"Retry-After": "1"})
+            entry = self.queue.push(tenant, priority, cost, self.clock(), policy.weight)
+            entry.granted = asyncio.get_running_loop().create_future()
+            self._observe_queue()
+            self.pump()
+            self._watch()
+            try:
+                await entry.granted
+            except asyncio.CancelledError:
+                if entry.granted.done() and not entry.granted.cancelled():
+                    self._finish(tenant)  # granted as the client left: give the room back
+                    self.pump()
+                else:
+                    self.queue.remove(entry)
+                    self._observe_queue()
+                    if self.metrics is not None:
+                        self.metrics.cancelled.labels(tenant).inc()
+                raise
+            return grant
+        except BaseException:
+            self._refund(grant, grant.charged)  # it never ran
+            raise
+
+    def pump(self) -> None:
+        """Start queued requests while there is room, in the fair queue's order."""
+        while len(self.queue) and self._room():
+            entry = self.queue.pop(self.clock(), self._tenant_has_room)
+            if entry is None:
+                break
+            self._start(entry.tenant, entry.priority, self.clock() - entry.enqueued_at)
+            entry.granted.set_result(None)
+        self._observe_queue()
+
+    def _room(self) -> bool:
+        limit = self.config.max_in_flight
+        return (limit is None or self.in_flight < limit) and not self.saturated()
+
+    def _tenant_has_room(self, tenant: str) -> bool:
+        cap = self.config.policy(tenant).max_concurrent
+        return cap is None or self.running.get(tenant, 0) < cap
+
+    def _has_room(self, tenant: str) -> bool:
+        return self._room() and self._tenant_has_room(tenant)
+
+    def _start(self, tenant: str, priority: int, waited_s: float) -> None:
+        self.in_flight += 1
+        self.running[tenant] = self.running.get(tenant, 0) + 1
+        if self.metrics is not None:
+            self.metrics.admitted.labels(tenant, str(priority)).inc()
+            self.metrics.queue_time.labels(tenant).observe(waited_s)
+            self.metrics.running.labels(tenant).set(self.running[tenant])
+
+    def _finish(self, tenant: str) -> None:
+        self.in_flight -= 1
+        self.running[tenant] -= 1
+        if self.metrics is not None:
+            self.metrics.running.labels(tenant).set(self.running[tenant])
+
+    def _leave(self, grant: Grant, unused: int | None) -> None:
+        self._finish(grant.tenant)
+        if unused is not None:
+            self._refund(grant, unused)
+        self.pump()
+
+    def _refund(self, grant: Grant, tokens: int) -> None:
+        """Give `tokens` of the request's charge back to its tenant's budget."""
+        bucket = self.buckets.get(grant.tenant)
+        if bucket is not None and grant.charged:
+            bucket.give_back(min(tokens, grant.charged))
+        grant.charged = 0
+
+    def _watch(self) -> None:
+        """While requests queue, wake on every load change (`wait_for_loads`): the router's saturation may
+        have cleared without a request of this ingress ending."""
+        if self.wait_for_loads is None or (self._watcher is not None and not self._watcher.done()):
+            return
+
+        async def watch() -> None:
+            while len(self.queue):
+                await self.wait_for_loads(WATCH_POLL_S)
+                self.pump()
+
+        self._watcher = asyncio.get_running_loop().create_task(watch())
+
+    def _refused(self, tenant: str, priority: int, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.refused.labels(tenant, str(priority), reason).inc()
+
+    def _observe_queue(self) -> None:
+        if self.metrics is None:
+            return
+        for tenant in set(self.running) | set(self.queue.tenants):
+            self.metrics.queued.labels(tenant).set(self.queue.queued(tenant))

@@ -1,0 +1,199 @@
+"""The ingress's queue discipline (router/api/flow_control.py): priority bands with aging, deficit round robin
+across tenants by weight on predicted tokens, per-tenant quotas, and cancellation while queued."""
+import asyncio
+from collections import Counter
+
+import pytest
+
+from router.api.flow_control import FairQueue, FlowConfig, FlowControl, TenantPolicy, TokenBucket
+from router.api.openai_api import APIError
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_tenants_share_by_weight_on_predicted_tokens_over_a_long_run():
+    queue = FairQueue(aging_s=1e9, quantum_tokens=100)
+    for i in range(3000):  # both always backlogged; b's requests are 3x as long
+        queue.push("a", 0, 100, 0.0, weight=2.0)
+        queue.push("b", 0, 300, 0.0, weight=1.0)
+    served = Counter()
+    for _ in range(3000):
+        entry = queue.pop(0.0)
+        served[entry.tenant] += entry.cost
+    share = served["a"] / (served["a"] + served["b"])
+    assert share == pytest.approx(2 / 3, abs=0.02)  # tokens, by weight: not requests (a sent 4.5x as many)
+
+
+def test_a_more_urgent_band_goes_first_whatever_the_tenant_weights():
+    queue = FairQueue(aging_s=1e9, quantum_tokens=100)
+    for _ in range(5):
+        queue.push("heavy", 5, 10, 0.0, weight=100.0)
+    queue.push("light", 0, 10, 0.0, weight=0.01)
+    assert queue.pop(0.0).tenant == "light"
+    assert {queue.pop(0.0).tenant for _ in range(5)} == {"heavy"}
+    assert queue.pop(0.0) is None
+
+
+def test_within_a_tenant_priority_then_arrival():
+    queue = FairQueue()
+    first, urgent, second = (queue.push("t", p, 10, 0.0) for p in (3, 1, 3))
+    assert [queue.pop(0.0) for _ in range(3)] == [urgent, first, second]
+
+
+def test_aging_bounds_the_wait_of_a_low_priority_request():
+    """A priority-10 request behind a stream of priority-0 arrivals: each aging_s it waits moves it one band
+    up, so after 10 x aging_s it is in band 0 and, the oldest there, goes next."""
+    queue = FairQueue(aging_s=1.0)
+    low = queue.push("t", 10, 10, 0.0)
+    now, served_at = 0.0, None
+    for step in range(100):
+        now = step * 0.25
+        queue.push("t", 0, 10, now)  # a new urgent request every 0.25 s, one served every 0.25 s
+        if queue.pop(now) is low:
+            served_at = now
+            break
+    assert served_at is not None and 10.0 <= served_at <= 10.5
+
+
+def test_a_tenant_at_its_concurrency_cap_waits_and_the_others_go_past():
+    queue = FairQueue()
+    queue.push("capped", 0, 10, 0.0)
+    other = queue.push("other", 0, 10, 1.0)
+    assert queue.pop(2.0, eligible=lambda t: t != "capped") is other
+    assert queue.pop(2.0, eligible=lambda t: t != "capped") is None
+    assert queue.pop(2.0).tenant == "capped"
+
+
+def test_the_token_bucket_refills_at_its_rate_and_says_when_a_charge_fits():
+    clock = Clock()
+    bucket = TokenBucket(600, clock)  # 10 tokens a second
+    assert bucket.take(500) == 0.0
+    assert bucket.take(200) == pytest.approx(10.0)  # 100 left: 100 more in 10 s
+    clock.now = 10.0
+    assert bucket.take(200) == 0.0
+    bucket.give_back(1000)
+    assert bucket.level == 600  # never above a minute's worth
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_tenant_over_its_tokens_per_minute_gets_429_with_an_honest_retry_after_and_others_go_on():
+    clock = Clock()
+    flow = FlowControl(FlowConfig(tenants={"small": TenantPolicy(tokens_per_minute=600)}), clock=clock)
+
+    async def scenario():
+        grant = await flow.enter("small", 0, 300, 200)  # 500 of 600
+        with pytest.raises(APIError) as refused:
+            await flow.enter("small", 0, 100, 100)
+        assert refused.value.status == 429
+        retry = int(refused.value.headers["Retry-After"])
+        assert retry == 10  # 100 left, 200 needed, 10 a second
+        await flow.enter("big", 0, 10_000, 10_000)  # another tenant is not affected
+        clock.now = retry - 0.5
+        with pytest.raises(APIError):
+            await flow.enter("small", 0, 100, 100)  # not yet
+        clock.now = retry
+        await flow.enter("small", 0, 100, 100)  # at the time it said
+        grant.release(output_tokens=50)  # 150 of its 200 max_tokens unused: back in the budget
+        assert flow.buckets["small"].level == pytest.approx(150)
+        with pytest.raises(APIError) as too_big:
+            await flow.enter("small", 0, 500, 500)  # never fits a minute's budget: no retry helps
+        assert too_big.value.status == 400 and "max_tokens" in str(too_big.value)
+
+    run(scenario())
+
+
+def test_queued_requests_start_by_priority_as_room_frees_and_past_max_queued_get_429():
+    flow = FlowControl(FlowConfig(max_in_flight=1, tenants={"t": TenantPolicy(max_queued=3)}))
+
+    async def scenario():
+        first = await flow.enter("t", 0, 10, 10)
+        order = []
+
+        async def queued(priority, name):
+            grant = await flow.enter("t", priority, 10, 10)
+            order.append(name)
+            await asyncio.sleep(0)
+            grant.release(10)
+
+        tasks = [asyncio.create_task(queued(p, n)) for p, n in ((5, "low"), (5, "low2"), (0, "urgent"))]
+        await asyncio.sleep(0)
+        assert len(flow.queue) == 3
+        with pytest.raises(APIError) as full:
+            await flow.enter("t", 0, 10, 10)
+        assert full.value.status == 429
+        first.release(10)
+        await asyncio.gather(*tasks)
+        assert order == ["urgent", "low", "low2"]
+        assert flow.in_flight == 0 and not len(flow.queue)
+
+    run(scenario())
+
+
+def test_a_client_that_leaves_while_queued_is_removed_at_once_and_its_budget_refunded():
+    flow = FlowControl(FlowConfig(max_in_flight=1, tenants={"t": TenantPolicy(tokens_per_minute=1000)}))
+
+    async def scenario():
+        held = await flow.enter("t", 0, 100, 100)
+        waiter = asyncio.create_task(flow.enter("t", 0, 300, 300))
+        await asyncio.sleep(0)
+        assert len(flow.queue) == 1 and flow.buckets["t"].level == pytest.approx(200, abs=1)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert not len(flow.queue) and flow.buckets["t"].level == pytest.approx(800, abs=1)
+        held.release(100)
+        assert flow.in_flight == 0
+
+    run(scenario())
+
+
+def test_saturation_holds_requests_until_the_router_has_room_again():
+    saturated = [True]
+    woke = asyncio.Event
+
+    async def scenario():
+        loads_changed = woke()
+
+        async def wait_for_loads(timeout_s):
+            try:
+                await asyncio.wait_for(loads_changed.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+
+        flow = FlowControl(FlowConfig(), saturated=lambda: saturated[0], wait_for_loads=wait_for_loads)
+        waiter = asyncio.create_task(flow.enter(None, 0, 10, 10))
+        await asyncio.sleep(0.1)
+        assert not waiter.done() and len(flow.queue) == 1
+        saturated[0] = False
+        loads_changed.set()
+        grant = await asyncio.wait_for(waiter, 1.0)
+        assert flow.in_flight == 1
+        grant.release(10)
+
+    run(scenario())
+
+
+def test_a_key_may_cap_the_priority_its_tenant_asks_for():
+    flow = FlowControl(FlowConfig(tenants={"batch": TenantPolicy(max_priority=5)}))
+    flow.check_priority("batch", 5)
+    flow.check_priority("other", -10)
+    with pytest.raises(APIError, match="priority 0 is more urgent"):
+        flow.check_priority("batch", 0)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(weight=0), "weight"), (dict(max_concurrent=0), "max_concurrent"),
+    (dict(tokens_per_minute="lots"), "tokens_per_minute"), (dict(max_priority=1.5), "max_priority"),
+])
+def test_bad_tenant_policies_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TenantPolicy(**fields)
