@@ -101,6 +101,7 @@ class AuditEntry:
     options: dict
     inputs: list  # as the client gave them: prompts (text or ids), or one chat's messages
     written: bool = False
+    flow: dict | None = None  # its priority, its tenant's weight and its time in the ingress queue
 
     def finish(self, params: SamplingParams, seeds: list[int], candidates: list, prompts: list[list[int]],
                error: BaseException | None = None) -> None:
@@ -133,6 +134,7 @@ class AuditEntry:
             "engine": self.audit.config.engine,
             "sampling": sampling_record(dataclasses.replace(params, seed=seeds[0] if seeds else params.seed)),
             "options": self.options,
+            "flow": self.flow,
             "prompts": [_prompt_record(given, ids, seed, log) for given, ids, seed in zip(self.inputs, prompts, seeds)],
             "choices": [_choice_record(c, error, log) for c in sorted(choices, key=lambda c: c.index)],
             "usage": {"prompt_tokens": sum(len(ids) for ids in prompts),

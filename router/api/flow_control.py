@@ -239,6 +239,9 @@ class FlowControl:
         self.running: dict[str, int] = {}  # per tenant
         self.buckets: dict[str, TokenBucket] = {}
 
+    def weight(self, tenant: str | None) -> float:
+        return self.config.policy(tenant or DEFAULT_TENANT).weight
+
     def check_priority(self, tenant: str | None, priority: int) -> None:
         """400 when the tenant's key may not ask for `priority`."""
         policy = self.config.policy(tenant or DEFAULT_TENANT)

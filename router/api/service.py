@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -170,8 +171,12 @@ class OpenAIService:
             trace.timeline.stamp("tokenized")
             # Its turn by priority and tenant share, within its tenant's quotas (429 past them).
             max_output = params.max_tokens or self.model.max_model_len - min(len(ids) for ids in prompts)
+            queued_at = time.monotonic()
             grant = await self.flow.enter(tenant, req.priority, sum(len(ids) for ids in prompts),
                                           max_output * num_prompts * params.beam_width)
+            if audit is not None:
+                audit.flow = {"priority": req.priority, "tenant_weight": self.flow.weight(tenant),
+                              "queued_s": round(time.monotonic() - queued_at, 6)}
             candidates, seeds = [], []
             ticket.on_release = lambda: grant.release(sum(c.num_tokens for cand in candidates for c in cand.choices))
             for p, ids in enumerate(prompts):

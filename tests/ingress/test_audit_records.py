@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LONG = " ".join(f"audit{i}" for i in range(40))
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 FIELDS = {"record", "request_id", "response_id", "time", "tenant", "endpoint", "stream", "model", "engine", "sampling", "options",
-          "prompts", "choices", "usage", "timings", "workers", "placements"}
+          "prompts", "choices", "usage", "timings", "workers", "placements", "flow"}
 
 
 def record_of(path: str, request_id: str) -> dict:
@@ -66,6 +66,8 @@ def test_a_record_has_every_field_and_says_what_ran_where(main_app, greedy, tiny
     out, _, record = greedy
     assert FIELDS <= set(record)
     assert (record["tenant"], record["endpoint"], record["stream"]) == ("tenant-a", "completions", False)
+    flow = record["flow"]  # its priority (the default), its tenant's weight (the default) and its ingress queue time
+    assert (flow["priority"], flow["tenant_weight"]) == (0, 1.0) and 0 <= flow["queued_s"] < 60
     assert record["model"] == {"id": MODEL, "revision": model_revision(tiny_llama_dir)}
     assert record["engine"]["block_size"] == 16 and record["engine"]["dtype"] == "auto"
     assert record["sampling"]["temperature"] == 0 and isinstance(record["sampling"]["seed"], int)
