@@ -197,3 +197,18 @@ def test_a_key_may_cap_the_priority_its_tenant_asks_for():
 def test_bad_tenant_policies_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         TenantPolicy(**fields)
+
+
+def test_the_cluster_config_gives_the_ingress_its_flow_and_tenants_and_refuses_bad_ones():
+    from pydantic import ValidationError
+
+    from cluster.config import ClusterConfig
+
+    config = ClusterConfig(flow={"max_in_flight": 4, "aging_s": 5}, tenants={"chat": {"weight": 4, "max_priority": 0}})
+    flow = config.flow_config()
+    assert flow.max_in_flight == 4 and flow.aging_s == 5 and flow.policy("chat").weight == 4
+    assert flow.policy("chat").max_priority == 0 and flow.policy("anyone") == flow.default_tenant
+    for bad in ({"tenants": {"t": {"weight": 0}}}, {"tenants": {"t": {"tokens_per_minute": -1}}},
+                {"tenants": {"t": {"wieght": 2}}}, {"flow": {"max_in_flight": 0}}, {"flow": {"aging_s": 0}}):
+        with pytest.raises(ValidationError):
+            ClusterConfig(**bad)
