@@ -61,6 +61,7 @@ class ServerSpec:
     argv: list[str]
     startup_timeout_s: float = 300.0
     trace: bool = False  # a tandem server: ask for each request's stage timeline (serve.py --tandem-trace)
+    api_key: str | None = None  # a server with API keys: the key its readiness check uses
 
 
 def tandem(name: str, *flags: str) -> ServerSpec:
@@ -91,13 +92,13 @@ def bench_lock():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-async def _wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+async def _wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float, api_key: str | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
         try:
-            if await serve_client.fetch_models(base_url, timeout_s=5):
+            if await serve_client.fetch_models(base_url, api_key, timeout_s=5):
                 return
         except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError):
             pass
@@ -134,7 +135,7 @@ def running(spec: ServerSpec, log_dir: Path):
         base_url = f"http://127.0.0.1:{port}"
         started = time.monotonic()
         try:
-            asyncio.run(_wait_ready(base_url, proc, spec.startup_timeout_s))
+            asyncio.run(_wait_ready(base_url, proc, spec.startup_timeout_s, spec.api_key))
             print(f"[{spec.name}] up on {base_url} in {time.monotonic() - started:.0f} s", flush=True)
             yield base_url
         finally:

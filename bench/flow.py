@@ -1,0 +1,122 @@
+"""Issue 43's overload check: one tenant floods, another keeps its rate; how much does the quiet one suffer?
+
+    .venv/bin/python bench/flow.py                       # both arms, ~8 min on 2 cores
+    .venv/bin/python bench/flow.py --arms fair --quiet-prompts 8
+
+Each arm is a fresh `tandem serve` (the README's defaults plus two API keys: tenants `quiet` and `flood`,
+under the bench lock) that serves, with this repo's streaming client (bench/serve_client.py, random prompts
+of --input-len / --output-len, Poisson arrivals):
+  1. the quiet tenant alone at --quiet-rate;
+  2. the quiet tenant again (fresh prompts) beside the flood tenant at --flood-factor times its rate, from two
+     concurrent clients.
+Arms: `fifo` (no tenants configured: flow control's default, one queue by priority and arrival) and `fair`
+(`tenants:` gives each weight 1 and the flood tenant `max_queued` --flood-max-queued, so its excess gets 429).
+Per arm: the quiet tenant's TTFT p50 / p99 alone and beside the flood (the ratio is the issue's figure, goal
+<= 1.5x), its goodput (TTFT <= 2 s, TPOT <= 250 ms), and the flood's outcomes (served, 429, other errors).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import compare, serve, serve_data  # noqa: E402
+from bench.serve_client import Target, fetch_models, run_workload  # noqa: E402
+from bench.serve_metrics import parse_slos, summarize  # noqa: E402
+
+KEYS = {"quiet-key-0123": "quiet", "flood-key-0123": "flood"}
+
+
+def config_yaml(arm: str, flood_max_queued: int) -> str:
+    keys = "api_keys: {" + ", ".join(f"{k}: {t}" for k, t in KEYS.items()) + "}\n"
+    if arm == "fair":
+        keys += ("tenants: {quiet: {weight: 1}, flood: {weight: 1, max_queued: %d}}\n" % flood_max_queued)
+    return keys
+
+
+def sessions(space, n: int, rate: float, args, seed: int):
+    out = serve_data.random_sessions(space, n, args.input_len, args.output_len, seed, 0.0)
+    serve_data.assign_arrivals(out, rate, 1.0, seed)
+    return out
+
+
+async def phase(base_url: str, model: str, space, args, seed: int, flood: bool) -> dict:
+    quiet = Target(base_url, model, api_key="quiet-key-0123", timeout_s=args.timeout_s)
+    runs = [run_workload(quiet, sessions(space, args.quiet_prompts, args.quiet_rate, args, seed), None, False)]
+    if flood:
+        target = Target(base_url, model, api_key="flood-key-0123", timeout_s=args.timeout_s)
+        n = args.quiet_prompts * args.flood_factor
+        runs.append(run_workload(target, sessions(space, n, args.quiet_rate * args.flood_factor, args, seed + 1),
+                                 None, False))
+    done = await asyncio.gather(*runs)
+    slos = parse_slos(compare.SLOS)
+    out = {"quiet": summarize(*done[0], slos)}
+    if flood:
+        results, duration = done[1]
+        outcomes = collections.Counter("served" if r.success else (r.error or "failed").split(":")[0]
+                                       for r in results)
+        out["flood"] = {"summary": summarize(results, duration, slos), "outcomes": dict(outcomes)}
+    return out
+
+
+def run_arm(arm: str, args, space, log_dir: Path) -> dict:
+    config = Path(tempfile.mkdtemp()) / f"{arm}.yaml"
+    config.write_text(config_yaml(arm, args.flood_max_queued))
+    spec = compare.tandem(f"tandem-{arm}", "--config", str(config))
+    spec.api_key = "quiet-key-0123"
+    with compare.running(spec, log_dir) as base_url:
+        model = asyncio.run(fetch_models(base_url, "quiet-key-0123"))[0]
+        alone = asyncio.run(phase(base_url, model, space, args, args.seed, flood=False))
+        beside = asyncio.run(phase(base_url, model, space, args, args.seed + 100, flood=True))
+    return {"arm": arm, "alone": alone, "beside": beside}
+
+
+def report(arms: list[dict]) -> str:
+    lines = ["| arm | quiet alone TTFT p50 / p99 | quiet beside the flood TTFT p50 / p99 | ÷ p99 | quiet goodput "
+             "alone / beside | flood: served, refused, other |", "|---|---|---|---|---|---|"]
+    for a in arms:
+        q0, q1 = a["alone"]["quiet"], a["beside"]["quiet"]
+        t0, t1 = q0["ttft_ms"], q1["ttft_ms"]
+        outcomes = a["beside"]["flood"]["outcomes"]
+        refused = sum(v for k, v in outcomes.items() if k.startswith("HTTP 429") or k.startswith("HTTP 503"))
+        other = sum(outcomes.values()) - outcomes.get("served", 0) - refused
+        lines.append(f"| {a['arm']} | {t0['p50']:.0f} / {t0['p99']:.0f} ms | {t1['p50']:.0f} / {t1['p99']:.0f} ms "
+                     f"| {t1['p99'] / t0['p99']:.2f}× | {q0['goodput']:.2f} / {q1['goodput']:.2f} req/s "
+                     f"| {outcomes.get('served', 0)}, {refused}, {other} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--arms", default="fifo,fair")
+    p.add_argument("--quiet-rate", type=float, default=0.3)
+    p.add_argument("--flood-factor", type=int, default=10)
+    p.add_argument("--quiet-prompts", type=int, default=12)
+    p.add_argument("--flood-max-queued", type=int, default=4)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    p.add_argument("--result-dir", default=str(compare.ROOT / "bench/results"))
+    args = p.parse_args(argv)
+    out_dir = Path(args.result_dir) / time.strftime("flow-%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    space = serve.load_token_space(None)
+    print(f"seed {args.seed}", flush=True)
+    arms = [run_arm(arm, args, space, out_dir) for arm in args.arms.split(",")]
+    (out_dir / "flow.json").write_text(json.dumps({"args": vars(args), "arms": arms}, indent=1))
+    print(report(arms))
+    print(f"wrote {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
