@@ -9,8 +9,8 @@ of --input-len / --output-len, Poisson arrivals):
   1. the quiet tenant alone at --quiet-rate;
   2. the quiet tenant again (fresh prompts) beside the flood tenant at --flood-factor times its rate, from two
      concurrent clients.
-Arms: `fifo` (no tenants configured: flow control's default, one queue by priority and arrival) and `fair`
-(`tenants:` gives each weight 1 and the flood tenant `max_queued` --flood-max-queued, so its excess gets 429).
+Arms: `fifo` (both keys name one tenant: one queue by arrival, as before flow control) and `fair` (two
+tenants of weight 1, the flood tenant with `max_queued` --flood-max-queued, so its excess gets 429).
 Per arm: the quiet tenant's TTFT p50 / p99 alone and beside the flood (the ratio is the issue's figure, goal
 <= 1.5x), its goodput (TTFT <= 2 s, TPOT <= 250 ms), and the flood's outcomes (served, 429, other errors).
 """
@@ -36,7 +36,9 @@ KEYS = {"quiet-key-0123": "quiet", "flood-key-0123": "flood"}
 
 
 def config_yaml(arm: str, flood_max_queued: int) -> str:
-    keys = "api_keys: {" + ", ".join(f"{k}: {t}" for k, t in KEYS.items()) + "}\n"
+    """fifo: both keys are one tenant, so the queue is by arrival alone (what serving was before flow control)."""
+    tenants = KEYS if arm == "fair" else {k: "shared" for k in KEYS}
+    keys = "api_keys: {" + ", ".join(f"{k}: {t}" for k, t in tenants.items()) + "}\n"
     if arm == "fair":
         keys += ("tenants: {quiet: {weight: 1}, flood: {weight: 1, max_queued: %d}}\n" % flood_max_queued)
     return keys
