@@ -107,10 +107,12 @@ def _admin_route_class(admin_key: str | None) -> type[APIRoute]:
 
 
 def build_admin_router(get_controller: Callable[[], object], admin_key: str | None,
-                       find_trace: Callable[[str], Awaitable[dict | None]] | None = None) -> APIRouter:
+                       find_trace: Callable[[str], Awaitable[dict | None]] | None = None,
+                       flow_status: Callable[[], dict] | None = None) -> APIRouter:
     """The /admin routes. `get_controller` returns the controller actor handle (looked up per call, so a
     restarted controller is found again); without an `admin_key` every route answers 403. `find_trace`
-    looks up a recent request's stage timelines (the ingress's TraceStore)."""
+    looks up a recent request's stage timelines (the ingress's TraceStore); `flow_status` gives the answering
+    ingress replica's queue by tenant (router/api/flow_control.py)."""
 
     router = APIRouter(prefix="/admin", route_class=_admin_route_class(admin_key), tags=["admin"])
 
@@ -130,7 +132,10 @@ def build_admin_router(get_controller: Callable[[], object], admin_key: str | No
 
     @router.get("/status")
     async def status() -> dict:
-        return await call("status")
+        status = await call("status")
+        if flow_status is not None:
+            status["flow"] = flow_status()
+        return status
 
     @router.post("/scale")
     async def scale(body: ScaleRequest) -> dict:

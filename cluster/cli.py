@@ -161,7 +161,16 @@ def format_status(status: dict, url: str) -> str:
             hits = f"{w['prefix_hit_rate']:.1%} ({w['prefix_cache_hits']}/{w['prefix_cache_queries']} tokens)"
             workers.append([w["worker_id"], name, w["state"], str(w["running"]), str(w["waiting"]),
                             str(w["queued_prefill_tokens"]), f"{w['kv_usage']:.1%}", hits, _kv_failures(w)])
-    return "\n".join(lines + _table(pools) + [""] + _table(workers))
+    out = lines + _table(pools) + [""] + _table(workers)
+    if flow := status.get("flow"):
+        limit = flow["max_in_flight"] if flow["max_in_flight"] is not None else "no cap"
+        out += ["", f"ingress queue (replica {flow['replica']}): {flow['in_flight']} placed ({limit}), "
+                    f"{'saturated' if flow['saturated'] else 'not saturated'}, shedding {flow['shed']}"]
+        if flow["tenants"]:
+            out += _table([["TENANT", "WEIGHT", "RUNNING", "QUEUED"]]
+                          + [[t, f"{v['weight']:g}", str(v["running"]), str(v["queued"])]
+                             for t, v in flow["tenants"].items()])
+    return "\n".join(out)
 
 
 def _kv_failures(worker: dict) -> str:

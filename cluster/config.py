@@ -266,6 +266,9 @@ class FlowOptions(_Strict):
     aging_s: float = Field(10.0, gt=0, le=86400)
     quantum_tokens: int = Field(2048, ge=1, le=10_000_000)
     default_tenant: TenantOptions = Field(default_factory=TenantOptions)
+    # SLO-aware shedding: 503 + Retry-After for a request whose predicted first token comes after its
+    # deadline (X-Tandem-Deadline-Ms, else slo.ttft_ms); "low_priority": only requests of priority > 0.
+    shed: Literal["off", "on", "low_priority"] = "off"
 
 
 class CpuOptions(_Strict):
@@ -353,7 +356,8 @@ class ClusterConfig(_Strict):
     def flow_config(self) -> FlowConfig:
         f = self.flow
         return FlowConfig(f.max_in_flight, f.aging_s, f.quantum_tokens,
-                          {name: t.policy() for name, t in self.tenants.items()}, f.default_tenant.policy())
+                          {name: t.policy() for name, t in self.tenants.items()}, f.default_tenant.policy(),
+                          f.shed, self.slo.ttft_ms / 1000)
 
     @field_validator("served_model_name")
     @classmethod

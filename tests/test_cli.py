@@ -185,6 +185,9 @@ def test_status_shows_pools_and_workers_as_a_table_and_as_json(capsys, admin_url
     assert status["pools"]["decode"]["replicas"] == 1
     assert 0.0 <= status["pools"]["decode"]["workers"][0]["kv_usage"] <= 1.0
     assert status["pools"]["decode"]["workers"][0]["kv_transfer_failures"] == 0
+    flow = status["flow"]  # the answering ingress replica's queue: nothing waits on an idle server
+    assert flow["in_flight"] == 0 and flow["saturated"] is False and flow["shed"] == "off"
+    assert all(t["queued"] == 0 for t in flow["tenants"].values())
 
 
 def test_the_status_table_lists_each_decode_workers_kv_failures_by_reason():
@@ -205,6 +208,13 @@ def test_the_status_table_lists_each_decode_workers_kv_failures_by_reason():
     assert next(line for line in lines if line.startswith("decode-0")).endswith("3 (unreachable 2, timeout 1)")
     assert next(line for line in lines if line.startswith("decode-1")).endswith(" 0")
     assert next(line for line in lines if line.startswith("prefill-0")).endswith(" -")
+    status["flow"] = {"replica": "r1", "in_flight": 3, "max_in_flight": None, "saturated": True, "shed": "on",
+                      "tenants": {"batch": {"running": 1, "queued": 7, "weight": 1.0},
+                                  "chat": {"running": 2, "queued": 0, "weight": 4.0}}}
+    lines = format_status(status, "http://127.0.0.1:8000").splitlines()
+    assert "ingress queue (replica r1): 3 placed (no cap), saturated, shedding on" in lines
+    assert next(line for line in lines if line.startswith("batch")).split() == ["batch", "1", "1", "7"]
+    assert next(line for line in lines if line.startswith("chat")).split() == ["chat", "4", "2", "0"]
 
 
 def test_the_admin_key_comes_from_the_environment_and_a_wrong_one_is_refused(capsys, admin_url, monkeypatch):

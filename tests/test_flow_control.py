@@ -212,3 +212,42 @@ def test_the_cluster_config_gives_the_ingress_its_flow_and_tenants_and_refuses_b
                 {"tenants": {"t": {"wieght": 2}}}, {"flow": {"max_in_flight": 0}}, {"flow": {"aging_s": 0}}):
         with pytest.raises(ValidationError):
             ClusterConfig(**bad)
+
+
+def test_shedding_refuses_only_a_request_predicted_to_miss_its_deadline():
+    async def scenario():
+        seen = []
+
+        def predicting(seconds):
+            def predict(ahead):
+                seen.append(ahead)
+                return seconds
+            return predict
+
+        off = FlowControl(FlowConfig(deadline_s=2.0))
+        (await off.enter("t", 5, 10, 10, None, predicting(30.0))).release(10)  # shedding off: admitted
+        on = FlowControl(FlowConfig(shed="on", deadline_s=2.0))
+        (await on.enter("t", 0, 10, 10, None, predicting(1.9))).release(10)  # meets the SLO's deadline
+        with pytest.raises(APIError) as shed:
+            await on.enter("t", 0, 10, 10, None, predicting(4.5))
+        assert shed.value.status == 503 and shed.value.headers["Retry-After"] == "3"
+        assert "after this request's deadline of 2.00s" in str(shed.value)
+        (await on.enter("t", 0, 10, 10, 10.0, predicting(4.5))).release(10)  # its own deadline is later
+        with pytest.raises(APIError):
+            await on.enter("t", 0, 10, 10, 0.5, predicting(1.0))  # its own deadline is sooner
+        low = FlowControl(FlowConfig(shed="low_priority", deadline_s=2.0))
+        (await low.enter("t", 0, 10, 10, None, predicting(30.0))).release(10)  # priority 0 is never shed
+        with pytest.raises(APIError):
+            await low.enter("t", 1, 10, 10, None, predicting(30.0))
+        assert on.in_flight == low.in_flight == 0
+
+    run(scenario())
+
+
+def test_the_prediction_counts_the_requests_queued_ahead_in_a_band_as_urgent_or_more():
+    queue = FairQueue(aging_s=100.0)
+    for priority, tokens in ((0, 100), (1, 200), (5, 400)):
+        queue.push("t", priority, tokens + 10, 0.0).prompt_tokens = tokens
+    assert queue.ahead_of(1, 0.0) == (2, 300)
+    assert queue.ahead_of(-1, 0.0) == (0, 0)
+    assert queue.ahead_of(1, 400.0) == (3, 700)  # aged four bands: the priority-5 request is in band 1 now

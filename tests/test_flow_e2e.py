@@ -28,7 +28,7 @@ def app_url(ray_cluster, tiny_llama_dir):
     # One request placed at a time: the rest wait in the ingress queue, which orders them.
     config = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="flow", namespace="tandem-tests",
                            engine={"num_kv_blocks": 128}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
-                           api_keys=KEYS, flow={"max_in_flight": 1},
+                           api_keys=KEYS, flow={"max_in_flight": 1, "shed": "low_priority"},
                            tenants={"a": {"tokens_per_minute": TPM}, "b": {"max_priority": 5}})
     port = free_port()
     try:
@@ -45,12 +45,12 @@ def client(url: str, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def complete(url, key, max_tokens, priority=None, prompt="Once upon a time"):
+def complete(url, key, max_tokens, priority=None, prompt="Once upon a time", headers=None):
     extra = {"ignore_eos": True}
     if priority is not None:
         extra["priority"] = priority
     out = client(url, key).completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                                              extra_body=extra)
+                                              extra_body=extra, extra_headers=headers)
     return out, time.monotonic()
 
 
@@ -95,6 +95,24 @@ def test_a_high_priority_request_overtakes_a_queue_of_low_priority_ones(app_url)
 def test_a_key_may_not_ask_for_more_urgency_than_its_cap(app_url):
     with pytest.raises(openai.BadRequestError, match="priority 0 is more urgent"):
         complete(app_url, "key-b", 4, priority=0)
+
+
+def test_a_low_priority_request_that_cannot_meet_its_deadline_is_shed_with_503(app_url):
+    """shed: low_priority. No placement meets a 1 ms deadline (the prediction includes the time already
+    spent): priority 5 gets 503 with Retry-After at once; priority 0 is never shed; a deadline the prediction
+    meets is served; a malformed deadline is a 400 naming the header."""
+    with pytest.raises(openai.InternalServerError) as shed:
+        complete(app_url, "key-b", 4, priority=5, headers={"X-Tandem-Deadline-Ms": "1"})
+    assert shed.value.status_code == 503 and int(shed.value.response.headers["Retry-After"]) >= 1
+    assert "deadline" in str(shed.value)
+    out, _ = complete(app_url, "key-a", 4, priority=0, headers={"X-Tandem-Deadline-Ms": "1"})
+    assert out.usage.completion_tokens == 4
+    out, _ = complete(app_url, "key-b", 4, priority=5, headers={"X-Tandem-Deadline-Ms": "60000"})
+    assert out.usage.completion_tokens == 4
+    for bad in ("0", "-5", "soon", "1.5"):
+        with pytest.raises(openai.BadRequestError, match="X-Tandem-Deadline-Ms"):
+            complete(app_url, "key-b", 4, priority=5, headers={"X-Tandem-Deadline-Ms": bad})
+    assert counted(app_url, "tandem:flow_refused_requests", 1, tenant="b", reason="shed") == 1
 
 
 def test_a_tenant_over_its_tokens_per_minute_gets_an_honest_retry_after_and_the_other_is_served(app_url):

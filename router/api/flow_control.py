@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from router.api.openai_api import APIError
 
 DEFAULT_TENANT = "default"  # requests without an API key, and tenants the config does not name
+SHED_MODES = ("off", "on", "low_priority")
 WATCH_POLL_S = 0.05  # while requests queue, how often the gate looks again at least
 
 
@@ -61,8 +62,14 @@ class FlowConfig:
     quantum_tokens: int = 2048  # tokens a tenant of weight 1 may send per round of the fair queue
     tenants: dict[str, TenantPolicy] = field(default_factory=dict)
     default_tenant: TenantPolicy = field(default_factory=TenantPolicy)  # any tenant not named in `tenants`
+    # SLO-aware shedding: "on" refuses (503) a request whose predicted first token comes after its deadline,
+    # "low_priority" only those of priority > 0; the deadline is X-Tandem-Deadline-Ms, else `deadline_s`.
+    shed: str = "off"
+    deadline_s: float | None = None
 
     def __post_init__(self):
+        if self.shed not in SHED_MODES:
+            raise ValueError(f"shed must be one of {', '.join(SHED_MODES)}, got {self.shed!r}")
         if self.max_in_flight is not None and (not isinstance(self.max_in_flight, int) or self.max_in_flight < 1):
             raise ValueError(f"max_in_flight must be a positive integer or null, got {self.max_in_flight!r}")
         if not self.aging_s > 0:
@@ -83,6 +90,7 @@ class Entry:
     enqueued_at: float
     seq: int
     granted: asyncio.Future | None = None
+    prompt_tokens: int = 0
 
     def effective_priority(self, now: float, aging_s: float) -> int:
         return self.priority - int((now - self.enqueued_at) / aging_s)
@@ -146,6 +154,12 @@ class FairQueue:
     def queued(self, tenant: str) -> int:
         t = self.tenants.get(tenant)
         return len(t.entries) if t else 0
+
+    def ahead_of(self, priority: int, now: float) -> tuple[int, int]:
+        """(requests, prompt tokens) queued in `priority`'s band or a more urgent one: those that go first."""
+        ahead = [e for t in self.tenants.values() for e in t.entries
+                 if e.effective_priority(now, self.aging_s) <= priority]
+        return len(ahead), sum(e.prompt_tokens for e in ahead)
 
     def push(self, tenant: str, priority: int, cost: int, now: float, weight: float = 1.0) -> Entry:
         entry = Entry(tenant, priority, max(1, cost), now, next(self._seq))
@@ -239,6 +253,15 @@ class FlowControl:
         self.running: dict[str, int] = {}  # per tenant
         self.buckets: dict[str, TokenBucket] = {}
 
+    def snapshot(self) -> dict:
+        """This replica's queue for `tandem status`: requests placed, whether the router is saturated, and per
+        tenant its requests running and queued."""
+        tenants = sorted(set(self.running) | set(self.queue.tenants))
+        return {"in_flight": self.in_flight, "max_in_flight": self.config.max_in_flight,
+                "saturated": self.saturated(), "shed": self.config.shed,
+                "tenants": {t: {"running": self.running.get(t, 0), "queued": self.queue.queued(t),
+                                "weight": self.weight(t)} for t in tenants}}
+
     def weight(self, tenant: str | None) -> float:
         return self.config.policy(tenant or DEFAULT_TENANT).weight
 
@@ -249,13 +272,17 @@ class FlowControl:
             raise APIError.bad_request(f"priority {priority} is more urgent than this API key may ask for "
                                        f"(at most {policy.max_priority}; lower runs first)", "priority")
 
-    async def enter(self, tenant: str | None, priority: int, prompt_tokens: int, max_output: int) -> Grant:
-        """Let a request in: charge its tenant's token budget (429 when short), then place it now if there
-        is room and nobody of its band or better waits, else queue it (429 past the tenant's max_queued)
-        and return when the fair queue picks it."""
+    async def enter(self, tenant: str | None, priority: int, prompt_tokens: int, max_output: int,
+                    deadline_s: float | None = None,
+                    predict: Callable[[tuple[int, int]], float | None] | None = None) -> Grant:
+        """Let a request in: shed it (503) when shedding applies and `predict` (seconds to its first token
+        from arrival, given the (requests, prompt tokens) queued here before it) says it will miss its deadline;
+        charge its tenant's token budget (429 when short); then place it now if there is room and nobody
+        waits, else queue it (429 past the tenant's max_queued) and return when the fair queue picks it."""
         tenant = tenant or DEFAULT_TENANT
         policy = self.config.policy(tenant)
         self.check_priority(tenant, priority)
+        self._shed(tenant, priority, deadline_s, predict)
         cost = prompt_tokens + max_output
         if policy.tokens_per_minute is not None:
             if cost > policy.tokens_per_minute:
@@ -285,6 +312,7 @@ class FlowControl:
                                     f"retry after 1s", type="rate_limit_exceeded", code="rate_limit_exceeded",
                                headers={"Retry-After": "1"})
             entry = self.queue.push(tenant, priority, cost, self.clock(), policy.weight)
+            entry.prompt_tokens = prompt_tokens
             entry.granted = asyncio.get_running_loop().create_future()
             self._observe_queue()
             self.pump()
@@ -305,6 +333,24 @@ class FlowControl:
         except BaseException:
             self._refund(grant, grant.charged)  # it never ran
             raise
+
+    def _shed(self, tenant: str, priority: int, deadline_s: float | None, predict) -> None:
+        """503 + Retry-After when shedding applies to the request and its first token is predicted after its
+        deadline: refused at once rather than queued to miss it. Requests already admitted are never shed."""
+        mode = self.config.shed
+        if mode == "off" or (mode == "low_priority" and priority <= 0) or predict is None:
+            return
+        deadline = deadline_s if deadline_s is not None else self.config.deadline_s
+        if deadline is None:
+            return
+        predicted = predict(self.queue.ahead_of(priority, self.clock()))
+        if predicted is None or predicted <= deadline:
+            return
+        self._refused(tenant, priority, "shed")
+        retry = max(1, math.ceil(predicted - deadline))
+        raise APIError(503, f"the first token is predicted in {predicted:.2f}s, after this request's deadline of "
+                            f"{deadline:.2f}s; refused rather than queued to miss it (retry after {retry}s)",
+                       type="service_unavailable", code="deadline_unmeetable", headers={"Retry-After": str(retry)})
 
     def pump(self) -> None:
         """Start queued requests while there is room, in the fair queue's order."""

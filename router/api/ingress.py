@@ -150,7 +150,7 @@ class Ingress:
         # X-Request-Id) and echoes it in the response itself.
         app = build_api(self.service, self.view, self.scrape, self.config.limits, echo_request_id=False)
         if self.extra_routes is not None:
-            app.include_router(self.extra_routes(find_trace=self.request_trace))
+            app.include_router(self.extra_routes(find_trace=self.request_trace, flow_status=self.flow_status))
         return app
 
     async def scrape(self) -> bytes:
@@ -196,6 +196,10 @@ class Ingress:
                 "workers": {w: {"num_blocks": index.num_blocks(w),
                                 "held": [h for h in block_hashes if index.overlap([h], [w])[w] == 1]}
                             for w in self.view.workers}}
+
+    def flow_status(self) -> dict:
+        """This replica's ingress queue, by tenant."""
+        return {"replica": self.replica_id, **self.service.flow.snapshot()}
 
     async def request_trace(self, request_id: str) -> dict | None:
         """The stage timelines of a recent request, served by this replica or (shared through the hub

@@ -19,6 +19,8 @@ from router.api.openai_api import APIError
 
 REQUEST_ID_HEADER = "X-Request-Id"
 TRACE_HEADER = "X-Tandem-Trace"
+DEADLINE_HEADER = "X-Tandem-Deadline-Ms"  # the request's own TTFT deadline, for flow control's shedding
+MAX_DEADLINE_MS = 86_400_000
 MAX_REQUEST_ID_LENGTH = 128
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -31,6 +33,7 @@ class Trace:
     requested: bool = False
     stored: bool = False
     span: object | None = None  # its OpenTelemetry span while tracing is on (worker_runtime/tracing.py)
+    deadline_s: float | None = None  # X-Tandem-Deadline-Ms: its first token is worth nothing later than this
 
     @property
     def request_id(self) -> str:
@@ -41,7 +44,7 @@ class Trace:
         """At arrival: the request's id and trace flag from its headers (400 naming a bad header)."""
         timeline = RequestTimeline("")  # stamps the arrival before anything is checked
         timeline.request_id = request_id_from(headers)
-        trace = cls(timeline, trace_requested(headers))
+        trace = cls(timeline, trace_requested(headers), deadline_s=deadline_from(headers))
         trace.span = start_request_span(timeline)
         return trace
 
@@ -61,6 +64,18 @@ def request_id_from(headers: Mapping[str, str]) -> str:
         raise APIError.bad_request(f"the {REQUEST_ID_HEADER} header must be 1 to {MAX_REQUEST_ID_LENGTH} printable "
                                    f"ASCII characters without spaces", REQUEST_ID_HEADER)
     return given
+
+
+def deadline_from(headers: Mapping[str, str]) -> float | None:
+    """The client's X-Tandem-Deadline-Ms in seconds (a whole number of milliseconds, 1 to a day), or None."""
+    value = headers.get(DEADLINE_HEADER)
+    if value is None:
+        return None
+    text = value.strip()
+    if not text.isdigit() or not 0 < int(text) <= MAX_DEADLINE_MS:
+        raise APIError.bad_request(f"the {DEADLINE_HEADER} header must be a whole number of milliseconds from 1 to "
+                                   f"{MAX_DEADLINE_MS}", DEADLINE_HEADER)
+    return int(text) / 1000
 
 
 def trace_requested(headers: Mapping[str, str]) -> bool:

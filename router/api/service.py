@@ -34,7 +34,7 @@ from router.api.flow_control import FlowControl
 from router.api.openai_api import APIError, ChatCompletionRequest, CompletionRequest, error_event, parse_body, sse
 from router.api.openai_responses import (ChatFormatter, Choice, CompletionFormatter, Formatter, ModelCard, ModelList,
                                          usage)
-from router.placement.routing import NoDecodeWorker
+from router.placement.routing import EXPECTED_OUTPUT_TOKENS, NoDecodeWorker
 from router.api.request_limits import RequestLimits, TokenizerPool
 from router.placement.request_router import RequestRouter
 from router.api.request_trace import Trace
@@ -172,8 +172,15 @@ class OpenAIService:
             # Its turn by priority and tenant share, within its tenant's quotas (429 past them).
             max_output = params.max_tokens or self.model.max_model_len - min(len(ids) for ids in prompts)
             queued_at = time.monotonic()
+            arrival = trace.timeline.times.get("arrival", time.time())
+
+            def predict(ingress_ahead: tuple[int, int]) -> float | None:  # the slowest prompt's first token
+                return max((self.requests.predict_ttft(hashes[p], len(ids), req.priority, time.time() - arrival,
+                                                       min(max_output, EXPECTED_OUTPUT_TOKENS), ingress_ahead)
+                            for p, ids in enumerate(prompts)), key=lambda s: -1 if s is None else s)
+
             grant = await self.flow.enter(tenant, req.priority, sum(len(ids) for ids in prompts),
-                                          max_output * num_prompts * params.beam_width)
+                                          max_output * num_prompts * params.beam_width, trace.deadline_s, predict)
             if audit is not None:
                 audit.flow = {"priority": req.priority, "tenant_weight": self.flow.weight(tenant),
                               "queued_s": round(time.monotonic() - queued_at, 6)}

@@ -140,8 +140,9 @@ class Router:
     def route(self, block_hashes: Sequence[int], prompt_tokens: int, prefill_loads: Sequence[WorkerLoad],
               decode_loads: Sequence[WorkerLoad], elapsed_s: float = 0.0,
               output_tokens: int = EXPECTED_OUTPUT_TOKENS,
-              prefill_backlog: Mapping[str, tuple[int, int]] | None = None) -> RouteDecision:
-        """Pick the decode worker and decide whether a prefill worker computes the prompt. `elapsed_s`:
+              prefill_backlog: Mapping[str, tuple[int, int]] | None = None, record: bool = True) -> RouteDecision:
+        """Pick the decode worker and decide whether a prefill worker computes the prompt (`record=False`: a
+        prediction only, which changes none of the router's measures). `elapsed_s`:
         how long ago the request arrived (its TTFT runs from then); `output_tokens`: what it will likely
         generate (its remaining max_tokens, at most EXPECTED_OUTPUT_TOKENS); `prefill_backlog`: per prefill
         worker, the (requests, prompt tokens) waiting at the ingress for a slot there ahead of this one,
@@ -164,7 +165,7 @@ class Router:
             else:
                 decision = decide_prefill_by_cost(prompt_tokens, decode.cached_tokens, prefill_cached,
                                                   _load_of(decode, decode_loads), prefill_load, self.disagg, elapsed_s)
-        if not decision.wait:
+        if record and not decision.wait:
             self.arrivals.note()
             if prompt_tokens > 0:
                 self._note_hit(decode.worker_id, decode.cached_tokens / prompt_tokens)

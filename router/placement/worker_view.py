@@ -24,7 +24,7 @@ from worker_runtime.engine_loop import EngineStopped
 from worker_runtime.membership import Membership, WorkerEntry
 from worker_runtime.protocol import WorkerLoad, WorkerStats
 from router.placement.index import PrefixIndex
-from router.placement.routing import EXPECTED_OUTPUT_TOKENS, RouteDecision, Router
+from router.placement.routing import EXPECTED_OUTPUT_TOKENS, NoDecodeWorker, RouteDecision, Router
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,23 @@ class WorkerView:
                 self.metrics.routing_hits.labels(pool, placement.worker_id).inc(
                     placement.cached_tokens // self.block_size)
         return decision
+
+    def predict_ttft(self, block_hashes: Sequence[int], prompt_tokens: int, elapsed_s: float = 0.0,
+                     output_tokens: int = EXPECTED_OUTPUT_TOKENS,
+                     prefill_backlog: Mapping[str, tuple[int, int]] | None = None) -> float | None:
+        """The first token's predicted seconds from arrival if the request were placed now (the placement's
+        cost model), without placing it or counting anything; None when no decode worker is schedulable or
+        placement does not predict (placement: thresholds)."""
+        loads = {"prefill": [], "decode": []}
+        for w in self.workers.values():
+            if not (self.colocated and w.pool == "prefill"):
+                loads[w.pool].append(w.load())
+        try:
+            decision = self.router.route(block_hashes, prompt_tokens, loads["prefill"], loads["decode"], elapsed_s,
+                                         output_tokens, prefill_backlog, record=False)
+        except NoDecodeWorker:
+            return None
+        return decision.predicted_ttft_s
 
     def begin(self, decision: RouteDecision, request_id: str, prompt_tokens: int,
               block_hashes: Sequence[int] = ()) -> None:
