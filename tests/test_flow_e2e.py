@@ -29,6 +29,7 @@ def app_url(ray_cluster, tiny_llama_dir):
     config = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="flow", namespace="tandem-tests",
                            engine={"num_kv_blocks": 128}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
                            api_keys=KEYS, flow={"max_in_flight": 1, "shed": "low_priority"},
+                           slo={"ttft_ms": 600_000},  # no default deadline: only X-Tandem-Deadline-Ms sheds
                            tenants={"a": {"tokens_per_minute": TPM}, "b": {"max_priority": 5}})
     port = free_port()
     try:

@@ -247,11 +247,14 @@ def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awa
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(APIError(exc.status_code, str(exc.detail), type="invalid_request_error"))
 
-    @app.post("/v1/completions", openapi_extra=request_body_schema(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=request_body_schema(
+        CompletionRequest, {"model": service.model.name, "prompt": "Say hello", "max_tokens": 8}))
     async def completions(request: Request) -> Response:
         return await _generation(request, service.completions, limits, echo_request_id)
 
-    @app.post("/v1/chat/completions", openapi_extra=request_body_schema(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=request_body_schema(
+        ChatCompletionRequest, {"model": service.model.name, "messages": [{"role": "user", "content": "Say hello"}],
+                                "max_tokens": 8}))
     async def chat_completions(request: Request) -> Response:
         return await _generation(request, service.chat, limits, echo_request_id)
 

@@ -135,9 +135,9 @@ class _GenerationRequest(_Body):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    request_id: str | None = None
     # vLLM's meaning: lower runs first (the ingress queue, prefill and decode queues, preemption last)
-    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    priority: int = 0
+    request_id: str | None = None
 
     def ignored_fields(self) -> list[str]:
         """The IGNORED_FIELDS this request set (for a debug log line)."""
@@ -394,9 +394,10 @@ def parse_body(model: type[_Body], body: bytes) -> _Body:
         raise APIError.bad_request(message, first.loc[0] if first.loc else None) from None
 
 
-def request_body_schema(model: type[_Body]) -> dict:
+def request_body_schema(model: type[_Body], example: dict | None = None) -> dict:
     """The OpenAPI `requestBody` of an endpoint that reads its body itself, from the model that parses it
-    (references inlined: the schema stands alone in the operation)."""
+    (references inlined: the schema stands alone in the operation), with a request that works as its
+    `example` (the docs show it; a schema fuzzer sends it first)."""
     schema = model.model_json_schema()
     defs = schema.pop("$defs", {})
 
@@ -407,7 +408,10 @@ def request_body_schema(model: type[_Body]) -> dict:
             return {key: inline(value) for key, value in node.items()}
         return [inline(value) for value in node] if isinstance(node, list) else node
 
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+    body = {"schema": inline(schema)}
+    if example is not None:
+        body["example"] = example
+    return {"requestBody": {"required": True, "content": {"application/json": body}}}
 
 
 def _constraint(kind: str, value) -> StructuredOutputs:
