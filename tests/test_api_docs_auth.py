@@ -20,7 +20,7 @@ def client(api_keys: dict[str, str], root_path: str = "") -> TestClient:
     async def scrape() -> bytes:
         return b""
 
-    service = SimpleNamespace(auth=Authenticator(api_keys))
+    service = SimpleNamespace(auth=Authenticator(api_keys), model=SimpleNamespace(name="m"))
     return TestClient(build_api(service, SimpleNamespace(), scrape, RequestLimits()), root_path=root_path)
 
 
