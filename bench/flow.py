@@ -90,7 +90,7 @@ def report(arms: list[dict]) -> str:
         outcomes = a["beside"]["flood"]["outcomes"]
         refused = sum(v for k, v in outcomes.items() if k.startswith("HTTP 429") or k.startswith("HTTP 503"))
         other = sum(outcomes.values()) - outcomes.get("served", 0) - refused
-        lines.append(f"| {a['arm']} | {t0['p50']:.0f} / {t0['p99']:.0f} ms | {t1['p50']:.0f} / {t1['p99']:.0f} ms "
+        lines.append(f"| {a['arm']} | {t0['median']:.0f} / {t0['p99']:.0f} ms | {t1['median']:.0f} / {t1['p99']:.0f} ms "
                      f"| {t1['p99'] / t0['p99']:.2f}× | {q0['goodput']:.2f} / {q1['goodput']:.2f} req/s "
                      f"| {outcomes.get('served', 0)}, {refused}, {other} |")
     return "\n".join(lines)
