@@ -15,6 +15,7 @@ import ray
 import uvicorn
 from fastapi import FastAPI
 
+from router.api.flow_control import FlowControl
 from cluster.admin_api import build_admin_router
 from cluster.cli import main
 from cluster.config import ClusterConfig
@@ -149,7 +150,9 @@ def admin_url(ray_cluster, tiny_llama_dir):
                            engine={"num_kv_blocks": 64}, decode={"max_replicas": 2})
     controller = start_controller(config, drain_grace_s=0.2)
     app = FastAPI()
-    app.include_router(build_admin_router(lambda: get_controller("admin", "tandem-tests"), ADMIN_KEY))
+    flow = FlowControl()  # an ingress replica's queue, as the ingress hands it to the admin routes
+    app.include_router(build_admin_router(lambda: get_controller("admin", "tandem-tests"), ADMIN_KEY,
+                                          flow_status=lambda: {"replica": "r0", **flow.snapshot()}))
     closed = FastAPI()
     closed.include_router(build_admin_router(lambda: controller, None))
     app.mount("/closed", closed)

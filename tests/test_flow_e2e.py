@@ -3,6 +3,7 @@ queue of low-priority ones; a tenant over its tokens-per-minute quota gets 429 w
 retry succeeds, while another tenant keeps being served; a key's priority cap is enforced; nothing admitted
 is lost."""
 import concurrent.futures
+import json
 import time
 import urllib.request
 
@@ -15,6 +16,7 @@ from tests.helpers import free_port
 
 MODEL = "tiny"
 KEYS = {"key-a": "a", "key-b": "b"}
+ADMIN_KEY = "flow-admin-key-0123"
 TPM = 720  # tenant a's tokens per minute: 12 a second
 HOLD_TOKENS = 400  # one request of tenant a: its prompt and 400 tokens, more than half a minute's budget
 
@@ -28,7 +30,7 @@ def app_url(ray_cluster, tiny_llama_dir):
     # One request placed at a time: the rest wait in the ingress queue, which orders them.
     config = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="flow", namespace="tandem-tests",
                            engine={"num_kv_blocks": 128}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
-                           api_keys=KEYS, flow={"max_in_flight": 1, "shed": "low_priority"},
+                           api_keys=KEYS, admin_key=ADMIN_KEY, flow={"max_in_flight": 1, "shed": "low_priority"},
                            slo={"ttft_ms": 600_000},  # no default deadline: only X-Tandem-Deadline-Ms sheds
                            tenants={"a": {"tokens_per_minute": TPM}, "b": {"max_priority": 5}})
     port = free_port()
@@ -91,6 +93,14 @@ def test_a_high_priority_request_overtakes_a_queue_of_low_priority_ones(app_url)
     assert counted(app_url, "tandem:flow_admitted_requests", 4, tenant="b", priority="10") == 4
     queued = [s for s in scrape(app_url)["tandem:flow_queued_requests"] if s.labels["tenant"] == "b"]
     assert queued and all(s.value == 0 for s in queued)
+
+
+def test_tandem_status_shows_the_ingress_queue_by_tenant(app_url):
+    request = urllib.request.Request(app_url + "/admin/status", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        flow = json.loads(resp.read())["flow"]
+    assert flow["max_in_flight"] == 1 and flow["shed"] == "low_priority" and flow["in_flight"] == 0
+    assert flow["tenants"]["b"] == {"running": 0, "queued": 0, "weight": 1.0}  # it has sent requests
 
 
 def test_a_key_may_not_ask_for_more_urgency_than_its_cap(app_url):
