@@ -193,7 +193,7 @@ class FairQueue:
         contenders = {name for name, e in heads.items() if e.effective_priority(now, self.aging_s) == band}
         if len(contenders) == 1:
             (name,) = contenders
-            return self._take(self.tenants[name], heads[name], charge=True)
+            return self._take(self.tenants[name], heads[name])
         # Deficit round robin over the contenders: the first in ring order whose deficit covers its head
         # is served; otherwise every contender earns its quantum (as many rounds as the nearest needs).
         order = [name for name in self.ring if name in contenders]
@@ -203,16 +203,15 @@ class FairQueue:
                 if t.deficit >= heads[name].cost:
                     self.ring.remove(name)
                     self.ring.append(name)  # the next pop starts after it
-                    return self._take(t, heads[name], charge=True)
+                    return self._take(t, heads[name])
             rounds = min(math.ceil((heads[n].cost - self.tenants[n].deficit) / (self.quantum * self.tenants[n].weight))
                          for n in order)
             for name in order:
                 t = self.tenants[name]
                 t.deficit += max(1, rounds) * self.quantum * t.weight
 
-    def _take(self, t: _TenantQueue, entry: Entry, charge: bool) -> Entry:
-        if charge:
-            t.deficit = max(0.0, t.deficit - entry.cost)
+    def _take(self, t: _TenantQueue, entry: Entry) -> Entry:
+        t.deficit = max(0.0, t.deficit - entry.cost)
         t.entries.remove(entry)
         if not t.entries:
             self._drop(t)
