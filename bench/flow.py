@@ -13,6 +13,13 @@ Arms: `fifo` (both keys name one tenant: one queue by arrival, as before flow co
 tenants of weight 1, the flood tenant with `max_queued` --flood-max-queued, so its excess gets 429).
 Per arm: the quiet tenant's TTFT p50 / p99 alone and beside the flood (the ratio is the issue's figure, goal
 <= 1.5x), its goodput (TTFT <= 2 s, TPOT <= 250 ms), and the flood's outcomes (served, 429, other errors).
+
+Two more arms, one tenant each:
+  `priority`: priority-0 requests at --quiet-rate beside priority-10 requests at --flood-factor times it
+     (the issue's goal: priority 0's TTFT p99 <= 0.5x priority 10's);
+  `overload`: Poisson arrivals at --knee-rate, then at twice it, with `flow.shed: on` (a request whose predicted
+     first token misses slo.ttft_ms gets 503 at once); goodput at 2x over goodput at the knee (goal >= 0.9).
+     `overload-noshed` is the same without shedding, the baseline.
 """
 from __future__ import annotations
 
@@ -37,6 +44,8 @@ KEYS = {"quiet-key-0123": "quiet", "flood-key-0123": "flood"}
 
 def config_yaml(arm: str, flood_max_queued: int) -> str:
     """fifo: both keys are one tenant, so the queue is by arrival alone (what serving was before flow control)."""
+    if arm.startswith("overload"):
+        return "api_keys: {quiet-key-0123: quiet}\n" + ("flow: {shed: on}\n" if arm == "overload" else "")
     tenants = KEYS if arm == "fair" else {k: "shared" for k in KEYS}
     keys = "api_keys: {" + ", ".join(f"{k}: {t}" for k, t in tenants.items()) + "}\n"
     if arm == "fair":
@@ -69,6 +78,28 @@ async def phase(base_url: str, model: str, space, args, seed: int, flood: bool) 
     return out
 
 
+async def priority_phase(base_url: str, model: str, space, args, seed: int) -> dict:
+    """One tenant: priority 0 at the quiet rate beside priority 10 at flood_factor times it."""
+    urgent = Target(base_url, model, api_key="quiet-key-0123", timeout_s=args.timeout_s, extra_body={"priority": 0})
+    bulk = Target(base_url, model, api_key="flood-key-0123", timeout_s=args.timeout_s, extra_body={"priority": 10})
+    n = args.quiet_prompts
+    done = await asyncio.gather(
+        run_workload(urgent, sessions(space, n, args.quiet_rate, args, seed), None, False),
+        run_workload(bulk, sessions(space, n * args.flood_factor, args.quiet_rate * args.flood_factor, args,
+                                    seed + 1), None, False))
+    slos = parse_slos(compare.SLOS)
+    return {"priority 0": summarize(*done[0], slos), "priority 10": summarize(*done[1], slos)}
+
+
+async def rate_phase(base_url: str, model: str, space, args, seed: int, rate: float) -> dict:
+    target = Target(base_url, model, api_key="quiet-key-0123", timeout_s=args.timeout_s)
+    n = max(8, round(rate * args.overload_s))
+    results, duration = await run_workload(target, sessions(space, n, rate, args, seed), None, False)
+    out = summarize(results, duration, parse_slos(compare.SLOS))
+    out["offered"] = n
+    return out
+
+
 def run_arm(arm: str, args, space, log_dir: Path) -> dict:
     config = Path(tempfile.mkdtemp()) / f"{arm}.yaml"
     config.write_text(config_yaml(arm, args.flood_max_queued))
@@ -76,12 +107,53 @@ def run_arm(arm: str, args, space, log_dir: Path) -> dict:
     spec.api_key = "quiet-key-0123"
     with compare.running(spec, log_dir) as base_url:
         model = asyncio.run(fetch_models(base_url, "quiet-key-0123"))[0]
+        if arm == "priority":
+            return {"arm": arm, "mixed": asyncio.run(priority_phase(base_url, model, space, args, args.seed + 200))}
+        if arm.startswith("overload"):
+            return {"arm": arm, "rates": {
+                str(rate): asyncio.run(rate_phase(base_url, model, space, args, args.seed + 300 + i, rate))
+                for i, rate in enumerate((args.knee_rate, 2 * args.knee_rate))}}
         alone = asyncio.run(phase(base_url, model, space, args, args.seed, flood=False))
         beside = asyncio.run(phase(base_url, model, space, args, args.seed + 100, flood=True))
     return {"arm": arm, "alone": alone, "beside": beside}
 
 
 def report(arms: list[dict]) -> str:
+    return "\n\n".join(part for part in (report_tenants([a for a in arms if "beside" in a]),
+                                          report_priority([a for a in arms if "mixed" in a]),
+                                          report_overload([a for a in arms if "rates" in a])) if part)
+
+
+def report_priority(arms: list[dict]) -> str:
+    lines = ["| arm | priority 0 TTFT p50 / p99 | priority 10 TTFT p50 / p99 | p99 0 ÷ 10 | served 0 / 10 |",
+             "|---|---|---|---|---|"]
+    for a in arms:
+        hi, lo = a["mixed"]["priority 0"], a["mixed"]["priority 10"]
+        lines.append(f"| {a['arm']} | {hi['ttft_ms']['median']:.0f} / {hi['ttft_ms']['p99']:.0f} ms "
+                     f"| {lo['ttft_ms']['median']:.0f} / {lo['ttft_ms']['p99']:.0f} ms "
+                     f"| {hi['ttft_ms']['p99'] / lo['ttft_ms']['p99']:.2f}× | {hi['completed']} / {lo['completed']} |")
+    return "\n".join(lines) if arms else ""
+
+
+def report_overload(arms: list[dict]) -> str:
+    lines = ["| arm | rate | offered | served | refused (503 / 429) | other | TTFT p50 / p99 | goodput | ÷ knee |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for a in arms:
+        knee = None
+        for rate, s in a["rates"].items():
+            knee = knee if knee is not None else s["goodput"]
+            refused = sum(v for k, v in s["errors"].items() if k.startswith("HTTP 503") or k.startswith("HTTP 429"))
+            other = s["failed"] - refused
+            t = s["ttft_ms"]
+            lines.append(f"| {a['arm']} | {float(rate):g} req/s | {s['offered']} | {s['completed']} | {refused} | {other} "
+                         f"| {t['median']:.0f} / {t['p99']:.0f} ms | {s['goodput']:.2f} req/s "
+                         f"| {s['goodput'] / knee if knee else float('nan'):.2f}× |")
+    return "\n".join(lines) if arms else ""
+
+
+def report_tenants(arms: list[dict]) -> str:
+    if not arms:
+        return ""
     lines = ["| arm | quiet alone TTFT p50 / p99 | quiet beside the flood TTFT p50 / p99 | ÷ p99 | quiet goodput "
              "alone / beside | flood: served, refused, other |", "|---|---|---|---|---|---|"]
     for a in arms:
@@ -106,6 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--knee-rate", type=float, default=1.2, help="overload arms: the rate at capacity (req/s)")
+    p.add_argument("--overload-s", type=float, default=60.0, help="overload arms: seconds of arrivals per rate")
     p.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     p.add_argument("--result-dir", default=str(compare.ROOT / "bench/results"))
     args = p.parse_args(argv)

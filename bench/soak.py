@@ -43,7 +43,11 @@ MODEL = "tiny-llama"
 # Ingress counters the report reads, and the label each is broken down by (None: the total).
 INGRESS_COUNTERS = {"tandem:request_migrations_total": None, "tandem:request_reroutes_total": "pool",
                     "tandem:decode_worker_waits_total": "outcome", "tandem:requests_rejected_total": "reason",
-                    "vllm:request_success_total": "finished_reason"}
+                    "vllm:request_success_total": "finished_reason",
+                    "tandem:flow_admitted_requests_total": "tenant", "tandem:flow_refused_requests_total": "reason",
+                    "tandem:flow_cancelled_requests_total": "tenant",
+                    # gauges: what flow control still counts as queued or running (0 once idle, or a grant leaked)
+                    "tandem:flow_queued_requests": None, "tandem:flow_running_requests": None}
 
 
 @dataclass(slots=True)
@@ -57,14 +61,29 @@ class SoakOptions:
     request_timeout_s: float = 240.0  # a request without a final event by then is lost (hung)
     idle_timeout_s: float = 120.0  # for the workers to return to baseline after the traffic
     warm_up_requests: int = 12
+    # A second tenant beside the soak's: `flood_requests` more (the same mix, another seed) at
+    # `flood_concurrency` in flight, with its own API key, weight 1 and `max_queued` 4; both tenants share an
+    # ingress queue capped at `flood_max_in_flight` placed requests, so the queue and its refusals are exercised.
+    flood_requests: int = 0
+    flood_concurrency: int = 48
+    flood_max_in_flight: int = 16
+
+
+KEYS = {"soak": "soak-key-0123456789", "flood": "flood-key-0123456789"}
 
 
 def cluster_config(model_dir: str, name: str = "soak", namespace: str = "tandem",
-                   backend: str = "grpc") -> ClusterConfig:
+                   backend: str = "grpc", flood_max_in_flight: int | None = None) -> ClusterConfig:
     """1 prefill + 2 decode workers with few KV blocks (64: a handful of requests fill them, so preemption
     and no_free_blocks happen), chunked prefill, short lease TTL and pull deadline (so an injected stall
-    or an orphaned lease costs seconds, not half a minute)."""
-    return ClusterConfig(model=model_dir, served_model_name=MODEL, name=name, namespace=namespace,
+    or an orphaned lease costs seconds, not half a minute). With `flood_max_in_flight`, two tenants by API
+    key (KEYS), the flood tenant with `max_queued` 4, behind an ingress queue of that many placed requests."""
+    tenancy = {}
+    if flood_max_in_flight is not None:
+        tenancy = {"api_keys": {key: tenant for tenant, key in KEYS.items()},
+                   "tenants": {"soak": {"weight": 1}, "flood": {"weight": 1, "max_queued": 4}},
+                   "flow": {"max_in_flight": flood_max_in_flight}}
+    return ClusterConfig(model=model_dir, served_model_name=MODEL, name=name, namespace=namespace, **tenancy,
                          engine={"num_kv_blocks": 64, "max_num_batched_tokens": 64},
                          transfer={"backend": backend, "lease_ttl_s": 10, "timeout_s": 5},
                          router={"placement": "thresholds", "max_local_prefill_length": 16, "decode_wait_s": 60},
@@ -76,8 +95,10 @@ async def run_soak(url: str, controller, options: SoakOptions, expected_workers:
     """Warm up, take the baseline, run the traffic with kills and faults, wait for idle, and report."""
     watch = WorkerWatch(controller, seed=options.seed)
     await _wait(lambda: len(watch.refresh()) == expected_workers, options.idle_timeout_s)
+    soak_key = KEYS["soak"] if options.flood_requests else None
     await run_traffic(url, MODEL, [r for r in plan(options.warm_up_requests, options.seed + 1000)
-                                   if r.kind in ("stream", "complete")], options.concurrency, options.request_timeout_s)
+                                   if r.kind in ("stream", "complete")], options.concurrency, options.request_timeout_s,
+                      api_key=soak_key)
     await _wait(lambda: _idle(watch, expected_workers, {}), options.idle_timeout_s)
     start = await _snapshot(url, watch)
     baselines = {(a.worker_id, a.pid): a.used_blocks for a in start["accounting"]}
@@ -90,10 +111,15 @@ async def run_soak(url: str, controller, options: SoakOptions, expected_workers:
     for t in threads:
         t.start()
     began = time.monotonic()
-    progress = _Progress(options.requests, began, log, watch, ingress_pids())
+    progress = _Progress(options.requests + options.flood_requests, began, log, watch, ingress_pids())
     try:
-        outcomes = await run_traffic(url, MODEL, plan(options.requests, options.seed), options.concurrency,
-                                     options.request_timeout_s, on_done=progress)
+        runs = [run_traffic(url, MODEL, plan(options.requests, options.seed), options.concurrency,
+                            options.request_timeout_s, on_done=progress, api_key=soak_key)]
+        if options.flood_requests:
+            runs.append(run_traffic(url, MODEL, plan(options.flood_requests, options.seed + 7),
+                                    options.flood_concurrency, options.request_timeout_s, on_done=progress,
+                                    api_key=KEYS["flood"], tenant="flood", refused_pause_s=0.5))
+        outcomes = [o for run in await asyncio.gather(*runs) for o in run]
     finally:
         stop_kills.set()
         threads[1].join()
@@ -107,6 +133,8 @@ async def run_soak(url: str, controller, options: SoakOptions, expected_workers:
     await asyncio.to_thread(watch.refresh)
     end = await _snapshot(url, watch)
     result = report(options, outcomes, watch, start, end, baselines, idle, traffic_s, idle_s)
+    result["flow_at_end"] = {"queued": end["counters"].get("tandem:flow_queued_requests", 0.0),
+                             "running": end["counters"].get("tandem:flow_running_requests", 0.0)}
     result["rss_timeline_mib"] = progress.rss
     return result
 
@@ -199,12 +227,15 @@ def main() -> None:
     parser.add_argument("--kill-every-s", type=float, default=defaults.kill_every_s)
     parser.add_argument("--max-kills", type=int, default=defaults.max_kills)
     parser.add_argument("--fault-rate", type=float, default=defaults.fault_rate)
+    parser.add_argument("--flood", type=int, default=defaults.flood_requests,
+                        help="requests of a second, flooding tenant beside the soak's (0: none)")
+    parser.add_argument("--flood-concurrency", type=int, default=defaults.flood_concurrency)
     parser.add_argument("--backend", choices=("grpc", "torch_dist"), default="grpc")
     parser.add_argument("--quick", action="store_true", help="the CI version: 200 requests, up to 2 kills")
     parser.add_argument("--out", type=Path, default=None, help="JSON report (default: bench/results/soak-*.json)")
     args = parser.parse_args()
     options = SoakOptions(args.requests, args.seed, args.concurrency, args.kill_every_s, args.max_kills,
-                          args.fault_rate)
+                          args.fault_rate, flood_requests=args.flood, flood_concurrency=args.flood_concurrency)
     if args.quick:
         options = quick(options)
 
@@ -213,7 +244,8 @@ def main() -> None:
     from engine.model_loader import build_random_model
 
     model_dir = str(build_random_model(Path(tempfile.gettempdir()) / "tandem-soak-tiny-llama", "llama", seed=0))
-    config = cluster_config(model_dir, backend=args.backend)
+    config = cluster_config(model_dir, backend=args.backend,
+                            flood_max_in_flight=options.flood_max_in_flight if options.flood_requests else None)
     print(f"soak: {options}")
     with serve_app(config) as url:
         result = asyncio.run(run_soak(url, get_controller(config.name, config.namespace), options))

@@ -23,6 +23,8 @@ def report(options, outcomes: list[Outcome], watch, start: dict, end: dict, base
         "requests": len(outcomes),
         "finals": dict(Counter(o.final or "LOST" for o in outcomes)),
         "by_kind": {kind: dict(Counter(o.final or "LOST" for o in outcomes if o.kind == kind)) for kind in KINDS},
+        "by_tenant": {t: dict(Counter(o.final or "LOST" for o in outcomes if o.tenant == t))
+                      for t in sorted({o.tenant for o in outcomes})},
         "lost": len(lost),
         "lost_examples": [asdict(o) for o in lost[:20]],
         "wrong_length": sum(o.wrong_length for o in outcomes),
@@ -64,6 +66,8 @@ def summary(r: dict) -> str:
         ("requests", r["requests"]),
         ("final events", _fmt(r["finals"])),
         *[(f"  {kind}", _fmt(finals)) for kind, finals in r["by_kind"].items()],
+        *([(f"  tenant {t}", _fmt(finals)) for t, finals in r.get("by_tenant", {}).items()]
+          if len(r.get("by_tenant", {})) > 1 else []),
         ("lost (no final event)", r["lost"]),
         ("length finish with wrong token count", r["wrong_length"]),
         ("server errors (finish error, error event, 5xx)", r["server_errors"]),
@@ -75,6 +79,10 @@ def summary(r: dict) -> str:
         ("reroutes", _fmt(counter("tandem:request_reroutes_total"))),
         ("decode waits", _fmt(counter("tandem:decode_worker_waits_total"))),
         ("rejected", _fmt(counter("tandem:requests_rejected_total"))),
+        *([("flow admitted (by tenant)", _fmt(counter("tandem:flow_admitted_requests_total"))),
+           ("flow refused (by reason)", _fmt(counter("tandem:flow_refused_requests_total"))),
+           ("flow cancelled while queued", _fmt(counter("tandem:flow_cancelled_requests_total")))]
+          if len(r.get("by_tenant", {})) > 1 else []),
         ("ingress request_success", _fmt(counter("vllm:request_success_total"))),
         ("recomputes (failed pulls)", _fmt(r["recomputes"]) + f" (total {sum(r['recomputes'].values())})"),
         ("prefills", _fmt(r["prefills"])),
@@ -82,8 +90,13 @@ def summary(r: dict) -> str:
         ("leaked blocks", r["leaked_blocks"]),
         ("leaked leases", r["leaked_leases"]),
         ("stuck in flight", r["stuck_in_flight"]),
+        *([("flow control at end (queued, running)", f"{r['flow_at_end']['queued']:.0f}, "
+                                                     f"{r['flow_at_end']['running']:.0f}")]
+          if "flow_at_end" in r else []),
         ("traffic", f"{r['traffic_s']} s"),
         *[(f"RSS {name}", _rss(v)) for name, v in sorted(r["rss_mib"].items())],
+        *[(f"RSS {name} by requests", _timeline(r.get("rss_timeline_mib", []), name))
+          for name in sorted(r["rss_mib"]) if name.startswith("ingress")],
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -98,3 +111,9 @@ def _rss(v: dict) -> str:
     if start is None or end is None:
         return f"start {start and round(start)} MiB, end {end and round(end)} MiB (process not there throughout)"
     return f"{start:.0f} -> {end:.0f} MiB ({end - start:+.0f})"
+
+
+def _timeline(samples: list[dict], name: str) -> str:
+    """`name`'s RSS at each tenth of the run (the ingress's: is it flat after warm-up?)."""
+    points = [(s["requests"], s[name]) for s in samples if s.get(name) is not None]
+    return ", ".join(f"{n}: {mib:.0f}" for n, mib in points) or "-"

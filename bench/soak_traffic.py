@@ -46,6 +46,7 @@ class Outcome:
     max_tokens: int = 0
     detail: str = ""
     seconds: float = 0.0
+    tenant: str = "soak"
 
     @property
     def wrong_length(self) -> bool:
@@ -153,15 +154,23 @@ def _read_completion(data: dict, outcome: Outcome) -> None:
 
 
 async def run_traffic(base_url: str, model: str, requests: list[PlannedRequest], concurrency: int,
-                      timeout_s: float, on_done=None) -> list[Outcome]:
-    """Send `requests` with at most `concurrency` in flight; `on_done(outcome)` after each."""
+                      timeout_s: float, on_done=None, api_key: str | None = None,
+                      tenant: str = "soak", refused_pause_s: float = 0.0) -> list[Outcome]:
+    """Send `requests` with at most `concurrency` in flight (with `api_key`, as that key's tenant);
+    `on_done(outcome)` after each. A client slot refused with 429 or 503 waits `refused_pause_s` before its next
+    request, as a client that backs off."""
     slots = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=concurrency)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     # Each request's own deadline (asyncio.timeout in `send`) is the only one.
-    async with aiohttp.ClientSession(base_url, connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
+    async with aiohttp.ClientSession(base_url, connector=connector, timeout=aiohttp.ClientTimeout(total=None),
+                                     headers=headers) as http:
         async def one(req: PlannedRequest) -> Outcome:
             async with slots:
                 outcome = await send(http, model, req, timeout_s)
+                if refused_pause_s and outcome.final in ("http_429", "http_503"):
+                    await asyncio.sleep(refused_pause_s)
+            outcome.tenant = tenant
             if on_done is not None:
                 on_done(outcome)
             return outcome
