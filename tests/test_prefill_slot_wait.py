@@ -34,6 +34,9 @@ class QueueView:
         full = ahead >= self.free
         return RouteDecision(Placement("d0", 0, 0.0), Placement("p0", CACHED, 0.0), "slot", wait=full)
 
+    def saturated(self):  # no worker holds prompts of its own: saturation here is the slot waiters alone
+        return False
+
     async def wait_for_loads(self, timeout_s):
         try:
             await asyncio.wait_for(self.changed.wait(), timeout_s)

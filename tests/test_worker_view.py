@@ -13,7 +13,7 @@ from engine.hashing import block_hashes
 from engine.kv_events import KVEvent, KVEventBatch
 from worker_runtime.protocol import WorkerStats
 from router.placement.index import PrefixIndex
-from router.placement.routing import Router
+from router.placement.routing import Placement, RouteDecision, Router
 from router.placement.worker_view import WorkerState, WorkerView
 from worker_runtime.membership import WorkerEntry
 
@@ -62,6 +62,37 @@ def test_a_request_routed_after_the_report_is_counted_once_and_forgotten_at_its_
     assert view.workers["decode-0"].load().num_running == 3
     view.end(decision, "mine")  # the report never counted it: nothing to subtract
     assert view.workers["decode-0"].load().num_running == 2
+
+
+def test_saturated_once_every_path_has_prompts_queued_on_it():
+    """The ingress queue's signal: every decode worker has prompts waiting and every prefill worker's queue
+    is full (max_prefill_queue_size, 2 by default); a colocated cluster needs the first alone."""
+    view = view_with("decode-0", "decode-1")
+    view.workers["prefill-0"] = WorkerState(WorkerEntry("prefill-0", "prefill", actor=None, healthy=True,
+                                                        draining=False))
+
+    def report(worker_id: str, pool: str, waiting: int) -> None:
+        view.workers[worker_id].report(WorkerStats(worker_id, pool, num_total_blocks=64, num_waiting=waiting),
+                                       time.monotonic())
+
+    report("prefill-0", "prefill", 2)
+    report("decode-0", "decode", 1)
+    assert not view.saturated()  # decode-1 can begin a prompt now
+    report("decode-1", "decode", 3)
+    assert view.saturated()
+    report("prefill-0", "prefill", 1)
+    assert not view.saturated()  # the prefill queue has room
+    view.begin(RouteDecision(Placement("decode-0", 0, 0.0), Placement("prefill-0", 0, 0.0), "test"), "r1", 40)
+    assert view.saturated()  # routed since the report: counted as queued there
+    view.colocated = True
+    report("prefill-0", "prefill", 0)
+    assert view.saturated()  # no prefill path to wait for
+    report("decode-1", "decode", 0)
+    assert not view.saturated()
+    view.workers["decode-1"].entry = WorkerEntry("decode-1", "decode", actor=None, healthy=True, draining=True)
+    assert view.saturated()  # a draining worker takes nothing: the others decide
+    view.workers["decode-0"].entry = WorkerEntry("decode-0", "decode", actor=None, healthy=False, draining=False)
+    assert not view.saturated()  # no schedulable decode worker: routing waits for one on its own terms
 
 
 def test_a_worker_shutting_down_is_routed_around_without_an_error_log(caplog):

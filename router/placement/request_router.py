@@ -110,8 +110,10 @@ class RequestRouter:
 
     def saturated(self) -> bool:
         """Whether placing more requests now would only queue them: some already wait here for a prefill
-        slot. The ingress queue (router/api/flow_control.py) then holds new ones and lets them on by rule."""
-        return bool(self.slot_waiters)
+        slot, or every worker already has prompts queued (`WorkerView.saturated`: full prefill queues and
+        waiting prompts on every decode worker, or, colocated, the latter alone). The ingress queue
+        (router/api/flow_control.py) then holds new ones and lets them on by rule."""
+        return bool(self.slot_waiters) or self.view.saturated()
 
     async def stream(self, request: GenerateRequest, block_hashes: Sequence[int]) -> AsyncIterator[RequestOutput]:
         """Yield the request's token deltas (each of its n candidates' under its `index`, all run on one

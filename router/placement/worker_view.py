@@ -159,6 +159,22 @@ class WorkerView:
             return None
         return decision.predicted_ttft_s
 
+    def saturated(self) -> bool:
+        """Whether every path a new prompt could take already has prompts queued on it: each schedulable
+        decode worker holds prompts it has not begun (its engine's waiting queue: local prefills behind
+        others, requests short of KV blocks), and each schedulable prefill worker's queue is full
+        (`max_prefill_queue_size` waiting; a colocated cluster has no such path). Placing more then only
+        lengthens queues the ingress does not order. False with no schedulable decode worker: routing waits
+        for one, or refuses, on its own terms."""
+        decode = [w.load() for w in self.workers.values() if w.pool == "decode" and w.schedulable]
+        if not decode or not all(load.num_waiting for load in decode):
+            return False
+        if self.colocated:
+            return True
+        full = self.router.disagg.max_prefill_queue_size
+        return all(w.load().num_waiting >= full for w in self.workers.values()
+                   if w.pool == "prefill" and w.schedulable)
+
     def begin(self, decision: RouteDecision, request_id: str, prompt_tokens: int,
               block_hashes: Sequence[int] = ()) -> None:
         """Count a routed request against its workers until `end`; a prompt its prefill worker computes
