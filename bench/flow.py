@@ -187,8 +187,11 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     space = serve.load_token_space(None)
     print(f"seed {args.seed}", flush=True)
-    arms = [run_arm(arm, args, space, out_dir) for arm in args.arms.split(",")]
-    (out_dir / "flow.json").write_text(json.dumps({"args": vars(args), "arms": arms}, indent=1))
+    arms = []
+    for arm in args.arms.split(","):
+        arms.append(run_arm(arm, args, space, out_dir))
+        (out_dir / "flow.json").write_text(json.dumps({"args": vars(args), "arms": arms}, indent=1))
+        print(report(arms[-1:]), flush=True)
     print(report(arms))
     print(f"wrote {out_dir}")
     return 0

@@ -270,6 +270,12 @@ class FlowOptions(_Strict):
     # deadline (X-Tandem-Deadline-Ms, else slo.ttft_ms); "low_priority": only requests of priority > 0.
     shed: Literal["off", "on", "low_priority"] = "off"
 
+    @field_validator("shed", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value):
+        """YAML 1.1 reads a bare `on` / `off` as a boolean: take it as the word the operator wrote."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
 
 class CpuOptions(_Strict):
     """On CPU, `pin` gives each worker int(num_cpus) physical cores of its own (threads: one per core

@@ -214,6 +214,19 @@ def test_the_cluster_config_gives_the_ingress_its_flow_and_tenants_and_refuses_b
             ClusterConfig(**bad)
 
 
+@pytest.mark.parametrize("written, shed", [("on", "on"), ("off", "off"), ("low_priority", "low_priority"),
+                                           ("'on'", "on")])
+def test_shed_reads_as_written_in_yaml_where_a_bare_on_is_a_boolean(tmp_path, written, shed):
+    from cluster.config import load_config
+
+    path = tmp_path / "tandem.yaml"
+    path.write_text(f"flow: {{shed: {written}}}\n")
+    assert load_config(path).flow.shed == shed
+    path.write_text("flow: {shed: sometimes}\n")
+    with pytest.raises(ValueError, match="shed"):
+        load_config(path)
+
+
 def test_shedding_refuses_only_a_request_predicted_to_miss_its_deadline():
     async def scenario():
         seen = []
