@@ -102,7 +102,8 @@ async def rate_phase(base_url: str, model: str, space, args, seed: int, rate: fl
 
 def run_arm(arm: str, args, space, log_dir: Path) -> dict:
     config = Path(tempfile.mkdtemp()) / f"{arm}.yaml"
-    config.write_text(config_yaml(arm, args.flood_max_queued))
+    config.write_text(config_yaml(arm, args.flood_max_queued)
+                      + (f"audit: {{sink: 'file:{log_dir.resolve()}/{arm}-audit.jsonl'}}\n" if args.audit else ""))
     spec = compare.tandem(f"tandem-{arm}", "--config", str(config))
     spec.api_key = "quiet-key-0123"
     with compare.running(spec, log_dir) as base_url:
@@ -178,6 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--audit", action="store_true", help="write each arm's audit records (stage times, queue "
+                   "waits) beside its server log")
     p.add_argument("--knee-rate", type=float, default=1.2, help="overload arms: the rate at capacity (req/s)")
     p.add_argument("--overload-s", type=float, default=60.0, help="overload arms: seconds of arrivals per rate")
     p.add_argument("--seed", type=int, default=int(time.time()) % 100000)

@@ -85,27 +85,34 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def placed(flow: FlowControl, *args):
+    """`flow.enter(*args)`, and the grant placed at once (as the service does once the router placed it)."""
+    grant = await flow.enter(*args)
+    grant.placements(1)()
+    return grant
+
+
 def test_a_tenant_over_its_tokens_per_minute_gets_429_with_an_honest_retry_after_and_others_go_on():
     clock = Clock()
     flow = FlowControl(FlowConfig(tenants={"small": TenantPolicy(tokens_per_minute=600)}), clock=clock)
 
     async def scenario():
-        grant = await flow.enter("small", 0, 300, 200)  # 500 of 600
+        grant = await placed(flow, "small", 0, 300, 200)  # 500 of 600
         with pytest.raises(APIError) as refused:
-            await flow.enter("small", 0, 100, 100)
+            await placed(flow, "small", 0, 100, 100)
         assert refused.value.status == 429
         retry = int(refused.value.headers["Retry-After"])
         assert retry == 10  # 100 left, 200 needed, 10 a second
-        await flow.enter("big", 0, 10_000, 10_000)  # another tenant is not affected
+        await placed(flow, "big", 0, 10_000, 10_000)  # another tenant is not affected
         clock.now = retry - 0.5
         with pytest.raises(APIError):
-            await flow.enter("small", 0, 100, 100)  # not yet
+            await placed(flow, "small", 0, 100, 100)  # not yet
         clock.now = retry
-        await flow.enter("small", 0, 100, 100)  # at the time it said
+        await placed(flow, "small", 0, 100, 100)  # at the time it said
         grant.release(output_tokens=50)  # 150 of its 200 max_tokens unused: back in the budget
         assert flow.buckets["small"].level == pytest.approx(150)
         with pytest.raises(APIError) as too_big:
-            await flow.enter("small", 0, 500, 500)  # never fits a minute's budget: no retry helps
+            await placed(flow, "small", 0, 500, 500)  # never fits a minute's budget: no retry helps
         assert too_big.value.status == 400 and "max_tokens" in str(too_big.value)
 
     run(scenario())
@@ -115,11 +122,11 @@ def test_queued_requests_start_by_priority_as_room_frees_and_past_max_queued_get
     flow = FlowControl(FlowConfig(max_in_flight=1, tenants={"t": TenantPolicy(max_queued=3)}))
 
     async def scenario():
-        first = await flow.enter("t", 0, 10, 10)
+        first = await placed(flow, "t", 0, 10, 10)
         order = []
 
         async def queued(priority, name):
-            grant = await flow.enter("t", priority, 10, 10)
+            grant = await placed(flow, "t", priority, 10, 10)
             order.append(name)
             await asyncio.sleep(0)
             grant.release(10)
@@ -128,7 +135,7 @@ def test_queued_requests_start_by_priority_as_room_frees_and_past_max_queued_get
         await asyncio.sleep(0)
         assert len(flow.queue) == 3
         with pytest.raises(APIError) as full:
-            await flow.enter("t", 0, 10, 10)
+            await placed(flow, "t", 0, 10, 10)
         assert full.value.status == 429
         first.release(10)
         await asyncio.gather(*tasks)
@@ -142,8 +149,8 @@ def test_a_client_that_leaves_while_queued_is_removed_at_once_and_its_budget_ref
     flow = FlowControl(FlowConfig(max_in_flight=1, tenants={"t": TenantPolicy(tokens_per_minute=1000)}))
 
     async def scenario():
-        held = await flow.enter("t", 0, 100, 100)
-        waiter = asyncio.create_task(flow.enter("t", 0, 300, 300))
+        held = await placed(flow, "t", 0, 100, 100)
+        waiter = asyncio.create_task(placed(flow, "t", 0, 300, 300))
         await asyncio.sleep(0)
         assert len(flow.queue) == 1 and flow.buckets["t"].level == pytest.approx(200, abs=1)
         waiter.cancel()
@@ -170,7 +177,7 @@ def test_saturation_holds_requests_until_the_router_has_room_again():
                 pass
 
         flow = FlowControl(FlowConfig(), saturated=lambda: saturated[0], wait_for_loads=wait_for_loads)
-        waiter = asyncio.create_task(flow.enter(None, 0, 10, 10))
+        waiter = asyncio.create_task(placed(flow, None, 0, 10, 10))
         await asyncio.sleep(0.1)
         assert not waiter.done() and len(flow.queue) == 1
         saturated[0] = False
@@ -178,6 +185,36 @@ def test_saturation_holds_requests_until_the_router_has_room_again():
         grant = await asyncio.wait_for(waiter, 1.0)
         assert flow.in_flight == 1
         grant.release(10)
+
+    run(scenario())
+
+
+def test_the_gate_lets_one_request_on_at_a_time_until_the_router_has_placed_it():
+    """The router's saturation shows a request only once placed: until then nothing else goes past, so a
+    burst is let on one by one as the loads show each, and a grant released unplaced (it failed before
+    placement) frees the gate too."""
+    async def scenario():
+        flow = FlowControl(FlowConfig())
+        first = await flow.enter("t", 0, 10, 10)
+        second = asyncio.create_task(flow.enter("t", 5, 10, 10))
+        third = asyncio.create_task(flow.enter("t", 0, 10, 10))
+        await asyncio.sleep(0.05)
+        assert flow.placing == 1 and len(flow.queue) == 2
+        done = first.placements(2)  # two candidates
+        done()
+        await asyncio.sleep(0.05)
+        assert len(flow.queue) == 2  # one of two placed: the gate stays shut
+        done()
+        done()  # called once more: nothing happens
+        grant = await asyncio.wait_for(third, 1.0)  # the more urgent one next
+        assert flow.placing == 1 and not second.done()
+        grant.release(0)  # failed before it was placed
+        grant = await asyncio.wait_for(second, 1.0)
+        grant.placements(1)()
+        assert flow.placing == 0 and flow.in_flight == 2 and not len(flow.queue)
+        first.release(10)
+        grant.release(10)
+        assert flow.in_flight == 0
 
     run(scenario())
 
@@ -238,20 +275,20 @@ def test_shedding_refuses_only_a_request_predicted_to_miss_its_deadline():
             return predict
 
         off = FlowControl(FlowConfig(deadline_s=2.0))
-        (await off.enter("t", 5, 10, 10, None, predicting(30.0))).release(10)  # shedding off: admitted
+        (await placed(off, "t", 5, 10, 10, None, predicting(30.0))).release(10)  # shedding off: admitted
         on = FlowControl(FlowConfig(shed="on", deadline_s=2.0))
-        (await on.enter("t", 0, 10, 10, None, predicting(1.9))).release(10)  # meets the SLO's deadline
+        (await placed(on, "t", 0, 10, 10, None, predicting(1.9))).release(10)  # meets the SLO's deadline
         with pytest.raises(APIError) as shed:
-            await on.enter("t", 0, 10, 10, None, predicting(4.5))
+            await placed(on, "t", 0, 10, 10, None, predicting(4.5))
         assert shed.value.status == 503 and shed.value.headers["Retry-After"] == "3"
         assert "after this request's deadline of 2.00s" in str(shed.value)
-        (await on.enter("t", 0, 10, 10, 10.0, predicting(4.5))).release(10)  # its own deadline is later
+        (await placed(on, "t", 0, 10, 10, 10.0, predicting(4.5))).release(10)  # its own deadline is later
         with pytest.raises(APIError):
-            await on.enter("t", 0, 10, 10, 0.5, predicting(1.0))  # its own deadline is sooner
+            await placed(on, "t", 0, 10, 10, 0.5, predicting(1.0))  # its own deadline is sooner
         low = FlowControl(FlowConfig(shed="low_priority", deadline_s=2.0))
-        (await low.enter("t", 0, 10, 10, None, predicting(30.0))).release(10)  # priority 0 is never shed
+        (await placed(low, "t", 0, 10, 10, None, predicting(30.0))).release(10)  # priority 0 is never shed
         with pytest.raises(APIError):
-            await low.enter("t", 1, 10, 10, None, predicting(30.0))
+            await placed(low, "t", 1, 10, 10, None, predicting(30.0))
         assert on.in_flight == low.in_flight == 0
 
     run(scenario())

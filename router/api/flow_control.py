@@ -219,19 +219,36 @@ class FairQueue:
 
 
 class Grant:
-    """A request let through flow control; `release(output_tokens)` when it ends (idempotent): the tokens
-    it generated, so that its tenant's budget gets back the rest of its max_tokens (None: keep the charge)."""
+    """A request let through flow control. Until it is placed on workers, their loads do not show it, so
+    the gate lets nothing else through meanwhile: `placements(n)` gives the callback its n placements
+    (one per prompt or candidate run) each call once made. `release(output_tokens)` when it ends
+    (idempotent; it counts as placed then too): the tokens it generated, so that its tenant's budget gets
+    back the rest of its max_tokens (None: keep the charge)."""
 
-    __slots__ = ("flow", "tenant", "charged", "max_output", "released")
+    __slots__ = ("flow", "tenant", "charged", "max_output", "released", "unplaced")
 
     def __init__(self, flow: FlowControl, tenant: str, charged: int, max_output: int):
         self.flow, self.tenant, self.charged, self.max_output = flow, tenant, charged, max_output
         self.released = False
+        self.unplaced = 0  # placements still to be made; > 0 only while the grant counts in flow.placing
+
+    def placements(self, n: int) -> Callable[[], None]:
+        self.unplaced = n
+
+        def placed() -> None:
+            if self.unplaced > 0:
+                self.unplaced -= 1
+                if not self.unplaced:
+                    self.flow._placed()
+        return placed
 
     def release(self, output_tokens: int | None = None) -> None:
         if self.released:
             return
         self.released = True
+        if self.unplaced:
+            self.unplaced = 0
+            self.flow._placed(pump=False)
         self.flow._leave(self, None if output_tokens is None else max(0, self.max_output - output_tokens))
 
 
@@ -249,6 +266,7 @@ class FlowControl:
         self.clock = clock
         self.queue = FairQueue(self.config.aging_s, self.config.quantum_tokens)
         self.in_flight = 0
+        self.placing = 0  # grants let through and not placed yet: the router's saturation does not show them
         self.running: dict[str, int] = {}  # per tenant
         self.buckets: dict[str, TokenBucket] = {}
 
@@ -304,6 +322,7 @@ class FlowControl:
         try:
             if not len(self.queue) and self._has_room(tenant):
                 self._start(tenant, priority, 0.0)
+                grant.unplaced = 1
                 return grant
             if policy.max_queued is not None and self.queue.queued(tenant) >= policy.max_queued:
                 self._refused(tenant, priority, "max_queued")
@@ -320,7 +339,8 @@ class FlowControl:
                 await entry.granted
             except asyncio.CancelledError:
                 if entry.granted.done() and not entry.granted.cancelled():
-                    self._finish(tenant)  # granted as the client left: give the room back
+                    self._placed(pump=False)  # granted as the client left: give the room back
+                    self._finish(tenant)
                     self.pump()
                 else:
                     self.queue.remove(entry)
@@ -328,6 +348,7 @@ class FlowControl:
                     if self.metrics is not None:
                         self.metrics.cancelled.labels(tenant).inc()
                 raise
+            grant.unplaced = 1
             return grant
         except BaseException:
             self._refund(grant, grant.charged)  # it never ran
@@ -362,8 +383,11 @@ class FlowControl:
         self._observe_queue()
 
     def _room(self) -> bool:
+        """Room for one more: below max_in_flight, and the router not saturated as far as it can tell, that
+        is with every request let through already placed (so the queue lets requests on one at a time
+        while the cluster is near its saturation, not in a burst the loads show only afterwards)."""
         limit = self.config.max_in_flight
-        return (limit is None or self.in_flight < limit) and not self.saturated()
+        return (limit is None or self.in_flight < limit) and not self.placing and not self.saturated()
 
     def _tenant_has_room(self, tenant: str) -> bool:
         cap = self.config.policy(tenant).max_concurrent
@@ -374,6 +398,7 @@ class FlowControl:
 
     def _start(self, tenant: str, priority: int, waited_s: float) -> None:
         self.in_flight += 1
+        self.placing += 1
         self.running[tenant] = self.running.get(tenant, 0) + 1
         if self.metrics is not None:
             self.metrics.admitted.labels(tenant, str(priority)).inc()
@@ -385,6 +410,11 @@ class FlowControl:
         self.running[tenant] -= 1
         if self.metrics is not None:
             self.metrics.running.labels(tenant).set(self.running[tenant])
+
+    def _placed(self, pump: bool = True) -> None:
+        self.placing -= 1
+        if pump:
+            self.pump()
 
     def _leave(self, grant: Grant, unused: int | None) -> None:
         self._finish(grant.tenant)

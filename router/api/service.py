@@ -12,7 +12,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
@@ -69,6 +69,7 @@ class Candidates:
     choices: list[Choice]
     request: GenerateRequest
     block_hashes: list[int]
+    on_placed: Callable[[], None] | None = None  # flow control's: called once the router has placed it
 
 
 class OpenAIService:
@@ -194,6 +195,9 @@ class OpenAIService:
                 seeded = params if params.seed is not None else replace(params, seed=seeds[-1])
                 candidates += _candidates(f"{fmt.id}-{p}", p, ids, seeded, salt, hashes[p], trace.timeline,
                                           req.priority)
+            placed = grant.placements(len(candidates))
+            for cand in candidates:
+                cand.on_placed = placed
             logger.debug("%s: %d candidates for tenant %r user %r", fmt.id, len(candidates), tenant, req.user)
             prompt_lengths = [len(ids) for ids in prompts]
             record = AuditRecorder(audit, params, seeds, candidates, prompts)
@@ -227,7 +231,7 @@ class OpenAIService:
 
     async def _complete(self, candidates: list[Candidates], prompt_lengths: list[int], fmt: Formatter):
         async def collect(cand: Candidates) -> None:
-            async with aclosing(self.requests.stream(cand.request, cand.block_hashes)) as deltas:
+            async with aclosing(self.requests.stream(cand.request, cand.block_hashes, cand.on_placed)) as deltas:
                 async for delta in deltas:
                     cand.choices[delta.index].add(delta)
 
@@ -256,7 +260,7 @@ class OpenAIService:
 
     async def _stream(self, candidates: list[Candidates], prompt_lengths: list[int], req, fmt: Formatter,
                       ticket: Ticket, trace: Trace, record: AuditRecorder) -> Response:
-        streams = [self.requests.stream(cand.request, cand.block_hashes) for cand in candidates]
+        streams = [self.requests.stream(cand.request, cand.block_hashes, cand.on_placed) for cand in candidates]
         # Wait for every first delta before answering, so a request no worker takes gets a real status code.
         first = [asyncio.ensure_future(anext(s)) for s in streams]
         try:

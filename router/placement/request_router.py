@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from enum import Enum
@@ -115,9 +115,11 @@ class RequestRouter:
         (router/api/flow_control.py) then holds new ones and lets them on by rule."""
         return bool(self.slot_waiters) or self.view.saturated()
 
-    async def stream(self, request: GenerateRequest, block_hashes: Sequence[int]) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request: GenerateRequest, block_hashes: Sequence[int],
+                     on_placed: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's token deltas (each of its n candidates' under its `index`, all run on one
-        decode worker). Closing the iterator aborts it on every worker it runs on.
+        decode worker). Closing the iterator aborts it on every worker it runs on. `on_placed()` runs once,
+        when the first placement is made or has failed: the workers' loads count the request from then on.
 
         Raises NoDecodeWorker when no decode worker can take it (none came within `decode_wait_s`), and
         InvalidRequestError when a worker refuses it (both before anything was yielded). When several
@@ -131,6 +133,10 @@ class RequestRouter:
                     raise
                 yield self._give_up(state, str(exc))  # nowhere to migrate to
                 return
+            finally:  # placed, refused, or given up while waiting for a slot: nothing more to place
+                if on_placed is not None:
+                    on_placed, placed = None, on_placed
+                    placed()
             async with aclosing(self._attempt(state, decision)) as deltas:
                 async for delta in deltas:
                     yield delta
