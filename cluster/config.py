@@ -258,13 +258,12 @@ class TenantOptions(_Strict):
 
 class FlowOptions(_Strict):
     """The ingress queue (router/api/flow_control.py). Requests queue there while the router is saturated
-    (requests wait for a prefill slot) or `max_in_flight` requests are placed (per ingress replica; null: no
-    cap), and leave it by priority (aging one band per `aging_s`), then by tenant weight on predicted tokens
-    (`quantum_tokens` per round at weight 1). `default_tenant` applies to requests without a key and to
-    tenants `tenants:` does not name."""
+    (requests wait for a prefill slot, or every worker already has prompts queued) or `max_in_flight` requests
+    are placed (per ingress replica; null: no cap), and leave it by priority (aging one band per `aging_s`),
+    then by tenant weight on predicted tokens (start-time fair queueing). `default_tenant` applies to requests
+    without a key and to tenants `tenants:` does not name."""
     max_in_flight: int | None = Field(None, ge=1)
     aging_s: float = Field(10.0, gt=0, le=86400)
-    quantum_tokens: int = Field(2048, ge=1, le=10_000_000)
     default_tenant: TenantOptions = Field(default_factory=TenantOptions)
     # SLO-aware shedding: 503 + Retry-After for a request whose predicted first token comes after its
     # deadline (X-Tandem-Deadline-Ms, else slo.ttft_ms); "low_priority": only requests of priority > 0.
@@ -361,7 +360,7 @@ class ClusterConfig(_Strict):
 
     def flow_config(self) -> FlowConfig:
         f = self.flow
-        return FlowConfig(f.max_in_flight, f.aging_s, f.quantum_tokens,
+        return FlowConfig(f.max_in_flight, f.aging_s,
                           {name: t.policy() for name, t in self.tenants.items()}, f.default_tenant.policy(),
                           f.shed, self.slo.ttft_ms / 1000)
 

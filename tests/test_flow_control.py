@@ -1,4 +1,4 @@
-"""The ingress's queue discipline (router/api/flow_control.py): priority bands with aging, deficit round robin
+"""The ingress's queue discipline (router/api/flow_control.py): priority bands with aging, start-time fair queueing
 across tenants by weight on predicted tokens, per-tenant quotas, and cancellation while queued."""
 import asyncio
 from collections import Counter
@@ -18,7 +18,7 @@ class Clock:
 
 
 def test_tenants_share_by_weight_on_predicted_tokens_over_a_long_run():
-    queue = FairQueue(aging_s=1e9, quantum_tokens=100)
+    queue = FairQueue(aging_s=1e9)
     for i in range(3000):  # both always backlogged; b's requests are 3x as long
         queue.push("a", 0, 100, 0.0, weight=2.0)
         queue.push("b", 0, 300, 0.0, weight=1.0)
@@ -30,8 +30,33 @@ def test_tenants_share_by_weight_on_predicted_tokens_over_a_long_run():
     assert share == pytest.approx(2 / 3, abs=0.02)  # tokens, by weight: not requests (a sent 4.5x as many)
 
 
+def test_a_quiet_tenant_goes_next_beside_a_flood_and_banks_no_credit_while_idle():
+    """Start-time fair queueing: a tenant that was idle starts at the virtual time now, so its request goes
+    before the backlogged flood's next one (deficit round robin let a burst of the flood's go first); while
+    idle it earns nothing, and one that just left keeps what it was served."""
+    queue = FairQueue(aging_s=1e9)
+    for _ in range(50):
+        queue.push("flood", 0, 320, 0.0)
+    for _ in range(10):
+        assert queue.pop(0.0).tenant == "flood"
+        quiet = queue.push("quiet", 0, 320, 0.0)
+        assert queue.pop(0.0) is quiet  # at once, each time
+    # Idle for a long while (30 flood requests served): on its return it gets its turn, not 30 in a row.
+    for _ in range(30):
+        assert queue.pop(0.0).tenant == "flood"
+    for _ in range(3):
+        queue.push("quiet", 0, 320, 0.0)
+    assert [queue.pop(0.0).tenant for _ in range(6)] == ["quiet", "flood", "quiet", "flood", "quiet", "flood"]
+    # A tenant that empties its queue and comes straight back does not jump ahead of its share.
+    queue.push("quiet", 0, 320, 0.0)
+    assert queue.pop(0.0).tenant == "quiet"  # flood went last
+    queue.push("quiet", 0, 320, 0.0)
+    assert queue.pop(0.0).tenant == "flood"  # quiet went last: its next start is later than flood's
+    assert queue.pop(0.0).tenant == "quiet"
+
+
 def test_a_more_urgent_band_goes_first_whatever_the_tenant_weights():
-    queue = FairQueue(aging_s=1e9, quantum_tokens=100)
+    queue = FairQueue(aging_s=1e9)
     for _ in range(5):
         queue.push("heavy", 5, 10, 0.0, weight=100.0)
     queue.push("light", 0, 10, 0.0, weight=0.01)

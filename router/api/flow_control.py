@@ -7,8 +7,9 @@ room frees up:
 
 - priority first (vLLM's meaning: lower runs first, default 0), in whole bands; a queued request's priority
   improves by one every `aging_s` seconds, so none waits forever behind a stream of urgent ones;
-- within a band, tenants share by weight: deficit round robin on each request's predicted tokens (prompt +
-  expected output), so a tenant sending long prompts does not get more than its share by sending fewer;
+- within a band, tenants share by weight: start-time fair queueing on each request's predicted tokens (prompt +
+  max_tokens), so a tenant sending long prompts does not get more than its share by sending fewer, and a
+  quiet tenant's request goes next rather than after a burst of the flood's;
 - within a tenant, priority then arrival.
 
 Quotas per tenant (`TenantPolicy`): requests in flight at once (the rest queue), requests queued (beyond it,
@@ -22,7 +23,6 @@ import asyncio
 import itertools
 import math
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -59,7 +59,6 @@ class FlowConfig:
     """The ingress's queue discipline (ClusterConfig `flow:` and `tenants:`)."""
     max_in_flight: int | None = None  # requests placed at once by this ingress replica; None: the router decides
     aging_s: float = 10.0  # a queued request's priority improves by one per aging_s seconds waited
-    quantum_tokens: int = 2048  # tokens a tenant of weight 1 may send per round of the fair queue
     tenants: dict[str, TenantPolicy] = field(default_factory=dict)
     default_tenant: TenantPolicy = field(default_factory=TenantPolicy)  # any tenant not named in `tenants`
     # SLO-aware shedding: "on" refuses (503) a request whose predicted first token comes after its deadline,
@@ -74,8 +73,6 @@ class FlowConfig:
             raise ValueError(f"max_in_flight must be a positive integer or null, got {self.max_in_flight!r}")
         if not self.aging_s > 0:
             raise ValueError(f"aging_s must be > 0, got {self.aging_s}")
-        if not isinstance(self.quantum_tokens, int) or self.quantum_tokens < 1:
-            raise ValueError(f"quantum_tokens must be a positive integer, got {self.quantum_tokens!r}")
 
     def policy(self, tenant: str) -> TenantPolicy:
         return self.tenants.get(tenant, self.default_tenant)
@@ -125,27 +122,34 @@ class TokenBucket:
 
 
 class _TenantQueue:
-    __slots__ = ("name", "weight", "entries", "deficit")
+    __slots__ = ("name", "weight", "entries", "finish")
 
-    def __init__(self, name: str, weight: float):
+    def __init__(self, name: str, weight: float, finish: float):
         self.name, self.weight = name, weight
         self.entries: list[Entry] = []
-        self.deficit = 0.0
+        self.finish = finish  # virtual time at which its last request served would end its share
 
     def head(self, now: float, aging_s: float) -> Entry:
         return min(self.entries, key=lambda e: (e.effective_priority(now, aging_s), e.seq))
 
 
 class FairQueue:
-    """Priority bands (with aging), then deficit round robin across tenants by weight on predicted tokens.
-    `pop(now, eligible)` takes the next entry among tenants `eligible` allows (a tenant at its concurrency
-    cap waits)."""
+    """Priority bands (with aging), then start-time fair queueing across tenants by weight on predicted
+    tokens (Goyal, Vin and Cheng, SIGCOMM 1996). `pop(now, eligible)` takes the next entry among tenants
+    `eligible` allows (a tenant at its concurrency cap waits).
 
-    def __init__(self, aging_s: float = 10.0, quantum_tokens: int = 2048):
+    Each tenant's next request starts at virtual time max(V, the tenant's last finish) and finishes its
+    cost / weight later; the contender that starts first goes, and V moves to its start. A backlogged
+    tenant's starts run ahead of V by what it has been served; a tenant that was idle starts at V, so its
+    request goes next, not after a round of the flood's (the burst deficit round robin lets through), and
+    banks no credit for its idle time. Over a long run each backlogged tenant gets tokens in proportion to
+    its weight."""
+
+    def __init__(self, aging_s: float = 10.0):
         self.aging_s = aging_s
-        self.quantum = quantum_tokens
         self.tenants: dict[str, _TenantQueue] = {}
-        self.ring: deque[str] = deque()  # tenants with queued entries, in round-robin order
+        self.virtual = 0.0  # V: the start tag of the last request popped
+        self._finish: dict[str, float] = {}  # last finish tags of tenants with nothing queued, while ahead of V
         self._seq = itertools.count()
 
     def __len__(self) -> int:
@@ -165,10 +169,8 @@ class FairQueue:
         entry = Entry(tenant, priority, max(1, cost), now, next(self._seq))
         t = self.tenants.get(tenant)
         if t is None:
-            t = self.tenants[tenant] = _TenantQueue(tenant, weight)
+            t = self.tenants[tenant] = _TenantQueue(tenant, weight, self._finish.pop(tenant, 0.0))
         t.weight = weight
-        if not t.entries:
-            self.ring.append(tenant)
         t.entries.append(entry)
         return entry
 
@@ -181,37 +183,24 @@ class FairQueue:
             self._drop(t)
 
     def _drop(self, t: _TenantQueue) -> None:
-        t.deficit = 0.0  # DRR: an idle tenant banks no credit
-        self.ring.remove(t.name)
         del self.tenants[t.name]
+        if t.finish > self.virtual:  # what it was served lately still counts when it comes back soon
+            self._finish[t.name] = t.finish
+        self._finish = {name: f for name, f in self._finish.items() if f > self.virtual}
+
+    def start(self, t: _TenantQueue) -> float:
+        return max(self.virtual, t.finish)
 
     def pop(self, now: float, eligible: Callable[[str], bool] = lambda tenant: True) -> Entry | None:
-        heads = {name: self.tenants[name].head(now, self.aging_s) for name in self.ring if eligible(name)}
+        heads = {name: t.head(now, self.aging_s) for name, t in self.tenants.items() if eligible(name)}
         if not heads:
             return None
         band = min(e.effective_priority(now, self.aging_s) for e in heads.values())
-        contenders = {name for name, e in heads.items() if e.effective_priority(now, self.aging_s) == band}
-        if len(contenders) == 1:
-            (name,) = contenders
-            return self._take(self.tenants[name], heads[name])
-        # Deficit round robin over the contenders: the first in ring order whose deficit covers its head
-        # is served; otherwise every contender earns its quantum (as many rounds as the nearest needs).
-        order = [name for name in self.ring if name in contenders]
-        while True:
-            for name in order:
-                t = self.tenants[name]
-                if t.deficit >= heads[name].cost:
-                    self.ring.remove(name)
-                    self.ring.append(name)  # the next pop starts after it
-                    return self._take(t, heads[name])
-            rounds = min(math.ceil((heads[n].cost - self.tenants[n].deficit) / (self.quantum * self.tenants[n].weight))
-                         for n in order)
-            for name in order:
-                t = self.tenants[name]
-                t.deficit += max(1, rounds) * self.quantum * t.weight
-
-    def _take(self, t: _TenantQueue, entry: Entry) -> Entry:
-        t.deficit = max(0.0, t.deficit - entry.cost)
+        name = min((n for n, e in heads.items() if e.effective_priority(now, self.aging_s) == band),
+                   key=lambda n: (self.start(self.tenants[n]), heads[n].seq))
+        t, entry = self.tenants[name], heads[name]
+        self.virtual = self.start(t)
+        t.finish = self.virtual + entry.cost / t.weight
         t.entries.remove(entry)
         if not t.entries:
             self._drop(t)
@@ -264,7 +253,7 @@ class FlowControl:
         self._watcher: asyncio.Task | None = None
         self.metrics = metrics  # router/metrics.py FlowMetrics, or None
         self.clock = clock
-        self.queue = FairQueue(self.config.aging_s, self.config.quantum_tokens)
+        self.queue = FairQueue(self.config.aging_s)
         self.in_flight = 0
         self.placing = 0  # grants let through and not placed yet: the router's saturation does not show them
         self.running: dict[str, int] = {}  # per tenant
