@@ -244,6 +244,29 @@ def test_the_gate_lets_one_request_on_at_a_time_until_the_router_has_placed_it()
     run(scenario())
 
 
+def test_a_request_that_would_only_wait_for_a_prefill_slot_waits_in_the_ingress_queue_instead():
+    """`ready()` False (placed now, it would wait for a slot behind others): it waits at the ingress, where
+    the fair queue orders it, and holds back those after it in that order; it goes once ready."""
+    slot_free = [False]
+
+    async def scenario():
+        async def wait_for_loads(timeout_s):
+            await asyncio.sleep(min(timeout_s, 0.01))
+
+        flow = FlowControl(FlowConfig(), wait_for_loads=wait_for_loads)
+        first = asyncio.create_task(flow.enter("a", 0, 10, 10, ready=lambda: slot_free[0]))
+        second = asyncio.create_task(flow.enter("b", 0, 10, 10))  # ready: but after `first` in the order
+        await asyncio.sleep(0.1)
+        assert not first.done() and not second.done() and len(flow.queue) == 2
+        slot_free[0] = True
+        grant = await asyncio.wait_for(first, 1.0)
+        grant.placements(1)()
+        (await asyncio.wait_for(second, 1.0)).placements(1)()
+        assert flow.in_flight == 2
+
+    run(scenario())
+
+
 def test_a_key_may_cap_the_priority_its_tenant_asks_for():
     flow = FlowControl(FlowConfig(tenants={"batch": TenantPolicy(max_priority=5)}))
     flow.check_priority("batch", 5)

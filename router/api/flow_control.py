@@ -88,6 +88,7 @@ class Entry:
     seq: int
     granted: asyncio.Future | None = None
     prompt_tokens: int = 0
+    ready: Callable[[], bool] | None = None  # False while the request, placed now, would only wait for a slot
 
     def effective_priority(self, now: float, aging_s: float) -> int:
         return self.priority - int((now - self.enqueued_at) / aging_s)
@@ -191,14 +192,21 @@ class FairQueue:
     def start(self, t: _TenantQueue) -> float:
         return max(self.virtual, t.finish)
 
-    def pop(self, now: float, eligible: Callable[[str], bool] = lambda tenant: True) -> Entry | None:
+    def peek(self, now: float, eligible: Callable[[str], bool] = lambda tenant: True) -> Entry | None:
+        """The entry `pop` would take now, left in the queue."""
         heads = {name: t.head(now, self.aging_s) for name, t in self.tenants.items() if eligible(name)}
         if not heads:
             return None
         band = min(e.effective_priority(now, self.aging_s) for e in heads.values())
         name = min((n for n, e in heads.items() if e.effective_priority(now, self.aging_s) == band),
                    key=lambda n: (self.start(self.tenants[n]), heads[n].seq))
-        t, entry = self.tenants[name], heads[name]
+        return heads[name]
+
+    def pop(self, now: float, eligible: Callable[[str], bool] = lambda tenant: True) -> Entry | None:
+        entry = self.peek(now, eligible)
+        if entry is None:
+            return None
+        t = self.tenants[entry.tenant]
         self.virtual = self.start(t)
         t.finish = self.virtual + entry.cost / t.weight
         t.entries.remove(entry)
@@ -280,11 +288,13 @@ class FlowControl:
 
     async def enter(self, tenant: str | None, priority: int, prompt_tokens: int, max_output: int,
                     deadline_s: float | None = None,
-                    predict: Callable[[tuple[int, int]], float | None] | None = None) -> Grant:
+                    predict: Callable[[tuple[int, int]], float | None] | None = None,
+                    ready: Callable[[], bool] | None = None) -> Grant:
         """Let a request in: shed it (503) when shedding applies and `predict` (seconds to its first token
         from arrival, given the (requests, prompt tokens) queued here before it) says it will miss its deadline;
-        charge its tenant's token budget (429 when short); then place it now if there is room and nobody
-        waits, else queue it (429 past the tenant's max_queued) and return when the fair queue picks it."""
+        charge its tenant's token budget (429 when short); then place it now if there is room, nobody waits
+        and it is `ready()` (placed now, it would not just wait for a prefill slot), else queue it (429 past
+        the tenant's max_queued) and return when the fair queue picks it and it is ready."""
         tenant = tenant or DEFAULT_TENANT
         policy = self.config.policy(tenant)
         self.check_priority(tenant, priority)
@@ -309,7 +319,7 @@ class FlowControl:
                                headers={"Retry-After": str(retry)})
         grant = Grant(self, tenant, cost if policy.tokens_per_minute is not None else 0, max_output)
         try:
-            if not len(self.queue) and self._has_room(tenant):
+            if not len(self.queue) and self._has_room(tenant) and (ready is None or ready()):
                 self._start(tenant, priority, 0.0)
                 grant.unplaced = 1
                 return grant
@@ -319,7 +329,7 @@ class FlowControl:
                                     f"retry after 1s", type="rate_limit_exceeded", code="rate_limit_exceeded",
                                headers={"Retry-After": "1"})
             entry = self.queue.push(tenant, priority, cost, self.clock(), policy.weight)
-            entry.prompt_tokens = prompt_tokens
+            entry.prompt_tokens, entry.ready = prompt_tokens, ready
             entry.granted = asyncio.get_running_loop().create_future()
             self._observe_queue()
             self.pump()
@@ -362,11 +372,13 @@ class FlowControl:
                        type="service_unavailable", code="deadline_unmeetable", headers={"Retry-After": str(retry)})
 
     def pump(self) -> None:
-        """Start queued requests while there is room, in the fair queue's order."""
+        """Start queued requests while there is room, in the fair queue's order; the next in that order that
+        is not ready (it would only wait for a prefill slot) holds the rest back."""
         while len(self.queue) and self._room():
-            entry = self.queue.pop(self.clock(), self._tenant_has_room)
-            if entry is None:
+            entry = self.queue.peek(self.clock(), self._tenant_has_room)
+            if entry is None or (entry.ready is not None and not entry.ready()):
                 break
+            self.queue.pop(self.clock(), self._tenant_has_room)
             self._start(entry.tenant, entry.priority, self.clock() - entry.enqueued_at)
             entry.granted.set_result(None)
         self._observe_queue()

@@ -180,8 +180,15 @@ class OpenAIService:
                                                        min(max_output, EXPECTED_OUTPUT_TOKENS), ingress_ahead)
                             for p, ids in enumerate(prompts)), key=lambda s: -1 if s is None else s)
 
+            def ready() -> bool:  # placed now, no prompt would just wait for a prefill slot
+                return params.use_beam_search or not any(
+                    self.requests.would_wait(hashes[p], len(ids), req.priority, time.time() - arrival,
+                                             min(max_output, EXPECTED_OUTPUT_TOKENS))
+                    for p, ids in enumerate(prompts))
+
             grant = await self.flow.enter(tenant, req.priority, sum(len(ids) for ids in prompts),
-                                          max_output * num_prompts * params.beam_width, trace.deadline_s, predict)
+                                          max_output * num_prompts * params.beam_width, trace.deadline_s, predict,
+                                          ready)
             if audit is not None:
                 audit.flow = {"priority": req.priority, "tenant_weight": self.flow.weight(tenant),
                               "queued_s": round(time.monotonic() - queued_at, 6)}

@@ -108,6 +108,14 @@ class RequestRouter:
             backlog[worker_id] = (have[0] + -(-requests // len(prefill)), have[1] + tokens // len(prefill))
         return self.view.predict_ttft(block_hashes, prompt_tokens, elapsed_s, output_tokens, backlog)
 
+    def would_wait(self, block_hashes: Sequence[int], prompt_tokens: int, priority: int, elapsed_s: float,
+                   output_tokens: int) -> bool:
+        """Whether the request, placed now, would wait here for a prefill slot (behind the waiters that go
+        before it): the ingress queue then holds it, where it is ordered by tenant share too."""
+        decision = self.view.preview(block_hashes, prompt_tokens, elapsed_s, output_tokens,
+                                     self._backlog_ahead_of("", priority))
+        return decision is not None and decision.wait
+
     def saturated(self) -> bool:
         """Whether placing more requests now would only queue them: some already wait here for a prefill
         slot, or every worker already has prompts queued (`WorkerView.saturated`: full prefill queues and

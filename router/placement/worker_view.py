@@ -142,22 +142,28 @@ class WorkerView:
                     placement.cached_tokens // self.block_size)
         return decision
 
-    def predict_ttft(self, block_hashes: Sequence[int], prompt_tokens: int, elapsed_s: float = 0.0,
-                     output_tokens: int = EXPECTED_OUTPUT_TOKENS,
-                     prefill_backlog: Mapping[str, tuple[int, int]] | None = None) -> float | None:
-        """The first token's predicted seconds from arrival if the request were placed now (the placement's
-        cost model), without placing it or counting anything; None when no decode worker is schedulable or
-        placement does not predict (placement: thresholds)."""
+    def preview(self, block_hashes: Sequence[int], prompt_tokens: int, elapsed_s: float = 0.0,
+                output_tokens: int = EXPECTED_OUTPUT_TOKENS,
+                prefill_backlog: Mapping[str, tuple[int, int]] | None = None) -> RouteDecision | None:
+        """The placement the request would get now (the placement's cost model), without placing it or
+        counting anything; None when no decode worker is schedulable."""
         loads = {"prefill": [], "decode": []}
         for w in self.workers.values():
             if not (self.colocated and w.pool == "prefill"):
                 loads[w.pool].append(w.load())
         try:
-            decision = self.router.route(block_hashes, prompt_tokens, loads["prefill"], loads["decode"], elapsed_s,
-                                         output_tokens, prefill_backlog, record=False)
+            return self.router.route(block_hashes, prompt_tokens, loads["prefill"], loads["decode"], elapsed_s,
+                                     output_tokens, prefill_backlog, record=False)
         except NoDecodeWorker:
             return None
-        return decision.predicted_ttft_s
+
+    def predict_ttft(self, block_hashes: Sequence[int], prompt_tokens: int, elapsed_s: float = 0.0,
+                     output_tokens: int = EXPECTED_OUTPUT_TOKENS,
+                     prefill_backlog: Mapping[str, tuple[int, int]] | None = None) -> float | None:
+        """The first token's predicted seconds from arrival if the request were placed now; None when no
+        decode worker is schedulable or placement does not predict (placement: thresholds)."""
+        decision = self.preview(block_hashes, prompt_tokens, elapsed_s, output_tokens, prefill_backlog)
+        return None if decision is None else decision.predicted_ttft_s
 
     def saturated(self) -> bool:
         """Whether every path a new prompt could take already has prompts queued on it: each schedulable
