@@ -1,9 +1,11 @@
 """Flow control at the ingress: priorities, per-tenant fair queueing and quotas.
 
 A request admitted by the ingress (router/api/admission.py bounds how many it holds) passes `FlowControl.enter`
-before it is placed. While the cluster has room (`FlowConfig.max_in_flight` not reached and the router not
-saturated) it goes on at once; otherwise it waits in a `FairQueue`, and requests leave that queue by rule as
-room frees up:
+before it is placed. While the cluster has room (`FlowConfig.max_in_flight` not reached, the router not
+saturated, and the request, placed now, would not just wait for a prefill slot) it goes on at once;
+otherwise it waits in a `FairQueue`, and requests leave that queue by rule as room frees up, one at a time:
+the next goes once the last is placed, since the workers' loads (the saturation signal) show a request only
+from then on. So the queues past the ingress stay short, and the order that matters is this one:
 
 - priority first (vLLM's meaning: lower runs first, default 0), in whole bands; a queued request's priority
   improves by one every `aging_s` seconds, so none waits forever behind a stream of urgent ones;
