@@ -12,7 +12,8 @@ from router.placement.index import PrefixIndex
 from engine.step_costs import (DECODE_WINDOW, PRIOR_BORROW_EFFICIENCY, PRIOR_DECODE_BATCH_SLOPE, PRIOR_DECODE_STEP_S,
                                PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, PRIOR_PREFILL_TOKENS_PER_S,
                                StepCosts, TransferSpeed)
-from router.placement.routing import (EXPECTED_OUTPUT_TOKENS, ArrivalRate, NoDecodeWorker, Router, with_arrivals,
+from router.placement.routing import (EXPECTED_OUTPUT_TOKENS, ArrivalRate, NoDecodeWorker, Router, spread_backlog,
+                                      with_arrivals,
                                       with_backlog)
 from router.placement.pool_policy import CostWeights, PoolPolicy
 from router.placement.cost_model import (DisaggConfig, PrefillDecision, decode_seconds, displaced_seconds,
@@ -797,3 +798,21 @@ def test_the_router_gives_each_decode_worker_its_share_of_the_arrivals():
     assert route.prefill is not None
     draining = [decodes[0], dataclasses.replace(decodes[1], draining=True)]
     assert [load.arrivals_per_s for load in with_arrivals(draining, 2.0)] == [2.0, 0.0]
+
+
+def test_the_ingress_queue_ahead_is_placed_first_on_either_path_so_a_prediction_counts_it_on_both():
+    """Shedding's prediction: behind four prompts queued at the ingress, the local path (which the prefill
+    waiters alone would leave free) is as far off as the remote one, so the first token is predicted past the
+    TTFT SLO whichever path the request would take."""
+    tokens = prompt(1, prefix=[], suffix_blocks=16)  # 256 cold tokens
+    hashes = block_hashes(tokens, BLOCK)
+    one_slot = prefill_worker(num_waiting=1, queued_prefill_tokens=256)
+    decode = [decode_worker(num_running=6)]
+    router = Router(PrefixIndex(), BLOCK, disagg=SLO, rng=random.Random(0))
+    slot_waiters = router.route(hashes, 256, [one_slot], decode, prefill_backlog={"p0": (4, 1024)}, record=False)
+    assert slot_waiters.prefill is None and slot_waiters.predicted_ttft_s <= SLO.ttft_slo_s  # local is free
+    queued = router.route(hashes, 256, [one_slot], decode, record=False, ingress_backlog=(4, 1024))
+    assert queued.predicted_ttft_s > SLO.ttft_slo_s
+    assert queued.predicted_ttft_s > slot_waiters.predicted_ttft_s
+    shared = spread_backlog([one_slot, prefill_worker(), prefill_worker(healthy=False)], (3, 900))
+    assert [(w.num_waiting, w.queued_prefill_tokens) for w in shared] == [(3, 706), (2, 450), (0, 0)]

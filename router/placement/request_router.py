@@ -98,15 +98,10 @@ class RequestRouter:
                      output_tokens: int, ingress_ahead: tuple[int, int] = (0, 0)) -> float | None:
         """A request's predicted seconds to its first token from arrival, were it placed now (None: no
         prediction): behind the prefill-slot waiters that go before it (`_backlog_ahead_of`) and
-        `ingress_ahead`, the (requests, prompt tokens) queued at the ingress before it, spread over the
-        prefill workers."""
-        backlog = self._backlog_ahead_of("", priority)
-        requests, tokens = ingress_ahead
-        prefill = [w.worker_id for w in self.view.workers.values() if w.pool == "prefill"]
-        for worker_id in prefill if requests else ():
-            have = backlog.get(worker_id, (0, 0))
-            backlog[worker_id] = (have[0] + -(-requests // len(prefill)), have[1] + tokens // len(prefill))
-        return self.view.predict_ttft(block_hashes, prompt_tokens, elapsed_s, output_tokens, backlog)
+        `ingress_ahead`, the (requests, prompt tokens) queued at the ingress before it, which go first on
+        whichever path (Router.route's `ingress_backlog`)."""
+        return self.view.predict_ttft(block_hashes, prompt_tokens, elapsed_s, output_tokens,
+                                      self._backlog_ahead_of("", priority), ingress_ahead)
 
     def would_wait(self, block_hashes: Sequence[int], prompt_tokens: int, priority: int, elapsed_s: float,
                    output_tokens: int) -> bool:

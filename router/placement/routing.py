@@ -140,15 +140,22 @@ class Router:
     def route(self, block_hashes: Sequence[int], prompt_tokens: int, prefill_loads: Sequence[WorkerLoad],
               decode_loads: Sequence[WorkerLoad], elapsed_s: float = 0.0,
               output_tokens: int = EXPECTED_OUTPUT_TOKENS,
-              prefill_backlog: Mapping[str, tuple[int, int]] | None = None, record: bool = True) -> RouteDecision:
+              prefill_backlog: Mapping[str, tuple[int, int]] | None = None, record: bool = True,
+              ingress_backlog: tuple[int, int] | None = None) -> RouteDecision:
         """Pick the decode worker and decide whether a prefill worker computes the prompt (`record=False`: a
         prediction only, which changes none of the router's measures). `elapsed_s`:
         how long ago the request arrived (its TTFT runs from then); `output_tokens`: what it will likely
         generate (its remaining max_tokens, at most EXPECTED_OUTPUT_TOKENS); `prefill_backlog`: per prefill
         worker, the (requests, prompt tokens) waiting at the ingress for a slot there ahead of this one,
-        which it would queue behind (`with_backlog`)."""
+        which it would queue behind (`with_backlog`); `ingress_backlog`: the (requests, prompt tokens) queued at
+        the ingress ahead of it, placed before it on either path: each pool's workers share it as queued
+        prompts (so a prediction sees it whichever path the request would take; with both paths taking
+        prompts, the wait is overstated by up to their number)."""
         if prefill_backlog:
             prefill_loads = [with_backlog(load, prefill_backlog.get(load.worker_id)) for load in prefill_loads]
+        if ingress_backlog and ingress_backlog[0]:
+            prefill_loads, decode_loads = (spread_backlog(prefill_loads, ingress_backlog),
+                                           spread_backlog(decode_loads, ingress_backlog))
         decode_loads = with_arrivals(decode_loads, self.arrivals.per_second())
         prefill = self.prefill_policy.place(block_hashes, prompt_tokens, prefill_loads)
         prefill_load = None if prefill is None else lent_threads(_load_of(prefill, prefill_loads), decode_loads)
@@ -216,6 +223,14 @@ def with_backlog(prefill: WorkerLoad, backlog: tuple[int, int] | None) -> Worker
     requests, tokens = backlog
     return dataclasses.replace(prefill, num_waiting=prefill.num_waiting + requests,
                                queued_prefill_tokens=prefill.queued_prefill_tokens + tokens)
+
+
+def spread_backlog(loads: Sequence[WorkerLoad], backlog: tuple[int, int]) -> list[WorkerLoad]:
+    """`loads` with `backlog` (requests, prompt tokens) shared evenly by the schedulable ones as queued."""
+    schedulable = sum(load.schedulable for load in loads) or 1
+    requests, tokens = backlog
+    share = (-(-requests // schedulable), tokens // schedulable)
+    return [with_backlog(load, share) if load.schedulable else load for load in loads]
 
 
 def with_arrivals(decode_loads: Sequence[WorkerLoad], per_second: float) -> Sequence[WorkerLoad]:

@@ -144,7 +144,8 @@ class WorkerView:
 
     def preview(self, block_hashes: Sequence[int], prompt_tokens: int, elapsed_s: float = 0.0,
                 output_tokens: int = EXPECTED_OUTPUT_TOKENS,
-                prefill_backlog: Mapping[str, tuple[int, int]] | None = None) -> RouteDecision | None:
+                prefill_backlog: Mapping[str, tuple[int, int]] | None = None,
+                ingress_backlog: tuple[int, int] | None = None) -> RouteDecision | None:
         """The placement the request would get now (the placement's cost model), without placing it or
         counting anything; None when no decode worker is schedulable."""
         loads = {"prefill": [], "decode": []}
@@ -153,16 +154,19 @@ class WorkerView:
                 loads[w.pool].append(w.load())
         try:
             return self.router.route(block_hashes, prompt_tokens, loads["prefill"], loads["decode"], elapsed_s,
-                                     output_tokens, prefill_backlog, record=False)
+                                     output_tokens, prefill_backlog, record=False, ingress_backlog=ingress_backlog)
         except NoDecodeWorker:
             return None
 
     def predict_ttft(self, block_hashes: Sequence[int], prompt_tokens: int, elapsed_s: float = 0.0,
                      output_tokens: int = EXPECTED_OUTPUT_TOKENS,
-                     prefill_backlog: Mapping[str, tuple[int, int]] | None = None) -> float | None:
-        """The first token's predicted seconds from arrival if the request were placed now; None when no
-        decode worker is schedulable or placement does not predict (placement: thresholds)."""
-        decision = self.preview(block_hashes, prompt_tokens, elapsed_s, output_tokens, prefill_backlog)
+                     prefill_backlog: Mapping[str, tuple[int, int]] | None = None,
+                     ingress_backlog: tuple[int, int] | None = None) -> float | None:
+        """The first token's predicted seconds from arrival if the request were placed now (behind
+        `ingress_backlog`, see Router.route); None when no decode worker is schedulable or placement does not
+        predict (placement: thresholds)."""
+        decision = self.preview(block_hashes, prompt_tokens, elapsed_s, output_tokens, prefill_backlog,
+                                ingress_backlog)
         return None if decision is None else decision.predicted_ttft_s
 
     def saturated(self) -> bool:
