@@ -267,6 +267,29 @@ def test_a_request_that_would_only_wait_for_a_prefill_slot_waits_in_the_ingress_
     run(scenario())
 
 
+def test_a_waiter_cancelled_just_before_its_turn_takes_no_room_and_leaves_nothing_behind():
+    """The client leaves and, before its cancelled waiter runs, room frees: the gate must skip it (setting its
+    cancelled future raised, and the room it was given was never given back: the gate stayed shut for good,
+    as a 5,000-request soak found)."""
+    async def scenario():
+        flow = FlowControl(FlowConfig(max_in_flight=1))
+        held = await placed(flow, "t", 0, 10, 10)
+        leaving = asyncio.create_task(flow.enter("t", 0, 10, 10))
+        staying = asyncio.create_task(placed(flow, "t", 0, 10, 10))
+        await asyncio.sleep(0.05)
+        assert len(flow.queue) == 2
+        leaving.cancel()  # its future is cancelled now; the task runs its handler only on the next turn
+        held.release(10)  # room frees in between
+        grant = await asyncio.wait_for(staying, 1.0)
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert (flow.in_flight, flow.placing, len(flow.queue)) == (1, 0, 0)
+        grant.release(10)
+        assert flow.in_flight == 0
+
+    run(scenario())
+
+
 def test_a_key_may_cap_the_priority_its_tenant_asks_for():
     flow = FlowControl(FlowConfig(tenants={"batch": TenantPolicy(max_priority=5)}))
     flow.check_priority("batch", 5)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -30,9 +31,12 @@ from dataclasses import dataclass, field
 
 from router.api.openai_api import APIError
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_TENANT = "default"  # requests without an API key, and tenants the config does not name
 SHED_MODES = ("off", "on", "low_priority")
 WATCH_POLL_S = 0.05  # while requests queue, how often the gate looks again at least
+STUCK_WARN_S = 10.0  # a queue that lets nothing on for this long says why in the log
 
 
 @dataclass(slots=True)
@@ -266,6 +270,7 @@ class FlowControl:
         self.queue = FairQueue(self.config.aging_s)
         self.in_flight = 0
         self.placing = 0  # grants let through and not placed yet: the router's saturation does not show them
+        self.last_start = self.clock()  # when the last request was let through
         self.running: dict[str, int] = {}  # per tenant
         self.buckets: dict[str, TokenBucket] = {}
 
@@ -273,7 +278,7 @@ class FlowControl:
         """This replica's queue for `tandem status`: requests placed, whether the router is saturated, and per
         tenant its requests running and queued."""
         tenants = sorted(set(self.running) | set(self.queue.tenants))
-        return {"in_flight": self.in_flight, "max_in_flight": self.config.max_in_flight,
+        return {"in_flight": self.in_flight, "placing": self.placing, "max_in_flight": self.config.max_in_flight,
                 "saturated": self.saturated(), "shed": self.config.shed,
                 "tenants": {t: {"running": self.running.get(t, 0), "queued": self.queue.queued(t),
                                 "weight": self.weight(t)} for t in tenants}}
@@ -378,6 +383,10 @@ class FlowControl:
         is not ready (it would only wait for a prefill slot) holds the rest back."""
         while len(self.queue) and self._room():
             entry = self.queue.peek(self.clock(), self._tenant_has_room)
+            if entry is not None and entry.granted is not None and entry.granted.done():
+                # Its client left: the waiter was cancelled and will count it once it runs; it takes no room.
+                self.queue.remove(entry)
+                continue
             if entry is None or (entry.ready is not None and not entry.ready()):
                 break
             self.queue.pop(self.clock(), self._tenant_has_room)
@@ -402,6 +411,7 @@ class FlowControl:
     def _start(self, tenant: str, priority: int, waited_s: float) -> None:
         self.in_flight += 1
         self.placing += 1
+        self.last_start = self.clock()
         self.running[tenant] = self.running.get(tenant, 0) + 1
         if self.metrics is not None:
             self.metrics.admitted.labels(tenant, str(priority)).inc()
@@ -439,9 +449,20 @@ class FlowControl:
             return
 
         async def watch() -> None:
+            said = self.clock()
             while len(self.queue):
                 await self.wait_for_loads(WATCH_POLL_S)
-                self.pump()
+                try:
+                    self.pump()
+                except Exception:  # a bug: say so, and keep watching rather than strand the queue
+                    logger.exception("the ingress queue's watcher failed to let requests on")
+                if self.clock() - max(said, self.last_start) > STUCK_WARN_S and len(self.queue):
+                    said = self.clock()
+                    head = self.queue.peek(said, self._tenant_has_room)
+                    logger.warning("the ingress queue has let nothing on for %.0fs: %d queued, %d placed, %d not "
+                                   "placed yet, router saturated: %s, next ready: %s", said - self.last_start,
+                                   len(self.queue), self.in_flight, self.placing, self.saturated(),
+                                   None if head is None or head.ready is None else head.ready())
 
         self._watcher = asyncio.get_running_loop().create_task(watch())
 
