@@ -12,6 +12,7 @@ from router.trace_store import TraceStore
 
 def test_log_records_made_for_a_request_carry_its_id(caplog):
     install_request_log_records()
+    set_request_id(None)  # whatever a test before this one left in the thread's context
     logger = logging.getLogger("tests.request_log")
 
     async def handle(request_id: str) -> None:
@@ -33,8 +34,11 @@ def test_log_records_made_for_a_request_carry_its_id(caplog):
 def test_loggers_that_pass_their_own_request_id_still_log(caplog):
     install_request_log_records()  # Ray Serve logs with extra={"request_id": ...}
     set_request_id("req-c")
-    with caplog.at_level(logging.INFO, logger="tests.request_log"):
-        logging.getLogger("tests.request_log").info("served", extra={"request_id": "serve-id"})
+    try:
+        with caplog.at_level(logging.INFO, logger="tests.request_log"):
+            logging.getLogger("tests.request_log").info("served", extra={"request_id": "serve-id"})
+    finally:
+        set_request_id(None)  # the thread's context outlives the test
     assert caplog.records[-1].request_id == "serve-id" and caplog.records[-1].tandem_request_id == "req-c"
 
 

@@ -10,7 +10,7 @@ from contextvars import ContextVar
 REQUEST_ID: ContextVar[str | None] = ContextVar("tandem_request_id", default=None)
 
 
-def set_request_id(request_id: str) -> None:
+def set_request_id(request_id: str | None) -> None:
     """Name the current task's request in its log lines (each asyncio task has its own context)."""
     REQUEST_ID.set(request_id)
 

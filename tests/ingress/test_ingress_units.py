@@ -102,7 +102,11 @@ def test_a_candidate_that_ends_in_error_gives_a_500_with_its_message_not_an_empt
     from router.api.service import ModelInfo, OpenAIService
 
     class FailingRequests:  # what the RequestRouter yields when a worker died and nowhere could take over
-        async def stream(self, request, block_hashes):
+        def would_wait(self, *placement):  # placed now, it would not wait for a prefill slot
+            return False
+
+        async def stream(self, request, block_hashes, on_placed=None):
+            on_placed()
             yield RequestOutput(request.request_id, [5], "a", num_prompt_tokens=3)
             yield RequestOutput(
                 request.request_id, [], "", finished=True, finish_reason="error",
