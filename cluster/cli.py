@@ -164,7 +164,8 @@ def format_status(status: dict, url: str) -> str:
     out = lines + _table(pools) + [""] + _table(workers)
     if flow := status.get("flow"):
         limit = flow["max_in_flight"] if flow["max_in_flight"] is not None else "no cap"
-        out += ["", f"ingress queue (replica {flow['replica']}): {flow['in_flight']} placed ({limit}), "
+        placing = f", {flow['placing']} of them being placed" if flow.get("placing") else ""
+        out += ["", f"ingress queue (replica {flow['replica']}): {flow['in_flight']} let on ({limit}){placing}, "
                     f"{'saturated' if flow['saturated'] else 'not saturated'}, shedding {flow['shed']}"]
         if flow["tenants"]:
             out += _table([["TENANT", "WEIGHT", "RUNNING", "QUEUED"]]

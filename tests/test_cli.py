@@ -211,11 +211,12 @@ def test_the_status_table_lists_each_decode_workers_kv_failures_by_reason():
     assert next(line for line in lines if line.startswith("decode-0")).endswith("3 (unreachable 2, timeout 1)")
     assert next(line for line in lines if line.startswith("decode-1")).endswith(" 0")
     assert next(line for line in lines if line.startswith("prefill-0")).endswith(" -")
-    status["flow"] = {"replica": "r1", "in_flight": 3, "max_in_flight": None, "saturated": True, "shed": "on",
+    status["flow"] = {"replica": "r1", "in_flight": 3, "placing": 1, "max_in_flight": None, "saturated": True,
+                      "shed": "on",
                       "tenants": {"batch": {"running": 1, "queued": 7, "weight": 1.0},
                                   "chat": {"running": 2, "queued": 0, "weight": 4.0}}}
     lines = format_status(status, "http://127.0.0.1:8000").splitlines()
-    assert "ingress queue (replica r1): 3 placed (no cap), saturated, shedding on" in lines
+    assert "ingress queue (replica r1): 3 let on (no cap), 1 of them being placed, saturated, shedding on" in lines
     assert next(line for line in lines if line.startswith("batch")).split() == ["batch", "1", "1", "7"]
     assert next(line for line in lines if line.startswith("chat")).split() == ["chat", "4", "2", "0"]
 
