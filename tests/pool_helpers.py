@@ -54,6 +54,12 @@ class OneWorkerView:
     def route(self, block_hashes, num_tokens, excluded, **options):
         return RouteDecision(Placement("decode-0", 0, 0.0), None, "only worker")
 
+    def preview(self, block_hashes, num_tokens, *options):  # what `route` would say: never a wait
+        return self.route(block_hashes, num_tokens, ())
+
+    def saturated(self):
+        return False
+
     def begin(self, decision, request_id, num_tokens, block_hashes=()):
         pass
 
