@@ -210,8 +210,10 @@ class FairQueue:
 
     def pop(self, now: float, eligible: Callable[[str], bool] = lambda tenant: True) -> Entry | None:
         entry = self.peek(now, eligible)
-        if entry is None:
-            return None
+        return None if entry is None else self.take(entry)
+
+    def take(self, entry: Entry) -> Entry:
+        """Serve `entry`, the one `peek` chose: the virtual time moves to its tenant's start."""
         t = self.tenants[entry.tenant]
         self.virtual = self.start(t)
         t.finish = self.virtual + entry.cost / t.weight
@@ -389,7 +391,7 @@ class FlowControl:
                 continue
             if entry is None or (entry.ready is not None and not entry.ready()):
                 break
-            self.queue.pop(self.clock(), self._tenant_has_room)
+            self.queue.take(entry)
             self._start(entry.tenant, entry.priority, self.clock() - entry.enqueued_at)
             entry.granted.set_result(None)
         self._observe_queue()
