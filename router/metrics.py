@@ -205,6 +205,9 @@ class FlowMetrics:
                                  "their turn.", ["tenant"], registry=r)
         self.queue_time = Histogram("tandem:flow_queue_seconds", "Time in the ingress queue before placement.",
                                     ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.pump_errors = Counter("tandem:flow_pump_errors", "Times the ingress queue's watcher failed to let "
+                                   "requests on (a bug; logged, and the watcher kept watching). Zero normally.",
+                                   registry=r)
 
 
 class ScalingCollector:

@@ -267,6 +267,41 @@ def test_a_request_that_would_only_wait_for_a_prefill_slot_waits_in_the_ingress_
     run(scenario())
 
 
+def test_a_failing_pump_is_counted_and_the_watcher_keeps_watching():
+    """The watcher's fallback (a pump that raises is logged and the queue kept watched) is counted, so that
+    a bug there shows in tandem:flow_pump_errors rather than only in a log."""
+    from prometheus_client import CollectorRegistry
+    from router.metrics import FlowMetrics
+
+    async def scenario():
+        async def wait_for_loads(timeout_s):
+            await asyncio.sleep(0.01)
+
+        metrics = FlowMetrics(CollectorRegistry())
+        flow = FlowControl(FlowConfig(max_in_flight=1), metrics=metrics, wait_for_loads=wait_for_loads)
+        held = await placed(flow, "t", 0, 10, 10)
+        waiter = asyncio.create_task(placed(flow, "t", 0, 10, 10))
+        await asyncio.sleep(0.05)
+        real_pump, calls = flow.pump, []
+
+        def failing_once():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("a bug")
+            real_pump()
+        flow.pump = failing_once
+        await asyncio.sleep(0.05)
+        assert metrics.pump_errors._value.get() == 1
+        flow.in_flight -= 1  # room frees without a pump of its own: only the watcher can let the waiter on
+        flow.running["t"] -= 1
+        grant = await asyncio.wait_for(waiter, 1.0)
+        assert metrics.pump_errors._value.get() == 1
+        grant.release(10)
+        held.released = True
+
+    run(scenario())
+
+
 def test_a_waiter_cancelled_just_before_its_turn_takes_no_room_and_leaves_nothing_behind():
     """The client leaves and, before its cancelled waiter runs, room frees: the gate must skip it (setting its
     cancelled future raised, and the room it was given was never given back: the gate stayed shut for good,

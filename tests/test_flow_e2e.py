@@ -93,6 +93,7 @@ def test_a_high_priority_request_overtakes_a_queue_of_low_priority_ones(app_url)
     assert counted(app_url, "tandem:flow_admitted_requests", 4, tenant="b", priority="10") == 4
     queued = [s for s in scrape(app_url)["tandem:flow_queued_requests"] if s.labels["tenant"] == "b"]
     assert queued and all(s.value == 0 for s in queued)
+    assert counted(app_url, "tandem:flow_pump_errors", 0) == 0  # the watcher's fallback never ran
 
 
 def test_tandem_status_shows_the_ingress_queue_by_tenant(app_url):

@@ -456,8 +456,10 @@ class FlowControl:
                 await self.wait_for_loads(WATCH_POLL_S)
                 try:
                     self.pump()
-                except Exception:  # a bug: say so, and keep watching rather than strand the queue
+                except Exception:  # a bug: say so, count it, and keep watching rather than strand the queue
                     logger.exception("the ingress queue's watcher failed to let requests on")
+                    if self.metrics is not None:
+                        self.metrics.pump_errors.inc()
                 if self.clock() - max(said, self.last_start) > STUCK_WARN_S and len(self.queue):
                     said = self.clock()
                     head = self.queue.peek(said, self._tenant_has_room)
