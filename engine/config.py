@@ -103,6 +103,8 @@ class EngineConfig:
     # Speculative decoding for the requests that do not opt out (a decode pool's default); None: only
     # requests that opt in (SamplingParams.speculative) speculate, with the default SpeculativeConfig.
     speculative_config: SpeculativeConfig | None = None
+    # Ranks that each hold 1/N of the model and its KV heads (engine/parallel/); num_threads is split among them.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -117,6 +119,9 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_gb must be positive")
         if self.reasoning_markers is not None and not all(self.reasoning_markers):
             raise ValueError("reasoning_markers must be two non-empty strings")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
 
     @property
     def resolved_dtype(self) -> str:
@@ -139,4 +144,4 @@ class EngineConfig:
     def apply_threads(self) -> None:
         import torch
         threads = self.num_threads or int(os.environ.get("TANDEM_NUM_THREADS", 0)) or os.cpu_count() or 1
-        torch.set_num_threads(threads)
+        torch.set_num_threads(max(1, threads // self.tensor_parallel_size))

@@ -21,6 +21,7 @@ from engine.model_loader import eos_token_ids, load_tokenizer, resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.output_processor import CompletionCollector, OutputProcessor
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.parallel.ranks import start_ranks
 from engine.reasoning import ReasoningMarkers, force_reasoning_end
 from engine.request import Request, output_ids
 from engine.sampler import Sampler
@@ -48,7 +49,14 @@ class Engine:
         config.apply_threads()
         model_dir = resolve_model_dir(config.model)
         self.tokenizer = tokenizer = load_tokenizer(model_dir)
-        self.runner = runner = ModelRunner(config, model_dir)
+        self.ranks = None  # a tensor-parallel engine's other ranks (engine/parallel/ranks.py)
+        if config.tensor_parallel_size > 1:
+            self.ranks = start_ranks(config, model_dir)
+        try:
+            self.runner = runner = ModelRunner(config, model_dir, tp=self.ranks and self.ranks.group)
+        except BaseException:
+            self.close()
+            raise
         self.kv_cache = runner.kv_cache
         self.max_model_len = min(config.max_model_len or runner.max_position_embeddings, runner.max_position_embeddings)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -69,6 +77,12 @@ class Engine:
         self.waiting_for_grammar = GrammarWaitList(self.structured)
         self.num_prompt_tokens = 0
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (an engine of one rank holds nothing to stop)."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -233,7 +247,7 @@ class Engine:
         sample_mask = [req.num_computed_tokens + n == req.num_tokens + len(req.spec_token_ids) for req, n in scheduled]
         num_logits = None if self.speculator is None else self.speculator.num_logits(scheduled)
         started = time.perf_counter()
-        self.kv_cache.copy_blocks(self.block_manager.take_copies())
+        self.runner.copy_blocks(self.block_manager.take_copies())
         logits = self.runner.execute(scheduled, sample_mask, num_logits)
         shape = step_shape(scheduled)
         prefilling = [req for req, n in scheduled

@@ -15,7 +15,19 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVLayout
 from engine.model_loader import load_model
 from engine.model_support import check_model_dir
+from engine.parallel.group import TPGroup
 from engine.request import Request
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """A step's work as plain data, per scheduled request: the tokens it computes from position `starts[i]`,
+    the blocks its context covers, and whether it is a decode (`decodes`, longest context first). Rank 0 of a
+    tensor-parallel engine sends it, with the positions to keep logits at, to the other ranks."""
+    token_ids: list[list[int]]
+    starts: list[int]
+    tables: list[list[int]]
+    decodes: list[int]
 
 
 @dataclass(slots=True)
@@ -27,22 +39,39 @@ class PackedBatch:
 
 
 class ModelRunner:
-    """Owns the model and the KV cache; `execute` turns scheduled work into logits for sampled positions."""
+    """Owns the model and the KV cache; `execute` turns scheduled work into logits for sampled positions.
 
-    def __init__(self, config: EngineConfig, model_dir: Path):
+    With `tp` (a rank of a tensor-parallel engine, engine/parallel/) it holds that rank's shard of the model and
+    of the KV cache (its KV heads). Rank 0 runs `execute`, which first sends the step's plan to the other ranks;
+    they run `follow`, doing each forward with it."""
+
+    def __init__(self, config: EngineConfig, model_dir: Path, tp: TPGroup | None = None):
         self.config = config
         self.device = config.torch_device
+        self.tp = tp
+        self._pending_copies: list[tuple[int, int]] = []
         check_model_dir(model_dir)  # before the weights: a model the attention cannot run exactly is refused
-        self.model = load_model(model_dir, config.torch_dtype, self.device, ATTN_IMPLEMENTATION)
+        shard = None
+        if tp is None:
+            self.model = load_model(model_dir, config.torch_dtype, self.device, ATTN_IMPLEMENTATION)
+        else:
+            from engine.parallel.sharding import load_sharded
+            self.model, shard = load_sharded(model_dir, config.torch_dtype, self.device, ATTN_IMPLEMENTATION, tp)
+        # The weights this rank holds, as loaded (before the CPU path repacks them).
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in {id(p): p for p in self.model.parameters()}.values())
         self.fused_layers = 0  # decoder layers running on engine/cpu_layers.py's fused path
         if self.device.type == "cpu" and config.torch_dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
             blocks = config.weight_blocks and config.torch_dtype == torch.float32
             self.fused_layers = fuse_decoder_layers(self.model, blocks)
             use_onednn_linears(self.model, blocks)
+        if tp is not None:
+            from engine.parallel.sharding import row_parallel
+            row_parallel(self.model, tp)  # around whatever computes o_proj and down_proj by now
         hf = self.model.config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.layout = KVLayout(model_id=config.model_id, dtype=config.resolved_dtype, block_size=config.block_size,
-                               num_layers=hf.num_hidden_layers, num_kv_heads=hf.num_key_value_heads,
+                               num_layers=hf.num_hidden_layers,
+                               num_kv_heads=hf.num_key_value_heads if shard is None else shard.kv_heads,
                                head_dim=head_dim)
         num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_budget(
             self.layout, config.kv_cache_memory_gb * 2**30)
@@ -60,40 +89,73 @@ class ModelRunner:
         # host time. Flash and memory-efficient attention launch in microseconds.
         self.sdpa_backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
                               if self.device.type == "cuda" else None)
+        # Every rank's weight bytes, in rank order (rank 0's runner only; [own] without tensor parallelism).
+        self.rank_weight_bytes = [self.weight_bytes]
+        if tp is not None:
+            gathered = tp.gather_to_first(torch.tensor([self.weight_bytes], dtype=torch.long))
+            self.rank_weight_bytes = None if gathered is None else [int(t.item()) for t in gathered]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (src, dst) before the next forward: here now, on the other ranks with the next plan."""
+        self.kv_cache.copy_blocks(copies)
+        if self.tp is not None:
+            self._pending_copies.extend(copies)
+
+    def follow(self) -> None:
+        """A rank other than 0: run each forward rank 0 sends, until it sends None."""
+        while (message := self.tp.broadcast_object()) is not None:
+            plan, keep, copies = message
+            self.kv_cache.copy_blocks(copies)
+            self.forward(self.pack(plan), self._tensor(keep))
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], sample_mask: list[bool],
                 num_logits: list[int] | None = None) -> torch.Tensor:
         """Logits [num_sampled, vocab] for the requests whose last scheduled token completes their tokens;
         with `num_logits`, each sampled row's last `num_logits[i]` positions (a decode verifying a draft)."""
-        batch = self.prepare(scheduled)
+        plan = self.plan(scheduled)
+        batch = self.pack(plan)
         if num_logits is None:
             keep = [i for i, s in zip(batch.last_token_idx, sample_mask) if s]
         else:
             keep = [p for i, s, m in zip(batch.last_token_idx, sample_mask, num_logits) if s
                     for p in range(i - m + 1, i + 1)]
+        if self.tp is not None:
+            copies, self._pending_copies = self._pending_copies, []
+            self.tp.broadcast_object((plan, keep, copies))
         return self.forward(batch, self._tensor(keep))
 
-    def prepare(self, scheduled: list[tuple[Request, int]]) -> PackedBatch:
-        """Pack the scheduled tokens of all requests into one sequence with its attention metadata.
-        Decode tokens come first, longest context first, so attention can take them in a few slices.
-        With the CPU kernel, a decode verifying a draft is decodes too: its token at position p attends
-        positions [0, p] of the same block table, as a one-token decode of a context p + 1 long would."""
+    def plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
+        """The step's tokens and blocks per request. Decodes are listed longest context first, so attention
+        can take them in a few slices. With the CPU kernel, a decode verifying a draft is decodes too: its
+        token at position p attends positions [0, p] of the same block table, as a one-token decode of a
+        context p + 1 long would."""
         decodes = sorted((i for i, (req, n) in enumerate(scheduled)
                           if req.num_computed_tokens > 0 and (n == 1 or self._paged_draft(req, n))),
                          key=lambda i: -scheduled[i][0].num_computed_tokens)
-        is_decode = set(decodes)
+        bs = self.config.block_size
+        plan = StepPlan([], [], [], decodes)
+        for req, num_new in scheduled:
+            start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
+            plan.token_ids.append(req.all_token_ids[start:end] if not req.spec_token_ids
+                                  else (req.all_token_ids + req.spec_token_ids)[start:end])
+            plan.starts.append(start)
+            plan.tables.append(req.block_table[:-(-end // bs)])
+        return plan
+
+    def pack(self, plan: StepPlan) -> PackedBatch:
+        """Pack the planned tokens of all requests into one sequence, decodes first, with its attention metadata."""
+        is_decode = set(plan.decodes)
         input_ids, positions, slots = [], [], []
-        last_token_idx = [0] * len(scheduled)
+        last_token_idx = [0] * len(plan.starts)
         tables, lens, prefills = [], [], []
         bs = self.config.block_size
-        for i in decodes + [i for i in range(len(scheduled)) if i not in is_decode]:
-            req, num_new = scheduled[i]
-            start, end, offset = req.num_computed_tokens, req.num_computed_tokens + num_new, len(input_ids)
-            input_ids.extend(req.all_token_ids[start:end] if not req.spec_token_ids
-                             else (req.all_token_ids + req.spec_token_ids)[start:end])
+        for i in plan.decodes + [i for i in range(len(plan.starts)) if i not in is_decode]:
+            ids, start, table = plan.token_ids[i], plan.starts[i], plan.tables[i]
+            num_new, offset = len(ids), len(input_ids)
+            end = start + num_new
+            input_ids.extend(ids)
             positions.extend(range(start, end))
-            table = req.block_table[:-(-end // bs)]
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_token_idx[i] = offset + num_new - 1
             if i in is_decode:

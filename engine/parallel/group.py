@@ -1,0 +1,101 @@
+"""The ranks' process group: built straight from a TCPStore that rank 0 hosts (never torch's global default group,
+which a worker's KV transfer may use for its own pairs), Gloo on CPU and NCCL on CUDA, with the few collectives a
+sharded forward needs and a broadcast of pickled objects for the step plans."""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# A rank that waits longer than this for a collective gives up: the other side is gone or stuck.
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class GroupAddress:
+    """Where the ranks meet: rank 0's store."""
+    host: str
+    port: int
+    size: int
+
+
+class TPGroup:
+    """One rank's handle on the group of `size` ranks."""
+
+    def __init__(self, rank: int, size: int, group: dist.ProcessGroup, store: dist.TCPStore,
+                 device: torch.device):
+        self.rank, self.size, self.group, self.store, self.device = rank, size, group, store, device
+
+    @classmethod
+    def host(cls, size: int, device: torch.device, host: str = "127.0.0.1") -> tuple[dist.TCPStore, GroupAddress]:
+        """Rank 0's store, on a free port of `host` (the ranks of a worker share one node)."""
+        store = dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=DEFAULT_TIMEOUT_S),
+                              wait_for_workers=False)
+        return store, GroupAddress(host, store.port, size)
+
+    @classmethod
+    def join(cls, address: GroupAddress, rank: int, device: torch.device, store: dist.TCPStore | None = None,
+             timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
+        """Join the group (blocks until all ranks have); rank 0 passes the store it hosts."""
+        if store is None:
+            store = dist.TCPStore(address.host, address.port, None, False, timeout=timedelta(seconds=timeout_s),
+                                  wait_for_workers=False)
+        prefixed = dist.PrefixStore("tp/", store)
+        timeout = timedelta(seconds=timeout_s)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(prefixed, rank, address.size, options)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=address.host)]
+            group = dist.ProcessGroupGloo(prefixed, rank, address.size, options)
+        return cls(rank, address.size, group, store, device)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place (Gloo reduces in fp32 or bf16 alike)."""
+        self.group.allreduce([tensor]).wait()
+        return tensor
+
+    def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Rank 0 gets every rank's `tensor` (all of one shape), in rank order; the others get None."""
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            out = [[torch.empty_like(tensor) for _ in range(self.size)]]
+            self.group.gather(out, [tensor], opts).wait()
+            return out[0]
+        self.group.gather([], [tensor], opts).wait()
+        return None
+
+    def broadcast_object(self, obj=None):
+        """Rank 0 sends `obj` (pickled) to every rank; each returns it (NCCL carries the bytes in a device
+        buffer, Gloo in a host one)."""
+        if self.rank == 0:
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            return pickle.loads(self._broadcast_bytes(payload))
+        return pickle.loads(self._broadcast_bytes(None))
+
+    def _broadcast_bytes(self, payload: bytes | None) -> bytes:
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.long, device=device)
+        self.group.broadcast([size], opts).wait()
+        if payload is not None:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        else:
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        self.group.broadcast([data], opts).wait()
+        return payload if payload is not None else data.cpu().numpy().tobytes()
+
+    def close(self) -> None:
+        try:
+            self.group.abort()
+        except (RuntimeError, AttributeError):  # a group that failed may refuse to abort; unusable either way
+            pass

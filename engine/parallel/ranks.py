@@ -1,0 +1,85 @@
+"""The rank processes of a tensor-parallel engine. Rank 0 is the engine's own process: it owns the scheduler, the
+block manager and the sampler, and before each forward it broadcasts the step's plan (plain data: tokens,
+positions, block tables, blocks to copy). Ranks 1..N-1 are processes it starts (spawned, so that a CUDA rank never
+inherits a forked CUDA context); each builds its shard of the model and KV cache and runs every forward it is
+sent, until rank 0 sends None or goes away (a collective then fails, and the rank exits)."""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.parallel.group import GroupAddress, TPGroup
+
+logger = logging.getLogger(__name__)
+
+# How long rank 0 waits for the other ranks to start and join (importing torch and reading a shard).
+JOIN_TIMEOUT_S = 300.0
+
+
+class Ranks:
+    """Rank 0's handle on the other ranks: `group` is its TPGroup; `close` stops them."""
+
+    def __init__(self, group: TPGroup, processes: list[multiprocessing.Process]):
+        self.group, self.processes = group, processes
+
+    @classmethod
+    def start(cls, config: EngineConfig, model_dir: Path) -> Ranks:
+        size = config.tensor_parallel_size
+        device = config.torch_device
+        store, address = TPGroup.host(size, device)
+        context = multiprocessing.get_context("spawn")
+        processes = [context.Process(target=run_rank, args=(config, str(model_dir), rank, address),
+                                     name=f"tandem-tp-rank-{rank}", daemon=True) for rank in range(1, size)]
+        for process in processes:
+            process.start()
+        try:
+            group = TPGroup.join(address, 0, device, store=store, timeout_s=JOIN_TIMEOUT_S)
+        except BaseException:
+            for process in processes:
+                process.kill()
+            raise
+        return cls(group, processes)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Tell the other ranks to stop (they end after the forward they are in), then make sure they have."""
+        if self.alive():
+            try:
+                self.group.broadcast_object(None)
+            except RuntimeError:  # a rank already gone: the kill below covers the rest
+                pass
+        for process in self.processes:
+            process.join(timeout_s)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout_s)
+        self.group.close()
+
+
+def start_ranks(config: EngineConfig, model_dir: Path) -> Ranks:
+    """Check that the model splits over `config.tensor_parallel_size` ranks (ValueError naming the numbers),
+    then start the other ranks and join them."""
+    from transformers import AutoConfig
+    from engine.parallel.sharding import plan_for
+
+    plan_for(AutoConfig.from_pretrained(model_dir), 0, config.tensor_parallel_size)
+    return Ranks.start(config, model_dir)
+
+
+def run_rank(config: EngineConfig, model_dir: str, rank: int, address: GroupAddress) -> None:
+    """A follower rank's whole life: join, build its shard, run the forwards rank 0 sends."""
+    from engine.model_runner import ModelRunner
+
+    config.apply_threads()
+    group = TPGroup.join(address, rank, config.torch_device)
+    try:
+        runner = ModelRunner(config, Path(model_dir), tp=group)
+        runner.follow()
+    except RuntimeError as e:  # rank 0 went away mid-collective: nothing left to serve
+        logger.info("tensor-parallel rank %d stops: %s", rank, e)
+    finally:
+        group.close()
