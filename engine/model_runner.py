@@ -120,10 +120,14 @@ class ModelRunner:
         else:
             keep = [p for i, s, m in zip(batch.last_token_idx, sample_mask, num_logits) if s
                     for p in range(i - m + 1, i + 1)]
-        if self.tp is not None:
-            copies, self._pending_copies = self._pending_copies, []
+        if self.tp is None:
+            return self.forward(batch, self._tensor(keep))
+        copies, self._pending_copies = self._pending_copies, []
+        try:
             self.tp.broadcast_object((plan, keep, copies))
-        return self.forward(batch, self._tensor(keep))
+            return self.forward(batch, self._tensor(keep))
+        except RuntimeError as e:
+            raise self.tp.failed(e) from e
 
     def plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
         """The step's tokens and blocks per request. Decodes are listed longest context first, so attention

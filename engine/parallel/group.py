@@ -22,12 +22,23 @@ class GroupAddress:
     size: int
 
 
+class RankFailed(RuntimeError):
+    """A collective of the ranks failed: one of them is gone (or stuck past the timeout)."""
+
+
 class TPGroup:
     """One rank's handle on the group of `size` ranks."""
 
     def __init__(self, rank: int, size: int, group: dist.ProcessGroup, store: dist.TCPStore,
                  device: torch.device):
         self.rank, self.size, self.group, self.store, self.device = rank, size, group, store, device
+        # Rank 0's: which ranks are gone and how (engine/parallel/ranks.py), for the error a failed collective gives.
+        self.describe_ranks = lambda: ""
+
+    def failed(self, error: BaseException) -> RuntimeError:
+        """The error a failed step raises: which ranks are gone, then the collective's own message."""
+        gone = self.describe_ranks()
+        return RankFailed(f"tensor-parallel group of {self.size} failed{': ' + gone if gone else ''} ({error})")
 
     @classmethod
     def host(cls, size: int, device: torch.device, host: str = "127.0.0.1") -> tuple[dist.TCPStore, GroupAddress]:

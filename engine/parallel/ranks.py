@@ -40,10 +40,17 @@ class Ranks:
             for process in processes:
                 process.kill()
             raise
-        return cls(group, processes)
+        ranks = cls(group, processes)
+        group.describe_ranks = ranks.describe
+        return ranks
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.processes)
+
+    def describe(self) -> str:
+        """The ranks that have exited, with their exit codes ("" while all run)."""
+        return ", ".join(f"rank {rank} exited with code {p.exitcode}"
+                         for rank, p in enumerate(self.processes, start=1) if not p.is_alive())
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Tell the other ranks to stop (they end after the forward they are in), then make sure they have."""
