@@ -127,7 +127,8 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 
 def build_random_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, *, hidden_size: int = 64,
                        num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                       max_position_embeddings: int = 512, **config_overrides) -> Path:
+                       max_position_embeddings: int = 512, intermediate_size: int | None = None,
+                       **config_overrides) -> Path:
     """A tiny random-weight model of a HF architecture (Llama, Qwen2, Mistral, ...) with the default model's
     tokenizer, for tests; `config_overrides` go to its config (a sliding window, soft-capping)."""
     import torch
@@ -138,7 +139,7 @@ def build_random_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, 
         return out_dir
     tokenizer = load_tokenizer(default_model_dir())
     config = AutoConfig.for_model(
-        arch, vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+        arch, vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size or hidden_size * 2,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, **{"tie_word_embeddings": False, **config_overrides})

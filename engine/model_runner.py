@@ -64,10 +64,12 @@ class ModelRunner:
             blocks = config.weight_blocks and config.torch_dtype == torch.float32
             self.fused_layers = fuse_decoder_layers(self.model, blocks)
             use_onednn_linears(self.model, blocks)
+        hf = self.model.config
         if tp is not None:
             from engine.parallel.sharding import row_parallel
             row_parallel(self.model, tp)  # around whatever computes o_proj and down_proj by now
-        hf = self.model.config
+            # A step's all-reduces carry at most its tokens' hidden states (fp32 at most).
+            tp.attach_shared_memory(config.max_num_batched_tokens * hf.hidden_size * 4)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.layout = KVLayout(model_id=config.model_id, dtype=config.resolved_dtype, block_size=config.block_size,
                                num_layers=hf.num_hidden_layers,

@@ -34,6 +34,21 @@ class TPGroup:
         self.rank, self.size, self.group, self.store, self.device = rank, size, group, store, device
         # Rank 0's: which ranks are gone and how (engine/parallel/ranks.py), for the error a failed collective gives.
         self.describe_ranks = lambda: ""
+        self.alive = lambda: True  # whether the other ranks still run (rank 0: its processes; others: rank 0)
+        self.shm = None  # CPU ranks' shared-memory all-reduce, once attached
+
+    def attach_shared_memory(self, max_bytes: int) -> None:
+        """CPU ranks: all-reduce through shared memory for tensors up to `max_bytes` (engine/parallel/shm_allreduce.py).
+        Rank 0 creates the buffers and publishes their name in the store; the others attach."""
+        from engine.parallel.shm_allreduce import ShmAllReduce
+
+        if self.device.type != "cpu" or self.size == 1:
+            return
+        if self.rank == 0:
+            self.shm = ShmAllReduce(None, 0, self.size, max_bytes, self.alive)
+            self.store.set("tp/shm", self.shm.name)
+        else:
+            self.shm = ShmAllReduce(self.store.get("tp/shm").decode(), self.rank, self.size, max_bytes, self.alive)
 
     def failed(self, error: BaseException) -> RuntimeError:
         """The error a failed step raises: which ranks are gone, then the collective's own message."""
@@ -69,12 +84,18 @@ class TPGroup:
         return cls(rank, address.size, group, store, device)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over the ranks, in place (Gloo reduces in fp32 or bf16 alike)."""
-        self.group.allreduce([tensor]).wait()
+        """Sum `tensor` over the ranks, in place: through shared memory on CPU, else (or when larger than its
+        buffers, counted in `shm.too_large`) over the process group."""
+        if self.shm is None or not self.shm.all_reduce(tensor):
+            self.group.allreduce([tensor]).wait()
         return tensor
 
     def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Rank 0 gets every rank's `tensor` (all of one shape), in rank order; the others get None."""
+        if self.shm is not None:
+            out = self.shm.gather_to_first(tensor)
+            if out is not False:
+                return out
         opts = dist.GatherOptions()
         opts.rootRank = 0
         if self.rank == 0:
@@ -93,6 +114,10 @@ class TPGroup:
         return pickle.loads(self._broadcast_bytes(None))
 
     def _broadcast_bytes(self, payload: bytes | None) -> bytes:
+        if self.shm is not None:
+            data = self.shm.broadcast(payload)
+            if data is not None:
+                return data
         device = self.device if self.device.type == "cuda" else torch.device("cpu")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
@@ -106,6 +131,9 @@ class TPGroup:
         return payload if payload is not None else data.cpu().numpy().tobytes()
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         try:
             self.group.abort()
         except (RuntimeError, AttributeError):  # a group that failed may refuse to abort; unusable either way

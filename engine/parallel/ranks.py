@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 from pathlib import Path
 
 from engine.config import EngineConfig
@@ -41,7 +42,7 @@ class Ranks:
                 process.kill()
             raise
         ranks = cls(group, processes)
-        group.describe_ranks = ranks.describe
+        group.describe_ranks, group.alive = ranks.describe, ranks.alive
         return ranks
 
     def alive(self) -> bool:
@@ -82,7 +83,9 @@ def run_rank(config: EngineConfig, model_dir: str, rank: int, address: GroupAddr
     from engine.model_runner import ModelRunner
 
     config.apply_threads()
+    parent = os.getppid()
     group = TPGroup.join(address, rank, config.torch_device)
+    group.alive = lambda: os.getppid() == parent  # rank 0 is this process's parent
     try:
         runner = ModelRunner(config, Path(model_dir), tp=group)
         runner.follow()
