@@ -1,6 +1,8 @@
 """Runs the HF model on a packed batch of scheduled tokens against the paged KV cache."""
 from __future__ import annotations
 
+import dataclasses
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,12 +74,9 @@ class ModelRunner:
             tp.attach_shared_memory(config.max_num_batched_tokens * hf.hidden_size * 4)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.layout = KVLayout(model_id=config.model_id, dtype=config.resolved_dtype, block_size=config.block_size,
-                               num_layers=hf.num_hidden_layers,
-                               num_kv_heads=hf.num_key_value_heads if shard is None else shard.kv_heads,
+                               num_layers=hf.num_hidden_layers, num_kv_heads=hf.num_key_value_heads,
                                head_dim=head_dim)
-        num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_budget(
-            self.layout, config.kv_cache_memory_gb * 2**30)
-        self.kv_cache = KVCache(self.layout, num_blocks, self.device, shared=config.kv_cache_shared)
+        self.kv_cache = self._kv_cache(config, shard)
         self.vocab_size = hf.vocab_size
         self.max_position_embeddings = getattr(hf, "max_position_embeddings", 2048)
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -96,6 +95,26 @@ class ModelRunner:
         if tp is not None:
             gathered = tp.gather_to_first(torch.tensor([self.weight_bytes], dtype=torch.long))
             self.rank_weight_bytes = None if gathered is None else [int(t.item()) for t in gathered]
+
+    def _kv_cache(self, config: EngineConfig, shard) -> KVCache:
+        """The KV cache: this engine's, or on CPU the ranks' one shared cache (each computes on its own heads'
+        slot, and rank 0 moves whole blocks of every head; engine/kv_cache.py). Ranks on separate GPUs each hold
+        a cache of their own heads (the layout says so), which KV transfer cannot move yet."""
+        tp = self.tp
+        size = 1 if tp is None else tp.size
+        if tp is not None and self.device.type != "cpu":
+            self.layout = dataclasses.replace(self.layout, num_kv_heads=shard.kv_heads)
+            size = 1
+        num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_budget(
+            self.layout, config.kv_cache_memory_gb * 2**30, size)
+        if size == 1:
+            return KVCache(self.layout, num_blocks, self.device, shared=config.kv_cache_shared)
+        if tp.rank == 0:
+            cache = KVCache(self.layout, num_blocks, self.device, tp=(size, 0))
+            tp.store.set("tp/kv", f"{os.getpid()},{cache.shm_fd}")
+            return cache
+        pid, fd = (int(x) for x in tp.store.get("tp/kv").decode().split(","))
+        return KVCache(self.layout, num_blocks, self.device, tp=(size, tp.rank), source=(pid, fd))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks (src, dst) before the next forward: here now, on the other ranks with the next plan."""

@@ -89,14 +89,19 @@ def _layers(cache: KVCache, spec: ChunkSpec) -> torch.Tensor:
 def cache_views(cache: KVCache, block_ids: list[int], spec: ChunkSpec) -> list[torch.Tensor] | None:
     """The chunk's payload as views of the cache (K, V per layer) when its blocks are a slice."""
     start = consecutive_start(block_ids)
-    if start is None:
-        return None
+    if start is None or cache.tp_size > 1:
+        return None  # a tensor-parallel cache's heads are spread over its ranks' slots: not one view
     return segments(_layers(cache, spec)[:, :, start:start + len(block_ids)])
 
 
 def chunk_shape(layout: KVLayout, spec: ChunkSpec) -> tuple[int, ...]:
     """The payload as one tensor: [layers, 2 (K, V), blocks, block_size, heads, head_dim]."""
     return (spec.num_layers, 2, spec.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+
+
+def _cache_shape(cache: KVCache, spec: ChunkSpec) -> tuple[int, ...]:
+    """The payload shaped as the cache's `kv` (a tensor-parallel cache splits the heads by rank)."""
+    return (spec.num_layers, 2, spec.num_blocks, *cache.kv.shape[3:])
 
 
 def staging_buffer(cache: KVCache, spec: ChunkSpec) -> torch.Tensor:
@@ -117,7 +122,9 @@ def read_chunk(cache: KVCache, block_ids: list[int], spec: ChunkSpec) -> list[to
     layers = _layers(cache, spec)
     if start is not None:
         block_slice = layers[:, :, start:start + len(block_ids)]
-        return [block_slice.contiguous()] if one_buffer else segments(block_slice)
+        if one_buffer or cache.tp_size > 1:  # a tensor-parallel cache: gathered in the wire's order
+            block_slice = block_slice.contiguous()
+        return [block_slice] if one_buffer else segments(block_slice)
     index = torch.tensor(block_ids, dtype=torch.long, device=cache.kv.device)
     staging = torch.index_select(_wide(layers), 2, index).view(cache.kv.dtype)
     return [staging] if one_buffer else segments(staging)
@@ -126,14 +133,15 @@ def read_chunk(cache: KVCache, block_ids: list[int], spec: ChunkSpec) -> list[to
 def write_chunk(cache: KVCache, block_ids: list[int], spec: ChunkSpec, payload: torch.Tensor) -> None:
     """Scatter a payload (any tensor holding the chunk's bytes in wire order) into `block_ids`."""
     device = cache.kv.device
-    src = payload.view(cache.kv.dtype).view(chunk_shape(cache.layout, spec)).to(device)
-    layers = _layers(cache, spec)
+    src = payload.view(cache.kv.dtype).view(_cache_shape(cache, spec)).to(device)
     start = consecutive_start(block_ids)
-    if start is not None:
-        layers[:, :, start:start + len(block_ids)].copy_(src)
-    else:
-        index = torch.tensor(block_ids, dtype=torch.long, device=device)
-        _wide(layers).index_copy_(2, index, _wide(src))
+    index = None if start is not None else torch.tensor(block_ids, dtype=torch.long, device=device)
+    for replica in cache.replicas:  # one, unless a tensor-parallel cache holds each head several times
+        layers = replica[spec.layer_start:spec.layer_end]
+        if index is None:
+            layers[:, :, start:start + len(block_ids)].copy_(src)
+        else:
+            _wide(layers).index_copy_(2, index, _wide(src))
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

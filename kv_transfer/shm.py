@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, copy_heads, every_head
 
 
 @functools.cache
@@ -49,6 +49,7 @@ class ShmSource:
     inode: int  # of the memfd: a map made for a dead worker whose pid and fd came back is not reused
     num_blocks: int  # of the whole cache: the mapping's shape is checked against it
     block_ids: tuple[int, ...]  # the lease's blocks, in the request's order
+    tp_size: int = 1  # a tensor-parallel worker's cache holds a slot per rank (engine/kv_cache.py)
 
 
 def source(cache: KVCache, block_ids: list[int]) -> ShmSource | None:
@@ -56,7 +57,7 @@ def source(cache: KVCache, block_ids: list[int]) -> ShmSource | None:
     if cache.shm_fd is None:
         return None
     return ShmSource(host_key(), os.getpid(), cache.shm_fd, os.fstat(cache.shm_fd).st_ino, cache.num_blocks,
-                     tuple(block_ids))
+                     tuple(block_ids), cache.tp_size)
 
 
 class SharedCaches:
@@ -83,7 +84,8 @@ class SharedCaches:
         for end in range(1, len(pairs) + 1):
             if end == len(pairs) or pairs[end] != (pairs[end - 1][0] + 1, pairs[end - 1][1] + 1):
                 (s, d), n = pairs[start], end - start
-                self.cache.kv[:, :, d:d + n].copy_(kv[:, :, s:s + n])
+                for replica in self.cache.replicas:
+                    copy_heads(replica[:, :, d:d + n], kv[:, :, s:s + n])
                 start = end
         return 2 * self.cache.layout.num_layers * len(indices) * self.cache.layout.bytes_per_block_per_layer
 
@@ -96,7 +98,7 @@ class SharedCaches:
         if key not in self._maps:
             for old in [k for k in self._maps if not os.path.exists(f"/proc/{k[0]}/fd/{k[1]}")]:
                 del self._maps[old]
-            shape = KVCache.shape(self.cache.layout, src.num_blocks)
+            shape = KVCache.memory_shape(self.cache.layout, src.num_blocks, src.tp_size)
             path = f"/proc/{src.pid}/fd/{src.fd}"
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -112,6 +114,7 @@ class SharedCaches:
                 os.close(fd)
             with warnings.catch_warnings():  # a read-only buffer: we only ever copy out of it
                 warnings.simplefilter("ignore")
-                kv = torch.frombuffer(view, dtype=self.cache.kv.dtype).view(shape)
+                kv = every_head(torch.frombuffer(view, dtype=self.cache.kv.dtype).view(shape), self.cache.layout,
+                                src.tp_size)
             self._maps[key] = kv, view
         return self._maps[key][0]

@@ -52,7 +52,8 @@ def test_two_ranks_give_one_ranks_greedy_tokens_exactly(models, arch):
     assert single.runner.fused_layers == sharded.runner.fused_layers == fused
     kv_heads = single.runner.layout.num_kv_heads
     # Each rank caches its own KV heads: half of them, or the one it shares when there are fewer than ranks.
-    assert sharded.runner.layout.num_kv_heads == max(1, kv_heads // 2)
+    assert sharded.runner.layout == single.runner.layout  # the whole model's: transfers move every head
+    assert sharded.runner.kv_cache.k[0].shape[2] == max(1, kv_heads // 2)
 
 
 def test_each_rank_holds_half_the_weights(models):
@@ -150,3 +151,93 @@ def _running(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def move(prefill: Engine, decode: Engine, server, client, request_id: str, prompt: list[int]):
+    """Prefill on one engine, pull what decode lacks, decode to the end: (indices pulled, bytes, tokens)."""
+    from tests.test_kv_transfer_engine import prefill_remotely
+
+    first, params, hashes = prefill_remotely(prefill, request_id, prompt)
+    num_full = params["num_tokens"] // prefill.config.block_size
+    handle = server.lease(request_id, params["block_ids"], hashes[:num_full], params["num_tokens"],
+                          on_release=prefill.block_manager.free_block_ids)
+    req = decode.make_request(request_id, prompt, PARAMS)
+    req.all_token_ids.extend(first)
+    indices = decode.reserve_for_import(req)
+    stats = client.pull(handle, [req.block_table[i] for i in indices], indices)
+    client.release(handle)  # a same-host copy has released it already
+    assert not server.leases
+    decode.add_imported(req)
+    tokens = list(first)
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            tokens.extend(out.new_token_ids)
+    return indices, stats.num_bytes, tokens
+
+
+@pytest.fixture(scope="module")
+def tp_engines(models):
+    """Prefill and decode engines of TP 1 and 2 on one model, and a colocated TP=1 reference."""
+    made = {(role, tp): Engine(EngineConfig(model=models["llama"], dtype="float32", num_kv_blocks=64,
+                                            tensor_parallel_size=tp, kv_cache_shared=role == "prefill"))
+            for role in ("prefill", "decode") for tp in (1, 2)}
+    made["reference"] = engine(models["llama"], 1)
+    yield made
+    for e in made.values():
+        e.close()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "torch_dist", "shm"])
+@pytest.mark.parametrize("sizes", [(2, 1), (1, 2), (2, 2)], ids=lambda s: f"P{s[0]}-D{s[1]}")
+def test_kv_moves_whole_between_engines_of_different_tp_sizes(tp_engines, sizes, transport):
+    """Rank 0 of a TP engine reads and writes every head of a block (its ranks share one cache), so pulls between
+    TP sizes move the whole model's layout: nothing is recomputed and decode gives the colocated tokens."""
+    from kv_transfer import KVServerConfig, KVTransferServer
+    from kv_transfer.dist_client import DistKVClient
+    from kv_transfer.grpc_client import GrpcKVClient
+    prefill, decode = tp_engines["prefill", sizes[0]], tp_engines["decode", sizes[1]]
+    server = KVTransferServer(prefill.kv_cache, "t", KVServerConfig(dist=transport == "torch_dist")).start()
+    if transport == "torch_dist":
+        client = DistKVClient(decode.kv_cache, "t")
+    else:
+        client = GrpcKVClient(decode.kv_cache, "t", shared_memory=transport == "shm")
+    try:
+        salt = hash((sizes, transport)) % 97
+        prompt = [(i * 31 + salt) % 500 + 3 for i in range(45)]  # two full blocks and a partial one
+        expected = tp_engines["reference"].generate([prompt], PARAMS)[0].token_ids
+        sent = server.stats.bytes_sent
+        indices, num_bytes, tokens = move(prefill, decode, server, client, f"r-{sizes}-{transport}", prompt)
+        assert indices == [0, 1, 2]
+        assert tokens == expected
+        layout = decode.kv_cache.layout
+        assert num_bytes == 3 * 2 * layout.num_layers * layout.bytes_per_block_per_layer
+        if transport == "shm":
+            assert server.stats.bytes_sent == sent and client.shm_unavailable == 0  # copied from the memfd
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_kv_moves_between_tp_sizes_when_ranks_replicate_the_kv_head(models):
+    """One KV head, two ranks: each rank's slot holds a copy; a pull reads one copy and writes both."""
+    from kv_transfer import KVServerConfig, KVTransferServer
+    from kv_transfer.grpc_client import GrpcKVClient
+    made = [Engine(EngineConfig(model=models["one-kv-head"], dtype="float32", num_kv_blocks=32,
+                                tensor_parallel_size=tp)) for tp in (2, 1, 2)]
+    try:
+        reference = made[1].generate([list(range(40, 85))], PARAMS)[0].token_ids
+        for src, dst, name in ((made[0], made[1], "2-1"), (made[1], made[2], "1-2")):
+            server = KVTransferServer(src.kv_cache, "t", KVServerConfig()).start()
+            client = GrpcKVClient(dst.kv_cache, "t", shared_memory=False)
+            try:
+                _, _, tokens = move(src, dst, server, client, f"rep-{name}", list(range(40, 85)))
+                assert tokens == reference, name
+            finally:
+                client.close()
+                server.stop()
+    finally:
+        for e in made:
+            e.close()
