@@ -10,8 +10,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# A rank that waits longer than this for a collective gives up: the other side is gone or stuck.
-DEFAULT_TIMEOUT_S = 600.0
+# A rank that waits longer than this for a collective gives up. The other ranks wait for rank 0's next plan for
+# as long as the engine idles, so this is long; a rank that dies is noticed at once (its connections close, or
+# the shared-memory wait checks it), and a stuck step is the worker's stall watchdog's (PoolConfig.stall_timeout_s).
+DEFAULT_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +64,18 @@ class TPGroup:
                               wait_for_workers=False)
         return store, GroupAddress(host, store.port, size)
 
+    @staticmethod
+    def connect(address: GroupAddress, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+        """A rank's client of rank 0's store."""
+        return dist.TCPStore(address.host, address.port, None, False, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+
     @classmethod
     def join(cls, address: GroupAddress, rank: int, device: torch.device, store: dist.TCPStore | None = None,
              timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
         """Join the group (blocks until all ranks have); rank 0 passes the store it hosts."""
         if store is None:
-            store = dist.TCPStore(address.host, address.port, None, False, timeout=timedelta(seconds=timeout_s),
-                                  wait_for_workers=False)
+            store = cls.connect(address, timeout_s)
         prefixed = dist.PrefixStore("tp/", store)
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import time
 from pathlib import Path
 
 from engine.config import EngineConfig
@@ -36,6 +37,7 @@ class Ranks:
         for process in processes:
             process.start()
         try:
+            _wait_for_ranks(store, processes)
             group = TPGroup.join(address, 0, device, store=store, timeout_s=JOIN_TIMEOUT_S)
         except BaseException:
             for process in processes:
@@ -68,6 +70,20 @@ class Ranks:
         self.group.close()
 
 
+def _wait_for_ranks(store, processes: list[multiprocessing.Process]) -> None:
+    """Until every rank has started and is about to join; RuntimeError naming one that exited first."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    keys = [f"tp/started/{rank}" for rank in range(1, len(processes) + 1)]
+    while not store.check(keys):
+        for rank, process in enumerate(processes, start=1):
+            if not process.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {process.exitcode} "
+                                   "before joining (its log says why)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel ranks did not start within {JOIN_TIMEOUT_S:.0f}s")
+        time.sleep(0.05)
+
+
 def start_ranks(config: EngineConfig, model_dir: Path) -> Ranks:
     """Check that the model splits over `config.tensor_parallel_size` ranks (ValueError naming the numbers),
     then start the other ranks and join them."""
@@ -84,7 +100,10 @@ def run_rank(config: EngineConfig, model_dir: str, rank: int, address: GroupAddr
 
     config.apply_threads()
     parent = os.getppid()
-    group = TPGroup.join(address, rank, config.torch_device)
+    _pin_to_own_cores(rank, config.tensor_parallel_size)
+    store = TPGroup.connect(address)
+    store.set(f"tp/started/{rank}", "1")
+    group = TPGroup.join(address, rank, config.torch_device, store=store)
     group.alive = lambda: os.getppid() == parent  # rank 0 is this process's parent
     try:
         runner = ModelRunner(config, Path(model_dir), tp=group)
@@ -93,3 +112,12 @@ def run_rank(config: EngineConfig, model_dir: str, rank: int, address: GroupAddr
         logger.info("tensor-parallel rank %d stops: %s", rank, e)
     finally:
         group.close()
+
+
+def _pin_to_own_cores(rank: int, size: int) -> None:
+    """On CPU, a rank other than 0 keeps to its share of the cores the worker was given (rank r the r-th of `size`
+    equal slices), so that the ranks' threads do not contend; rank 0 keeps the worker's own placement."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= size:
+        share = len(cores) // size
+        os.sched_setaffinity(0, cores[rank * share:(rank + 1) * share])

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 FLAG_BYTES = 64  # one cache line per rank's flag
+SPIN_CHECKS = 1 << 14  # polls before a waiting rank starts to sleep between them
+IDLE_POLL_S = 0.0002
 
 
 class ShmAllReduce:
@@ -87,7 +89,7 @@ class ShmAllReduce:
             self.flags[0, 0] = self.seq
             return payload if fits else None
         self.seq += 1
-        self._wait(0, self.seq)
+        self._wait(0, self.seq, None)  # rank 0 may idle between steps for as long as nobody sends requests
         n = int(self.flags[0, 1])
         return None if n < 0 else self.data[self.seq & 1, 0, :n].numpy().tobytes()
 
@@ -97,13 +99,18 @@ class ShmAllReduce:
         self.flags[self.rank, 0] = self.seq
         return self.seq
 
-    def _wait(self, other: int, seq: int, timeout_s: float = 600.0) -> None:
-        spins, deadline = 0, None
-        while self.flags[other, 0] < seq:
+    def _wait(self, other: int, seq: int, timeout_s: float | None = 600.0) -> None:
+        """Spin until rank `other` has reached call `seq`: within a step the wait is a layer's imbalance, well
+        under a millisecond. Past SPIN_CHECKS polls (a few ms: rank 0 is idle between steps) it sleeps between
+        polls instead, so that an idle engine's ranks do not each hold a core."""
+        flags, spins, deadline = self.flags, 0, None
+        while flags[other, 0] < seq:
             spins += 1
-            if spins & 0x3FFF == 0:
+            if spins >= SPIN_CHECKS:
+                time.sleep(IDLE_POLL_S)
+            if spins % SPIN_CHECKS == 0 or spins > SPIN_CHECKS and spins % 256 == 0:
                 now = time.monotonic()
-                deadline = deadline or now + timeout_s
+                deadline = deadline or now + (timeout_s if timeout_s is not None else float("inf"))
                 if now > deadline or not self.alive():
                     raise RuntimeError(f"shared memory: rank {other} did not arrive "
                                        f"({'it is gone' if now <= deadline else f'within {timeout_s:.0f}s'})")
