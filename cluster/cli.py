@@ -50,7 +50,8 @@ def serve_command(args, parser) -> int:
         parser.error("--prefill does not apply with --colocated (there is no prefill pool)")
     overrides = {"model": args.model, "device": args.device, "dtype": args.dtype,
                  "mode": "colocated" if args.colocated else None, "prefill.replicas": args.prefill,
-                 "decode.replicas": args.decode, "host": args.host, "port": args.port, "admin_key": args.admin_key,
+                 "decode.replicas": args.decode, "prefill.tensor_parallel_size": args.prefill_tp,
+                 "decode.tensor_parallel_size": args.decode_tp, "host": args.host, "port": args.port, "admin_key": args.admin_key,
                  "api_keys": dict(args.api_key) if args.api_key else None,
                  "autoscaler.enabled": True if args.autoscale else None,
                  "served_model_name": args.served_model_name, "chat_template": args.chat_template,
@@ -149,17 +150,19 @@ def format_status(status: dict, url: str) -> str:
     lines = [f"tandem at {url}: model {status['model']}, {status['mode']}, membership version {status['version']}",
              ""]
     pools = [["POOL", "WORKERS", "DESIRED", "MIN..MAX"]]
-    workers = [["WORKER", "POOL", "STATE", "RUNNING", "WAITING", "QUEUED TOKENS", "KV USAGE", "PREFIX HITS",
+    workers = [["WORKER", "POOL", "STATE", "RANKS", "RUNNING", "WAITING", "QUEUED TOKENS", "KV USAGE", "PREFIX HITS",
                 "KV FAILURES"]]
     for name, pool in status["pools"].items():
         pools.append([name, str(pool["replicas"]), str(pool["desired"]),
                       f"{pool['min_replicas']}..{pool['max_replicas']}"])
         for w in pool["workers"]:
             if "running" not in w:
-                workers.append([w["worker_id"], name, w["state"], *["-"] * 6])
+                workers.append([w["worker_id"], name, w["state"], *["-"] * 7])
                 continue
             hits = f"{w['prefix_hit_rate']:.1%} ({w['prefix_cache_hits']}/{w['prefix_cache_queries']} tokens)"
-            workers.append([w["worker_id"], name, w["state"], str(w["running"]), str(w["waiting"]),
+            size = w.get("tensor_parallel_size", 1)
+            ranks = str(size) if w.get("tp_ranks_alive", size) == size else f"{w['tp_ranks_alive']}/{size} up"
+            workers.append([w["worker_id"], name, w["state"], ranks, str(w["running"]), str(w["waiting"]),
                             str(w["queued_prefill_tokens"]), f"{w['kv_usage']:.1%}", hits, _kv_failures(w)])
     out = lines + _table(pools) + [""] + _table(workers)
     if flow := status.get("flow"):
@@ -207,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill", type=_count, metavar="N", help="prefill workers at start (default 1)")
     serve.add_argument("--decode", type=_count, metavar="M", help="decode workers at start (default 1)")
     serve.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers prefill too")
+    serve.add_argument("--prefill-tp", type=_count, metavar="N",
+                       help="tensor-parallel ranks per prefill worker (default 1)")
+    serve.add_argument("--decode-tp", type=_count, metavar="N",
+                       help="tensor-parallel ranks per decode worker (default 1)")
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"],
                        help="where workers run (default auto: CUDA when present)")
     serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],

@@ -43,6 +43,9 @@ class PoolConfig(_Strict):
     # A worker whose engine loop stays in one step for longer is stuck (a hung forward or collective):
     # the controller restarts it, and its streams migrate. None: never.
     stall_timeout_s: float | None = Field(120.0, gt=0)
+    # Ranks per worker (engine/parallel/): each holds 1/N of the model and of its KV heads, on a GPU of its own
+    # (the worker asks Ray for N times num_gpus) or on CPU a share of the worker's num_cpus cores.
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
 
 
 class EngineOptions(_Strict):
@@ -304,6 +307,8 @@ class CpuOptions(_Strict):
         cores = int(pool.num_cpus)
         if not self.pin or cores < 1:  # a fractional worker shares cores by design
             return None
+        if pool.tensor_parallel_size > 1:  # its ranks split its cores (engine/parallel/ranks.py): none to lend
+            return CpuBinding(cores)
         both_ways = self.borrow and self.decode_borrows
         if role == "prefill":
             return CpuBinding(cores, lend=both_ways, borrow=self.borrow)
@@ -409,6 +414,7 @@ class ClusterConfig(_Strict):
         speculative = self.speculative_config.engine_config() if role == "decode" and self.speculative_config else None
         shared_cache = role == "prefill" and self.transfer.backend == "grpc" and self.transfer.shared_memory
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
+                            tensor_parallel_size=pool.tensor_parallel_size,
                             num_threads=threads, cpu_binding=binding, itl_slo_ms=itl_slo_ms,
                             borrow_slice_ms=slice_ms if binding is not None and binding.borrow else None,
                             stall_ratio=self.slo.stall_ratio, speculative_config=speculative,

@@ -236,10 +236,12 @@ def fit_pools_to_cores(config: ClusterConfig, cores: int) -> ClusterConfig:
     share = max(1, usable // (prefill + decode))
     update = {}
     if prefill and "num_cpus" not in config.prefill.model_fields_set:
-        update["prefill"] = config.prefill.model_copy(update={"num_cpus": float(share)})
+        update["prefill"] = config.prefill.model_copy(
+            update={"num_cpus": float(max(share, config.prefill.tensor_parallel_size))})  # a core per rank at least
     if "num_cpus" not in config.decode.model_fields_set:
         taken = prefill * int(update["prefill"].num_cpus if "prefill" in update else config.prefill.num_cpus)
-        update["decode"] = config.decode.model_copy(update={"num_cpus": float(max(1, (usable - taken) // decode))})
+        update["decode"] = config.decode.model_copy(update={"num_cpus": float(max(
+            1, config.decode.tensor_parallel_size, (usable - taken) // decode))})
     return config.model_copy(update=update) if update else config
 
 

@@ -30,7 +30,8 @@ def worker_row(w: WorkerInfo, stats_ref, transfer_ref) -> dict:
         row.update(running=s.num_running, waiting=s.num_waiting, queued_prefill_tokens=s.queued_prefill_tokens,
                    kv_usage=round(s.kv_usage, 4), prefix_cache_queries=s.prefix_cache_queries,
                    prefix_cache_hits=s.prefix_cache_hits,
-                   prefix_hit_rate=round(s.prefix_cache_hits / max(s.prefix_cache_queries, 1), 4))
+                   prefix_hit_rate=round(s.prefix_cache_hits / max(s.prefix_cache_queries, 1), 4),
+                   tensor_parallel_size=s.tensor_parallel_size, tp_ranks_alive=s.tp_ranks_alive)
         if transfer_ref is not None:
             failures = ray.get(transfer_ref, timeout=5)["transfer_failures_by_reason"]
             row.update(kv_transfer_failures=sum(failures.values()),

@@ -66,6 +66,8 @@ class WorkerPool:
             num_gpus = 1.0 if self.config.device in ("auto", "cuda") and _cluster_has_gpus() else 0.0
         # Detached and named in the cluster's namespace: a worker outlives the controller that started it,
         # and a restarted controller finds it by name (`adopt`).
+        # A tensor-parallel worker's ranks run in processes it starts on its node: a GPU (set) each.
+        num_gpus *= pc.tensor_parallel_size
         return {"num_cpus": pc.num_cpus, "num_gpus": num_gpus, "resources": dict(pc.resources),
                 "max_restarts": pc.max_restarts, "max_task_retries": 0, "max_concurrency": 1000,
                 "namespace": self.config.namespace, "lifetime": "detached",

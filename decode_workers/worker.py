@@ -241,3 +241,4 @@ class DecodeWorker(EngineServer):
     def shutdown(self) -> None:
         self.kv_client.close()
         self.loop.stop()
+        self.close_engine()

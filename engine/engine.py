@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from engine import cpu_kernels
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RankFailed
 from engine.forking import Forking
 from engine.grammar_wait import GrammarWaitList
 from engine.input_processor import InputProcessor, prompt_batch
@@ -78,10 +78,11 @@ class Engine:
         self.num_prompt_tokens = 0
         self._ids = itertools.count()
 
-    def close(self) -> None:
-        """Stop a tensor-parallel engine's other ranks (an engine of one rank holds nothing to stop)."""
+    def close(self, graceful: bool = True) -> None:
+        """Stop a tensor-parallel engine's other ranks (an engine of one rank holds nothing to stop): told to,
+        or killed when a step may still be running on another thread (not `graceful`)."""
         if self.ranks is not None:
-            self.ranks.close()
+            self.ranks.close(graceful)
             self.ranks = None
 
     @property
@@ -167,7 +168,9 @@ class Engine:
                 "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
                 "step_costs": self.step_costs.copy(), "kv_bytes_per_token": self.kv_cache.layout.bytes_per_token,
                 "spec_decode": None if self.speculator is None else self.speculator.stats.copy(),
-                "cpu_kernel_fallbacks": len(cpu_kernels.failed_kernels()) if self.runner.device.type == "cpu" else 0}
+                "cpu_kernel_fallbacks": len(cpu_kernels.failed_kernels()) if self.runner.device.type == "cpu" else 0,
+                "tensor_parallel_size": self.config.tensor_parallel_size,
+                "tp_ranks_alive": 1 if self.ranks is None else 1 + self.ranks.num_alive()}
 
     def reserve_for_import(self, req: Request) -> list[int] | None:
         """Blocks for `req`'s whole prompt (BlockManager.reserve_for_import): the indices of those whose KV must
@@ -220,6 +223,8 @@ class Engine:
             return self._idle(failed)
         try:
             batch = self._run(scheduled)
+        except RankFailed:  # the engine itself is broken: its requests are for a restarted worker to resume
+            raise
         except Exception as exc:  # a failed forward fails its requests, not the engine
             logger.exception("model forward failed")
             return failed + [out for req, _ in scheduled for out in self.forking.fail(req, exc)]

@@ -22,6 +22,16 @@ class WorkerStalled(RuntimeError):
     """The worker answers calls but its engine loop has made no progress for too long: it is stuck."""
 
 
+class RankFailed(RuntimeError):
+    """A collective of a tensor-parallel engine's ranks failed: one of them is gone (or stuck past the timeout);
+    the engine can run no step again."""
+
+
+class WorkerRankLost(WorkerStalled):
+    """A tensor-parallel worker answers calls but one of its ranks has exited: it can run no step, so the
+    controller restarts it as it does a stuck one (its streams migrate)."""
+
+
 @dataclass(frozen=True)
 class FieldError:
     """One problem pydantic found: where (`loc`, each part a string), what (`message`), its `type`."""

@@ -125,6 +125,7 @@ class PrefillWorker(EngineServer):
             self.layer_progress.close()
         self.kv_server.stop(grace=1.0)
         self.loop.stop()
+        self.close_engine()
 
     # ---- prefill to the first token -----------------------------------------------------------------
 

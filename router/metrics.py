@@ -277,6 +277,9 @@ _STATS_GAUGES = {
     "tandem:queued_prefill_tokens": ("Prompt tokens accepted but not computed.", lambda s: s.queued_prefill_tokens),
     "tandem:cpu_kernel_fallbacks": ("C kernels of the CPU path that could not be built or loaded, so torch runs "
                                     "their work, slower (should stay 0).", lambda s: s.cpu_kernel_fallbacks),
+    "tandem:worker_tp_ranks": ("Ranks of the worker (its tensor_parallel_size).", lambda s: s.tensor_parallel_size),
+    "tandem:worker_tp_ranks_alive": ("Of them, running; fewer fails the worker's health check.",
+                                     lambda s: s.tp_ranks_alive),
 }
 _STATS_COUNTERS = {
     "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, TypeVar
 
-from worker_runtime.cpu_cores import PinnedCores
+from engine.errors import RankFailed
 from engine.outputs import RequestOutput
+from worker_runtime.cpu_cores import PinnedCores
 from engine.step_context import StepContext
 
 if TYPE_CHECKING:
@@ -121,6 +122,11 @@ class EngineLoop:
             started = time.monotonic()
             try:
                 outputs = self.engine.step(self.step_context)
+            except RankFailed as exc:  # the worker can run no step again: park, its ping says so (restart)
+                logger.error("engine loop parked, a tensor-parallel rank is gone: %s", exc)
+                while not self.stopped:
+                    self.wakeup.wait(1.0)
+                return
             except Exception:  # the loop must outlive any one bad step
                 logger.exception("engine step failed")
                 outputs = []

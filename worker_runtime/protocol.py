@@ -127,6 +127,8 @@ class WorkerStats:
     cpu_busy_lent_s: float = 0.0
     cpu_reclaim_timeouts: int = 0
     cpu_kernel_fallbacks: int = 0  # C kernels of the CPU path that failed to build: torch does their work (stay 0)
+    tensor_parallel_size: int = 1  # ranks of the logical worker (engine/parallel/)
+    tp_ranks_alive: int = 1  # of them, running (a rank's death fails the worker: its ping raises)
 
     @property
     def kv_usage(self) -> float:

@@ -14,7 +14,7 @@ import time
 from engine.config import EngineConfig
 from worker_runtime.cpu_cores import PinnedCores, cpu_quota, node_cores, pinning_is_safe, unpin
 from worker_runtime.engine_loop import EngineLoop
-from engine.errors import WorkerStalled
+from engine.errors import WorkerRankLost, WorkerStalled
 from engine.kv_events import KVEventLog
 from engine.outputs import RequestOutput
 from worker_runtime.protocol import GenerateRequest, KVEventsReply, WorkerStats
@@ -164,7 +164,14 @@ class EngineServer:
         stalled = self.loop.stalled_s()
         if stall_timeout_s is not None and stalled > stall_timeout_s:
             raise WorkerStalled(f"{self.worker_id}: the engine loop has made no progress for {stalled:.0f} s")
+        ranks = self.engine.ranks
+        if ranks is not None and not ranks.alive():  # the logical worker fails as a unit
+            raise WorkerRankLost(f"{self.worker_id}: {ranks.describe()}")
         return self.worker_id
+
+    def close_engine(self) -> None:
+        """After the loop has stopped: stop a tensor-parallel engine's other ranks."""
+        self.engine.close(graceful=not self.loop.thread.is_alive())
 
     async def cpu_placement(self) -> dict:
         """The cores this worker owns and borrows now, its affinity, and the torch threads its forwards use."""

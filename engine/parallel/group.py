@@ -10,6 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.errors import RankFailed
+
 # A rank that waits longer than this for a collective gives up. The other ranks wait for rank 0's next plan for
 # as long as the engine idles, so this is long; a rank that dies is noticed at once (its connections close, or
 # the shared-memory wait checks it), and a stuck step is the worker's stall watchdog's (PoolConfig.stall_timeout_s).
@@ -22,10 +24,6 @@ class GroupAddress:
     host: str
     port: int
     size: int
-
-
-class RankFailed(RuntimeError):
-    """A collective of the ranks failed: one of them is gone (or stuck past the timeout)."""
 
 
 class TPGroup:

@@ -35,7 +35,9 @@ class Ranks:
         processes = [context.Process(target=run_rank, args=(config, str(model_dir), rank, address),
                                      name=f"tandem-tp-rank-{rank}", daemon=True) for rank in range(1, size)]
         for process in processes:
-            process.start()
+            process.start()  # each takes its share of this process's cores (`_pin_to_own_cores`)
+        if config.cpu_binding is not None:  # a pinned worker's: its cores are the ranks' to split
+            _pin_to_own_cores(0, size, every_thread=True)
         try:
             _wait_for_ranks(store, processes)
             group = TPGroup.join(address, 0, device, store=store, timeout_s=JOIN_TIMEOUT_S)
@@ -50,14 +52,18 @@ class Ranks:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.processes)
 
+    def num_alive(self) -> int:
+        return sum(p.is_alive() for p in self.processes)
+
     def describe(self) -> str:
         """The ranks that have exited, with their exit codes ("" while all run)."""
         return ", ".join(f"rank {rank} exited with code {p.exitcode}"
                          for rank, p in enumerate(self.processes, start=1) if not p.is_alive())
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Tell the other ranks to stop (they end after the forward they are in), then make sure they have."""
-        if self.alive():
+    def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
+        """Tell the other ranks to stop (they end after the forward they are in), then make sure they have; not
+        `graceful`: kill them (a step may be in a collective on another thread)."""
+        if graceful and self.alive():
             try:
                 self.group.broadcast_object(None)
             except RuntimeError:  # a rank already gone: the kill below covers the rest
@@ -100,7 +106,8 @@ def run_rank(config: EngineConfig, model_dir: str, rank: int, address: GroupAddr
 
     config.apply_threads()
     parent = os.getppid()
-    _pin_to_own_cores(rank, config.tensor_parallel_size)
+    if config.cpu_binding is not None:
+        _pin_to_own_cores(rank, config.tensor_parallel_size)
     store = TPGroup.connect(address)
     store.set(f"tp/started/{rank}", "1")
     group = TPGroup.join(address, rank, config.torch_device, store=store)
@@ -114,10 +121,17 @@ def run_rank(config: EngineConfig, model_dir: str, rank: int, address: GroupAddr
         group.close()
 
 
-def _pin_to_own_cores(rank: int, size: int) -> None:
-    """On CPU, a rank other than 0 keeps to its share of the cores the worker was given (rank r the r-th of `size`
-    equal slices), so that the ranks' threads do not contend; rank 0 keeps the worker's own placement."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= size:
-        share = len(cores) // size
-        os.sched_setaffinity(0, cores[rank * share:(rank + 1) * share])
+def _pin_to_own_cores(rank: int, size: int, every_thread: bool = False) -> None:
+    """Each rank keeps to its share of the CPUs the worker was given (rank r the r-th of `size` equal slices), so
+    that the ranks' threads do not contend; rank 0 (the worker's process, `every_thread`) once the others have
+    started from the whole set. Fewer CPUs than ranks: they share them."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < size:
+        return
+    share = len(cpus) // size
+    mine = cpus[rank * share:(rank + 1) * share]
+    for tid in os.listdir("/proc/self/task") if every_thread else ["0"]:
+        try:
+            os.sched_setaffinity(int(tid), mine)
+        except OSError:
+            pass  # the thread exited meanwhile
