@@ -14,6 +14,8 @@ from tests.helpers import wait_for
 
 
 class IdleEngine:
+    ranks = None  # one rank: nothing else to be alive
+
     def has_unfinished_requests(self) -> bool:
         return False
 
@@ -44,6 +46,7 @@ def test_ping_raises_worker_stalled_only_past_the_timeout():
     server = EngineServer.__new__(EngineServer)
     server.worker_id = "decode-7"
     server.loop = EngineLoop(IdleEngine())
+    server.engine = server.loop.engine
     stuck, release = threading.Event(), threading.Event()
     server.loop.submit(lambda: (stuck.set(), release.wait(60)))
     assert stuck.wait(30)

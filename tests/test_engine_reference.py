@@ -90,7 +90,7 @@ def test_packed_forward_logits_match_hf_forward(tiny_llama_dir):
     for req in reqs:
         assert engine.block_manager.allocate_slots(req, req.num_tokens)
     # Every prompt token of every sequence in one packed forward; logits at every position.
-    batch = engine.runner.prepare([(r, r.num_tokens) for r in reqs])
+    batch = engine.runner.pack(engine.runner.plan([(r, r.num_tokens) for r in reqs]))
     logits = engine.runner.forward(batch, torch.arange(len(batch.input_ids)))
     ref = hf_model(tiny_llama_dir)
     offset = 0
