@@ -59,3 +59,28 @@ def test_ping_raises_worker_stalled_only_past_the_timeout():
     assert wait_for(lambda: server.loop.stalled_s() == 0.0)
     assert server.ping(stall_timeout_s=0.1) == "decode-7"
     server.loop.stop()
+
+
+def test_ping_raises_worker_rank_lost_once_a_tensor_parallel_rank_has_exited():
+    """A logical worker fails as a unit: a stalled-kind error, so the controller restarts it."""
+    from engine.errors import WorkerRankLost
+
+    class Ranks:
+        up = True
+
+        def alive(self):
+            return self.up
+
+        def describe(self):
+            return "" if self.up else "rank 1 exited with code -9"
+
+    engine = IdleEngine()
+    engine.ranks = Ranks()
+    server = EngineServer.__new__(EngineServer)
+    server.worker_id, server.engine, server.loop = "decode-3", engine, EngineLoop(engine)
+    assert server.ping(stall_timeout_s=60) == "decode-3"
+    engine.ranks.up = False
+    with pytest.raises(WorkerStalled, match="decode-3: rank 1 exited with code -9") as raised:
+        server.ping(stall_timeout_s=60)
+    assert isinstance(raised.value, WorkerRankLost)
+    server.loop.stop()
