@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
 # Vendored from KubeRay (source, commit and licence in tests/k8s_schemas/README.md).
 KUBERAY_CRD = REPO / "tests" / "k8s_schemas" / "ray.io_rayservices.yaml"
-KUSTOMIZATIONS = ["base", "monitoring", "overlays/cpu"]
-DEPLOYABLE = ["base", "overlays/cpu"]
+KUSTOMIZATIONS = ["base", "monitoring", "overlays/cpu", "overlays/tensor-parallel"]
+DEPLOYABLE = ["base", "overlays/cpu", "overlays/tensor-parallel"]
 # Oldest and newest Kubernetes versions whose schemas kubernetes-validate bundles.
 KUBERNETES_VERSIONS = [all_versions()[0], all_versions()[-1]]
 
@@ -161,7 +161,8 @@ def test_every_yaml_file_under_k8s_is_used_by_a_kustomization():
 def test_every_kustomization_renders_with_kubectl_kustomize(name):
     kinds = {"base": {"RayService", "Secret", "ConfigMap", "PodMonitor", "NetworkPolicy"},
              "monitoring": {"ConfigMap", "PodMonitor", "NetworkPolicy"},
-             "overlays/cpu": {"RayService", "Secret", "ConfigMap", "NetworkPolicy"}}[name]
+             "overlays/cpu": {"RayService", "Secret", "ConfigMap", "NetworkPolicy"},
+             "overlays/tensor-parallel": {"RayService", "Secret", "ConfigMap", "PodMonitor", "NetworkPolicy"}}[name]
     assert {doc["kind"] for doc in rendered(name)} == kinds
 
 
@@ -281,7 +282,8 @@ def test_each_pool_actor_fits_only_its_own_worker_group(name):
     args = serve_app(rayservice)["args"]
     for pool in ("prefill", "decode"):
         options = args[pool]
-        demand = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], **options["resources"]}
+        gpus = options["num_gpus"] * options.get("tensor_parallel_size", 1)  # a GPU per rank (cluster/pools.py)
+        demand = {"CPU": options["num_cpus"], "GPU": gpus, **options["resources"]}
         fits = {group for group, node in node_types.items()
                 if all(node["resources"].get(resource, 0) >= amount for resource, amount in demand.items() if amount)}
         assert fits == {pool}
@@ -302,6 +304,25 @@ def test_base_gives_each_pool_worker_a_gpu():
     node_types = ray_node_types(rayservice)
     assert node_types["prefill"]["resources"]["GPU"] == node_types["decode"]["resources"]["GPU"] == 1
     assert serve_app(rayservice)["args"]["device"] == "cuda"
+
+
+def test_tensor_parallel_overlay_gives_each_worker_a_gpu_per_rank_and_the_model_volume():
+    rayservice = the(rendered("overlays/tensor-parallel"), "RayService")
+    args = serve_app(rayservice)["args"]
+    node_types = ray_node_types(rayservice)
+    groups = {g["groupName"]: g for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    for pool in ("prefill", "decode"):
+        ranks = args[pool]["tensor_parallel_size"]
+        assert ranks == 4
+        asked = args[pool]["num_gpus"] * ranks
+        container = groups[pool]["template"]["spec"]["containers"][0]
+        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == asked == node_types[pool]["resources"]["GPU"]
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+    assert args["model"].startswith("/models/")
+    from cluster.config import ClusterConfig
+    config = ClusterConfig(**args)
+    assert config.prefill.tensor_parallel_size == config.decode.tensor_parallel_size == 4
+    assert config.engine_config(config.decode).tensor_parallel_size == 4
 
 
 def test_cpu_overlay_drops_every_gpu_and_runs_one_pod_per_pool():
