@@ -32,9 +32,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 ENGINE = {"num_kv_blocks": 96, "max_num_batched_tokens": 32}
 
 
-def start_pools(name: str, model: str, layerwise: bool) -> Pools:
+def start_pools(name: str, model: str, layerwise: bool, prefill_tp: int = 1) -> Pools:
     pools = Pools(ClusterConfig(model=model, name=name, engine=ENGINE,
-                                prefill={"resources": {"prefill_pool": 1}, "num_cpus": 1},
+                                prefill={"resources": {"prefill_pool": 1}, "num_cpus": 1,
+                                         "tensor_parallel_size": prefill_tp},
                                 decode={"resources": {"decode_pool": 1}, "num_cpus": 1},
                                 transfer={"lease_ttl_s": 20, "layerwise": layerwise}))
     pools.start()
@@ -51,6 +52,14 @@ def layerwise(ray_cluster, tiny_llama_dir):
 @pytest.fixture(scope="module")
 def normal(ray_cluster, tiny_llama_dir):
     pools = start_pools("lw-normal", tiny_llama_dir, layerwise=False)
+    yield pools
+    pools.shutdown()
+
+
+@pytest.fixture(scope="module")
+def layerwise_tp(ray_cluster, tiny_llama_dir):
+    """Layer-wise leases from a prefill worker of two tensor-parallel ranks into a decode worker of one."""
+    pools = start_pools("lw-tp", tiny_llama_dir, layerwise=True, prefill_tp=2)
     yield pools
     pools.shutdown()
 
@@ -107,6 +116,18 @@ def test_layerwise_greedy_outputs_equal_normal_disaggregation_and_hf(layerwise, 
     stats = ray.get(only(layerwise.decode).transfer_stats.remote())
     assert 1 <= stats["layerwise_pulls"] <= len(prompts), stats
     assert_nothing_held(layerwise)
+
+
+def test_layerwise_pulls_from_a_tensor_parallel_prefill_worker_give_hfs_tokens(layerwise_tp, tiny_llama_dir):
+    """A layer marked ready on rank 0 is ready on every rank: the layer's all-reduces come after its KV writes."""
+    prompts = [prompt(50 + i, n) for i, n in enumerate([17, 48, 77, 120])]
+    before = ray.get(only(layerwise_tp.prefill).transfer_stats.remote())["layerwise_leases"]
+    got = run_on(layerwise_tp, [GenerateRequest(f"lwtp-{i}", p, GREEDY) for i, p in enumerate(prompts)])
+    for p, (tokens, _) in zip(prompts, got):
+        assert tokens == hf_greedy(tiny_llama_dir, p, GREEDY.max_tokens)
+    assert ray.get(only(layerwise_tp.prefill).transfer_stats.remote())["layerwise_leases"] == before + len(prompts)
+    assert ray.get(only(layerwise_tp.decode).transfer_stats.remote())["transfer_failures"] == 0
+    assert_nothing_held(layerwise_tp)
 
 
 def test_decode_pull_is_open_before_the_prefill_forward_ends(layerwise, tiny_llama_dir):

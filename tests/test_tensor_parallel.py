@@ -244,3 +244,28 @@ def test_kv_moves_between_tp_sizes_when_ranks_replicate_the_kv_head(models):
     finally:
         for e in made:
             e.close()
+
+
+def test_speculation_structured_outputs_and_beams_run_the_same_under_tp(models):
+    """What rank 0 alone decides (drafts to verify, grammar masks, beams) reaches the other ranks as the step's
+    plan: TP=2 gives TP=1's tokens, with drafts accepted."""
+    from engine.sampling_params import StructuredOutputs
+    from engine.spec_decode import SpeculativeConfig
+
+    loop = [5, 6, 7, 8] * 12
+    cases = [([loop], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, speculative=True)),
+             ([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=30,
+                                           structured=StructuredOutputs(regex="(ab ){3}done"))),
+             ([PROMPTS[0]], SamplingParams(max_tokens=8, n=2, use_beam_search=True, ignore_eos=True))]
+    results = {}
+    for tp in (1, 2):
+        e = Engine(EngineConfig(model=models["llama"], dtype="float32", num_kv_blocks=96, tensor_parallel_size=tp,
+                                speculative_config=SpeculativeConfig()))
+        try:
+            results[tp] = [[(o.token_ids, o.text, [c.token_ids for c in o.candidates or []])
+                            for o in e.generate(prompts, params)] for prompts, params in cases]
+            assert e.speculator.stats.num_accepted_tokens > 0
+        finally:
+            e.close()
+    assert results[2] == results[1]
+    assert results[2][1][0][1] == "ab ab ab done"
