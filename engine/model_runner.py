@@ -49,8 +49,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_dir: Path, tp: TPGroup | None = None):
         self.config = config
-        self.device = config.torch_device
         self.tp = tp
+        self.device = config.torch_device if tp is None else tp.device
         self._pending_copies: list[tuple[int, int]] = []
         check_model_dir(model_dir)  # before the weights: a model the attention cannot run exactly is refused
         shard = None

@@ -29,7 +29,7 @@ class Ranks:
     @classmethod
     def start(cls, config: EngineConfig, model_dir: Path) -> Ranks:
         size = config.tensor_parallel_size
-        device = config.torch_device
+        device = rank_device(config, 0)
         store, address = TPGroup.host(size, device)
         context = multiprocessing.get_context("spawn")
         processes = [context.Process(target=run_rank, args=(config, str(model_dir), rank, address),
@@ -76,6 +76,15 @@ class Ranks:
         self.group.close()
 
 
+def rank_device(config: EngineConfig, rank: int):
+    """A rank's device: on CUDA the rank-th GPU the worker was given (Ray sets CUDA_VISIBLE_DEVICES to the
+    worker's num_gpus x tensor_parallel_size GPUs), on CPU the CPU."""
+    import torch
+
+    device = config.torch_device
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
 def _wait_for_ranks(store, processes: list[multiprocessing.Process]) -> None:
     """Until every rank has started and is about to join; RuntimeError naming one that exited first."""
     deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -97,6 +106,11 @@ def start_ranks(config: EngineConfig, model_dir: Path) -> Ranks:
     from engine.parallel.sharding import plan_for
 
     plan_for(AutoConfig.from_pretrained(model_dir), 0, config.tensor_parallel_size)
+    if config.torch_device.type == "cuda":
+        import torch
+        if torch.cuda.device_count() < config.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} needs a GPU per rank; "
+                             f"{torch.cuda.device_count()} visible")
     return Ranks.start(config, model_dir)
 
 
@@ -110,7 +124,7 @@ def run_rank(config: EngineConfig, model_dir: str, rank: int, address: GroupAddr
         _pin_to_own_cores(rank, config.tensor_parallel_size)
     store = TPGroup.connect(address)
     store.set(f"tp/started/{rank}", "1")
-    group = TPGroup.join(address, rank, config.torch_device, store=store)
+    group = TPGroup.join(address, rank, rank_device(config, rank), store=store)
     group.alive = lambda: os.getppid() == parent  # rank 0 is this process's parent
     try:
         runner = ModelRunner(config, Path(model_dir), tp=group)
