@@ -38,17 +38,17 @@ class TPGroup:
         self.shm = None  # CPU ranks' shared-memory all-reduce, once attached
 
     def attach_shared_memory(self, max_bytes: int) -> None:
-        """CPU ranks: all-reduce through shared memory for tensors up to `max_bytes` (engine/parallel/shm_allreduce.py).
+        """CPU ranks: all-reduce through shared memory for tensors up to `max_bytes` (engine/parallel/shm_collectives.py).
         Rank 0 creates the buffers and publishes their name in the store; the others attach."""
-        from engine.parallel.shm_allreduce import ShmAllReduce
+        from engine.parallel.shm_collectives import ShmCollectives, supported
 
-        if self.device.type != "cpu" or self.size == 1:
+        if self.device.type != "cpu" or self.size == 1 or not supported():
             return
         if self.rank == 0:
-            self.shm = ShmAllReduce(None, 0, self.size, max_bytes, self.alive)
+            self.shm = ShmCollectives(None, 0, self.size, max_bytes, self.alive)
             self.store.set("tp/shm", self.shm.name)
         else:
-            self.shm = ShmAllReduce(self.store.get("tp/shm").decode(), self.rank, self.size, max_bytes, self.alive)
+            self.shm = ShmCollectives(self.store.get("tp/shm").decode(), self.rank, self.size, max_bytes, self.alive)
 
     def failed(self, error: BaseException) -> RuntimeError:
         """The error a failed step raises: which ranks are gone, then the collective's own message."""

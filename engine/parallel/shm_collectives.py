@@ -1,15 +1,17 @@
-"""All-reduce through shared memory for CPU ranks on one node, as vLLM's CPU backend does (its SHM all-reduce):
+"""Collectives through shared memory for CPU ranks on one node, as vLLM's CPU backend does (its SHM all-reduce):
 a Gloo all-reduce over loopback TCP costs about a millisecond, and a decode step of a 30-layer model makes 61 of
-them, which made TP=2 four times slower than TP=1 (bench/RESULTS.md, "Tensor parallelism on CPU").
+them, which made TP=2 four times slower than TP=1 (bench/HISTORY.md, "Tensor parallelism on CPU"). The step
+plans (rank 0's broadcast) and the logits (gathered to rank 0) go the same way.
 
 Each rank copies its tensor into its slot of a shared buffer, publishes the call's sequence number in its flag,
 spins until every rank's flag has reached it, then sums the slots in rank order (so every rank computes the same
 sum, bit for bit). Two buffers alternate by sequence parity: a rank can run at most one call ahead of the slowest
 (it cannot leave call s before every rank has entered it), so the buffer it writes is never one still being read.
-x86 and ARM64 keep stores in order for this pattern (a slot written, then its flag) as long as the flag is written
-after the copy returns, which a Python-level store guarantees."""
+This relies on x86's store order (a slot written, then its flag, is seen in that order; the copy's threads have
+joined before the flag is written): `supported()` is False elsewhere, and the ranks use their process group."""
 from __future__ import annotations
 
+import platform
 import time
 from collections.abc import Callable
 from multiprocessing import shared_memory
@@ -22,7 +24,12 @@ SPIN_CHECKS = 1 << 14  # polls before a waiting rank starts to sleep between the
 IDLE_POLL_S = 0.0002
 
 
-class ShmAllReduce:
+def supported() -> bool:
+    """Whether this CPU keeps stores in order as the flags need (x86-64); weaker orders would need barriers."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+class ShmCollectives:
     """`size` ranks' shared buffers for tensors of up to `max_bytes`; rank 0 creates them (`name` None), the others
     attach by name. `all_reduce(t)` sums t over the ranks in place, `gather_to_first` and `broadcast` carry the
     logits and the step plans; what is larger goes over the process group (False / None back, counted in
