@@ -170,7 +170,9 @@ class Engine:
                 "spec_decode": None if self.speculator is None else self.speculator.stats.copy(),
                 "cpu_kernel_fallbacks": len(cpu_kernels.failed_kernels()) if self.runner.device.type == "cpu" else 0,
                 "tensor_parallel_size": self.config.tensor_parallel_size,
-                "tp_ranks_alive": 1 if self.ranks is None else 1 + self.ranks.num_alive()}
+                "tp_ranks_alive": 1 if self.ranks is None else 1 + self.ranks.num_alive(),
+                "tp_shm_too_large": 0 if self.ranks is None or self.ranks.group.shm is None
+                else self.ranks.group.shm.too_large}
 
     def reserve_for_import(self, req: Request) -> list[int] | None:
         """Blocks for `req`'s whole prompt (BlockManager.reserve_for_import): the indices of those whose KV must

@@ -70,8 +70,12 @@ class ModelRunner:
         if tp is not None:
             from engine.parallel.sharding import row_parallel
             row_parallel(self.model, tp)  # around whatever computes o_proj and down_proj by now
-            # A step's all-reduces carry at most its tokens' hidden states (fp32 at most).
-            tp.attach_shared_memory(config.max_num_batched_tokens * hf.hidden_size * 4)
+            # A step's all-reduces carry at most its tokens' hidden states, its gather a vocabulary shard of logits
+            # per sampled row (two per sequence: a decode and a draft, or a prompt's last token; more go over the
+            # process group, counted), fp32 at most; and 1 MiB for the plan.
+            rows = 2 * config.max_num_seqs
+            tp.attach_shared_memory(4 * max(config.max_num_batched_tokens * hf.hidden_size,
+                                            rows * shard.vocab_shard) + (1 << 20))
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.layout = KVLayout(model_id=config.model_id, dtype=config.resolved_dtype, block_size=config.block_size,
                                num_layers=hf.num_hidden_layers, num_kv_heads=hf.num_key_value_heads,

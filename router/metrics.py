@@ -287,6 +287,9 @@ _STATS_COUNTERS = {
     "vllm:prompt_tokens": ("Prompt tokens processed.", lambda s: s.prompt_tokens),
     "vllm:generation_tokens": ("Tokens generated.", lambda s: s.generation_tokens),
     "vllm:num_preemptions": ("Requests preempted for lack of KV blocks.", lambda s: s.num_preemptions),
+    "tandem:tp_collectives_over_gloo": ("A CPU tensor-parallel worker's collectives too large for its ranks' "
+                                        "shared memory, sent over Gloo instead, slower (should stay 0).",
+                                        lambda s: s.tp_shm_too_large),
     "tandem:cpu_busy_lends": ("A busy decode worker's pauses between steps that lent its cores to a prefill "
                               "(cpu.lend_busy_ms).", lambda s: s.cpu_busy_lends),
     "tandem:cpu_busy_lent_seconds": ("Seconds of those pauses.", lambda s: s.cpu_busy_lent_s),

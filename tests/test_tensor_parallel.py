@@ -25,7 +25,9 @@ def engine(model_dir: str, tp: int) -> Engine:
 def greedy(model_dir: str, tp: int, prompts=PROMPTS, params=GREEDY) -> tuple[list[list[int]], Engine]:
     e = engine(model_dir, tp)
     try:
-        return [o.token_ids for o in e.generate(prompts, params)], e
+        tokens = [o.token_ids for o in e.generate(prompts, params)]
+        e.last_stats, e.used_shm = e.stats(), e.runner.tp is not None and e.runner.tp.shm is not None
+        return tokens, e
     finally:
         e.close()
 
@@ -50,6 +52,10 @@ def test_two_ranks_give_one_ranks_greedy_tokens_exactly(models, arch):
     assert all(len(t) == GREEDY.max_tokens for t in two)
     fused = {"llama": 2, "qwen2": 2, "qwen3": 0, "one-kv-head": 2}[arch]  # Qwen3 runs HF's own layers
     assert single.runner.fused_layers == sharded.runner.fused_layers == fused
+    # Collectives went through the ranks' shared memory, none over Gloo (x86-64: where that memory is used).
+    from engine.parallel.shm_collectives import supported
+    assert sharded.used_shm == supported()
+    assert sharded.last_stats["tp_shm_too_large"] == 0
     kv_heads = single.runner.layout.num_kv_heads
     # Each rank caches its own KV heads: half of them, or the one it shares when there are fewer than ranks.
     assert sharded.runner.layout == single.runner.layout  # the whole model's: transfers move every head

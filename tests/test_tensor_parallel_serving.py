@@ -76,6 +76,7 @@ def test_tp_workers_serve_tp1s_greedy_tokens_with_the_kv_pulled_whole(app, refer
         assert text(complete(app, prompt, 12)) == reference(prompt, 12)
     assert metric(app, "tandem:kv_transfer_bytes_total") > 0
     assert metric(app, "tandem:kv_transfer_failures_total") == 0  # nothing recomputed
+    assert metric(app, "tandem:tp_collectives_over_gloo_total") == 0
     for worker in ("prefill-0", "decode-0", "decode-1"):
         assert metric(app, "tandem:worker_tp_ranks", worker=worker) == 2
         assert metric(app, "tandem:worker_tp_ranks_alive", worker=worker) == 2

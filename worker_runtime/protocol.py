@@ -129,6 +129,7 @@ class WorkerStats:
     cpu_kernel_fallbacks: int = 0  # C kernels of the CPU path that failed to build: torch does their work (stay 0)
     tensor_parallel_size: int = 1  # ranks of the logical worker (engine/parallel/)
     tp_ranks_alive: int = 1  # of them, running (a rank's death fails the worker: its ping raises)
+    tp_shm_too_large: int = 0  # CPU ranks' collectives too large for their shared memory: over Gloo (stay 0)
 
     @property
     def kv_usage(self) -> float:
