@@ -95,6 +95,35 @@ def test_saturated_once_every_path_has_prompts_queued_on_it():
     assert not view.saturated()  # no schedulable decode worker: routing waits for one on its own terms
 
 
+def test_would_wait_previews_the_placement_only_when_a_prefill_queue_is_full():
+    """The ingress asks each request whether it would wait for a prefill slot; only a full prefill queue can make
+    it, so otherwise the placement's preview (the cost model for every worker) is skipped."""
+    from router.placement.request_router import RequestRouter
+
+    view = view_with("decode-0")
+    view.workers["prefill-0"] = WorkerState(WorkerEntry("prefill-0", "prefill", actor=None, healthy=True,
+                                                        draining=False))
+    router = RequestRouter.__new__(RequestRouter)
+    router.view, router.slot_waiters = view, {}
+    previews = []
+    real = view.preview
+    view.preview = lambda *args, **kwargs: previews.append(1) or real(*args, **kwargs)
+
+    def report(waiting: int) -> None:
+        view.workers["prefill-0"].report(WorkerStats("prefill-0", "prefill", num_total_blocks=64,
+                                                     num_waiting=waiting), time.monotonic())
+
+    report(1)
+    assert not router.would_wait(block_hashes(PROMPT, BLOCK), len(PROMPT), 0, 0.0, 16) and previews == []
+    report(2)  # full (max_prefill_queue_size 2): the placement decides
+    router.would_wait(block_hashes(PROMPT, BLOCK), len(PROMPT), 0, 0.0, 16)
+    assert previews == [1]
+    report(0)
+    router.slot_waiters["other"] = ("prefill-0", 40, 0)  # a waiter ahead: the placement decides
+    router.would_wait(block_hashes(PROMPT, BLOCK), len(PROMPT), 0, 0.0, 16)
+    assert previews == [1, 1]
+
+
 def test_a_worker_shutting_down_is_routed_around_without_an_error_log(caplog):
     view = view_with("decode-0", "decode-1")
     view.index.apply(KVEventBatch("decode-0", 0, [KVEvent("stored", block_hashes(PROMPT, BLOCK))]))

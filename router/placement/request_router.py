@@ -106,9 +106,13 @@ class RequestRouter:
     def would_wait(self, block_hashes: Sequence[int], prompt_tokens: int, priority: int, elapsed_s: float,
                    output_tokens: int) -> bool:
         """Whether the request, placed now, would wait here for a prefill slot (behind the waiters that go
-        before it): the ingress queue then holds it, where it is ordered by tenant share too."""
-        decision = self.view.preview(block_hashes, prompt_tokens, elapsed_s, output_tokens,
-                                     self._backlog_ahead_of("", priority))
+        before it): the ingress queue then holds it, where it is ordered by tenant share too. Only a full prefill
+        queue makes placement wait (cost_model.disaggregate), so without one, and with no waiter ahead, the
+        placement's preview is skipped: the common case costs a look at the prefill workers' queue lengths."""
+        backlog = self._backlog_ahead_of("", priority)
+        if not backlog and not self.view.some_prefill_queue_full():
+            return False
+        decision = self.view.preview(block_hashes, prompt_tokens, elapsed_s, output_tokens, backlog)
         return decision is not None and decision.wait
 
     def saturated(self) -> bool:

@@ -169,6 +169,15 @@ class WorkerView:
                                 ingress_backlog)
         return None if decision is None else decision.predicted_ttft_s
 
+    def some_prefill_queue_full(self) -> bool:
+        """Whether a schedulable prefill worker has `max_prefill_queue_size` prompts waiting: the only state in
+        which placement makes a request wait for a slot."""
+        if self.colocated:
+            return False
+        full = self.router.disagg.max_prefill_queue_size
+        return any(w.load().num_waiting >= full for w in self.workers.values()
+                   if w.pool == "prefill" and w.schedulable)
+
     def saturated(self) -> bool:
         """Whether every path a new prompt could take already has prompts queued on it: each schedulable
         decode worker holds prompts it has not begun (its engine's waiting queue: local prefills behind
