@@ -115,7 +115,7 @@ class Engine:
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                      cache_salt: str | None = None, output_token_ids: Sequence[int] = (),
-                     timeline: RequestTimeline | None = None, priority: int = 0) -> Request:
+                     timeline: RequestTimeline | None = None, priority: float = 0) -> Request:
         """Validate and build a request without queueing it (InputProcessor.make_request). A worker passes
         the output tokens a migrated request already streamed, and its request's timeline for the engine
         to stamp (a new one otherwise). `priority`: lower is scheduled first and preempted last."""

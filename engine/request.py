@@ -54,7 +54,7 @@ class Request:
     pending_forks: list["Request"] = field(default_factory=list)
     beam_search: object | None = None  # the BeamSearch this request is a beam of
     cumulative_logprob: float = 0.0  # of its output tokens, kept for beams
-    priority: int = 0  # vLLM's meaning: lower is scheduled first and preempted last
+    priority: float = 0  # vLLM's meaning: lower is scheduled first and preempted last (x.5: ahead of band x+1)
     spec: SpecState | None = None  # its speculative decoding, when it speculates (engine/spec_decode/)
     spec_token_ids: list[int] = field(default_factory=list)  # this step's draft, verified by the forward
 

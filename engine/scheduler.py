@@ -136,6 +136,7 @@ class Scheduler:
         cached) instead of computing the same prefix beside it."""
         passed = 0  # waiting prompts this step has no prefill room for, or that wait for a prefix
         computing = None  # hashes of prompt blocks admitted prompts have yet to compute
+        band = None  # the priority of the first prompt this step admits
         while passed < len(self.waiting) and budget.tokens > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[passed]
             # A request whose prompt KV was imported arrives with blocks and computed tokens.
@@ -147,9 +148,10 @@ class Scheduler:
                     self.prefix_waits += 1
                     passed += 1
                     continue
-            if budget.prefill == 0 and not imported:
+            if (budget.prefill == 0 or band is not None and req.priority > band) and not imported:
                 # A prompt to compute, and this step's prefill room is spent (a running prompt's chunk took
-                # it): requests behind it whose KV was imported only decode, and need not wait for it.
+                # it), or the step computes a more urgent prompt, which a less urgent one would only slow
+                # down: requests behind it whose KV was imported only decode, and need not wait for it.
                 passed += 1
                 continue
             if not imported:
@@ -163,6 +165,8 @@ class Scheduler:
             if not self.block_manager.allocate_slots(req, num_new, computed):
                 break
             del self.waiting[passed]
+            if not imported and band is None:
+                band = req.priority
             self._admit(req, num_cached, imported)
             scheduled.append((req, num_new))
             budget.take(num_new)

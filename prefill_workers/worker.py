@@ -83,7 +83,7 @@ class PrefillWorker(EngineServer):
         decode forks the others from the pulled prompt."""
         params = req.candidate_params(0) if req.num_outputs > 1 else req.sampling_params
         return self.engine.make_request(req.request_id, req.prompt_token_ids, params, req.cache_salt,
-                                        timeline=req.timeline, priority=req.priority)
+                                        timeline=req.timeline, priority=req.queue_priority)
 
     async def first_token(self, request_id: str) -> RequestOutput:
         """Layer-wise: the first token of a request whose `prefill` returned before it was sampled."""

@@ -205,6 +205,9 @@ class FlowMetrics:
                                  "their turn.", ["tenant"], registry=r)
         self.queue_time = Histogram("tandem:flow_queue_seconds", "Time in the ingress queue before placement.",
                                     ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ahead = Counter("tandem:flow_ahead_requests", "Requests let on ahead of the prompts queued on workers, "
+                             "their tenant being below its share (FlowControl._may_go_ahead).", ["tenant"],
+                             registry=r)
         self.pump_errors = Counter("tandem:flow_pump_errors", "Times the ingress queue's watcher failed to let "
                                    "requests on (a bug; logged, and the watcher kept watching). Zero normally.",
                                    registry=r)

@@ -57,6 +57,9 @@ class OneWorkerView:
     def preview(self, block_hashes, num_tokens, *options):  # what `route` would say: never a wait
         return self.route(block_hashes, num_tokens, ())
 
+    def some_prefill_queue_full(self):  # one decode worker, no prefill queue
+        return False
+
     def saturated(self):
         return False
 

@@ -302,6 +302,44 @@ def test_a_failing_pump_is_counted_and_the_watcher_keeps_watching():
     run(scenario())
 
 
+def test_a_tenant_below_its_share_goes_on_at_once_and_ahead_until_it_has_caught_up():
+    """The router is saturated and the flood has requests running and queued: the quiet tenant's request does not
+    wait for room (nor for a prefill slot) but goes on ahead of the prompts queued on workers; once placed, the
+    next goes ahead too while its tenant still runs fewer, by weight; at its share it queues like the rest."""
+    async def scenario():
+        saturated = [False]
+
+        async def wait_for_loads(timeout_s):
+            await asyncio.sleep(0.01)
+
+        flow = FlowControl(FlowConfig(), saturated=lambda: saturated[0], wait_for_loads=wait_for_loads)
+        flood = [await placed(flow, "flood", 0, 10, 10) for _ in range(2)]
+        assert not any(g.ahead for g in flood)  # one tenant alone: nobody to be behind
+        saturated[0] = True
+        queued = asyncio.create_task(flow.enter("flood", 0, 10, 10))
+        await asyncio.sleep(0.05)
+        assert not queued.done()
+        first = await asyncio.wait_for(flow.enter("quiet", 0, 10, 10), 1.0)
+        assert first.ahead and flow.placing == 1
+        second = asyncio.create_task(flow.enter("quiet", 0, 10, 10))
+        await asyncio.sleep(0.05)
+        assert not second.done()  # the gate lets one on at a time
+        first.placements(1)()
+        second = await asyncio.wait_for(second, 1.0)
+        assert second.ahead  # 1 running against the flood's 2
+        second.placements(1)()
+        third = asyncio.create_task(flow.enter("quiet", 0, 10, 10))
+        await asyncio.sleep(0.05)
+        assert not third.done() and not queued.done()  # at its share: both wait for room
+        saturated[0] = False
+        assert not (await asyncio.wait_for(queued, 1.0)).ahead
+        for g in (*flood, first, second):
+            g.release(10)
+        third.cancel()
+
+    run(scenario())
+
+
 def test_a_waiter_cancelled_just_before_its_turn_takes_no_room_and_leaves_nothing_behind():
     """The client leaves and, before its cancelled waiter runs, room frees: the gate must skip it (setting its
     cancelled future raised, and the room it was given was never given back: the gate stayed shut for good,

@@ -241,3 +241,22 @@ def test_the_least_urgent_running_request_is_preempted_and_resumes_first_in_its_
     late.priority = 3
     sched.add(late)
     assert [r.request_id for r in sched.waiting] == ["b", "d"]  # the preempted one resumes first in its band
+
+
+def test_a_step_that_computes_an_urgent_prompt_leaves_less_urgent_prompts_for_the_next():
+    """A prompt batched beside the urgent one would only delay its first token (on CPU a bigger prefill step is
+    no faster per token); requests whose KV was imported still decode in that step."""
+    sched = scheduler()
+    urgent, bulk, other = request("urgent", 40), request("bulk", 40, first_token=100), request("other", 40, 200)
+    urgent.priority = -0.5  # ahead of its band (GenerateRequest.queue_priority)
+    for r in (bulk, urgent, other):
+        sched.add(r)
+    assert step(sched) == [("urgent", 40)]
+    assert sorted(step(sched)) == [("bulk", 40), ("other", 40), ("urgent", 1)]
+
+
+def test_prompts_of_one_band_still_share_a_step():
+    sched = scheduler()
+    for i in range(3):
+        sched.add(request(f"r{i}", 40, first_token=100 * i))
+    assert [n for _, n in step(sched)] == [40, 40, 40]

@@ -124,6 +124,22 @@ def test_would_wait_previews_the_placement_only_when_a_prefill_queue_is_full():
     assert previews == [1, 1]
 
 
+def test_a_request_that_goes_ahead_is_not_held_back_by_a_full_prefill_queue():
+    """GenerateRequest.ahead: it will take the front of the prefill worker's queue, so the queue's length does not
+    make it wait for a slot nor send it elsewhere."""
+    view = view_with("decode-0")
+    view.workers["prefill-0"] = WorkerState(WorkerEntry("prefill-0", "prefill", actor=None, healthy=True,
+                                                        draining=False))
+    view.workers["prefill-0"].report(WorkerStats("prefill-0", "prefill", num_total_blocks=64, num_waiting=2),
+                                     time.monotonic())
+    poll(view, "decode-0", num_running=8, num_waiting=1)
+    held = view.route(block_hashes(PROMPT, BLOCK), len(PROMPT))
+    assert held.reason in ("prefill_queue_full", "ttft_slo_missed_either_way"), held.reason
+    ahead = view.route(block_hashes(PROMPT, BLOCK), len(PROMPT), ahead=True)
+    assert not ahead.wait and ahead.prefill is not None and ahead.prefill.worker_id == "prefill-0", ahead.reason
+    assert view.workers["prefill-0"].load().num_waiting == 2  # the worker's load itself is untouched
+
+
 def test_a_worker_shutting_down_is_routed_around_without_an_error_log(caplog):
     view = view_with("decode-0", "decode-1")
     view.index.apply(KVEventBatch("decode-0", 0, [KVEvent("stored", block_hashes(PROMPT, BLOCK))]))

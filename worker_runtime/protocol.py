@@ -46,10 +46,18 @@ class GenerateRequest:
     placements: list[dict] = field(default_factory=list)
     dispatch: DispatchPath = DispatchPath.LOCAL  # set by the router's placement; workers follow it
     priority: int = 0  # vLLM's meaning: lower is scheduled first (prefill and decode queues) and preempted last
+    # Its tenant was below its share when the ingress let it on (router/api/flow_control.py): it goes ahead of the
+    # prompts of its priority queued on workers, and a full prefill queue does not hold it back.
+    ahead: bool = False
 
     def __post_init__(self):
         if self.timeline is None:
             self.timeline = RequestTimeline(self.request_id)
+
+    @property
+    def queue_priority(self) -> float:
+        """Its place in an engine's waiting queue: its priority, or just ahead of that band's when `ahead`."""
+        return self.priority - 0.5 if self.ahead else self.priority
 
     def stamp(self, stage: str, at: float | None = None) -> None:
         self.timeline.stamp(stage, at)
@@ -74,7 +82,7 @@ class GenerateRequest:
         id and params, the same prompt, context and salt, a copy of the timeline."""
         return GenerateRequest(candidate_id(self.request_id, index), self.prompt_token_ids,
                                self.candidate_params(index), self.cache_salt, self.timeline.copy(),
-                               priority=self.priority)
+                               priority=self.priority, ahead=self.ahead)
 
     @property
     def num_context_tokens(self) -> int:

@@ -62,7 +62,7 @@ class EngineServer:
     def build_request(self, req: GenerateRequest) -> Request:
         # Validation and tokenization only read the engine, so they run here, off the loop thread.
         return self.engine.make_request(req.request_id, req.prompt_token_ids, req.sampling_params, req.cache_salt,
-                                        req.output_token_ids, req.timeline, req.priority)
+                                        req.output_token_ids, req.timeline, req.queue_priority)
 
     async def stream(self, request: GenerateRequest, engine_req: Request, add=None):
         """Queue `engine_req` (with `add`, default Engine.add) and yield its outputs until it finishes (each

@@ -230,11 +230,12 @@ class Grant:
     (idempotent; it counts as placed then too): the tokens it generated, so that its tenant's budget gets
     back the rest of its max_tokens (None: keep the charge)."""
 
-    __slots__ = ("flow", "tenant", "charged", "max_output", "released", "unplaced")
+    __slots__ = ("flow", "tenant", "charged", "max_output", "released", "unplaced", "ahead")
 
     def __init__(self, flow: FlowControl, tenant: str, charged: int, max_output: int):
         self.flow, self.tenant, self.charged, self.max_output = flow, tenant, charged, max_output
         self.released = False
+        self.ahead = False  # let on ahead of the prompts queued on workers (`FlowControl._may_go_ahead`)
         self.unplaced = 0  # placements still to be made; > 0 only while the grant counts in flow.placing
 
     def placements(self, n: int) -> Callable[[], None]:
@@ -328,6 +329,10 @@ class FlowControl:
                                headers={"Retry-After": str(retry)})
         grant = Grant(self, tenant, cost if policy.tokens_per_minute is not None else 0, max_output)
         try:
+            if not self.queue.queued(tenant) and self._may_go_ahead(tenant):
+                self._start(tenant, priority, 0.0, ahead=True)
+                grant.unplaced, grant.ahead = 1, True
+                return grant
             if not len(self.queue) and self._has_room(tenant) and (ready is None or ready()):
                 self._start(tenant, priority, 0.0)
                 grant.unplaced = 1
@@ -344,7 +349,7 @@ class FlowControl:
             self.pump()
             self._watch()
             try:
-                await entry.granted
+                grant.ahead = await entry.granted
             except asyncio.CancelledError:
                 if entry.granted.done() and not entry.granted.cancelled():
                     self._placed(pump=False)  # granted as the client left: give the room back
@@ -382,19 +387,40 @@ class FlowControl:
 
     def pump(self) -> None:
         """Start queued requests while there is room, in the fair queue's order; the next in that order that
-        is not ready (it would only wait for a prefill slot) holds the rest back."""
-        while len(self.queue) and self._room():
-            entry = self.queue.peek(self.clock(), self._tenant_has_room)
+        is not ready (it would only wait for a prefill slot) holds the rest back, unless its tenant is behind
+        its share: then it goes on at once, ahead of the prompts queued on workers (`_may_go_ahead`)."""
+        while len(self.queue):
+            now = self.clock()
+            behind = [t for t in self.queue.tenants if self._may_go_ahead(t)]
+            entry = (self.queue.tenants[behind[0]].head(now, self.queue.aging_s) if behind
+                     else self.queue.peek(now, self._tenant_has_room))
             if entry is not None and entry.granted is not None and entry.granted.done():
                 # Its client left: the waiter was cancelled and will count it once it runs; it takes no room.
                 self.queue.remove(entry)
                 continue
-            if entry is None or (entry.ready is not None and not entry.ready()):
+            if entry is None:
+                break
+            ahead = bool(behind)
+            if not ahead and not (self._room() and (entry.ready is None or entry.ready())):
                 break
             self.queue.take(entry)
-            self._start(entry.tenant, entry.priority, self.clock() - entry.enqueued_at)
-            entry.granted.set_result(None)
+            self._start(entry.tenant, entry.priority, self.clock() - entry.enqueued_at, ahead)
+            entry.granted.set_result(ahead)
         self._observe_queue()
+
+    def _may_go_ahead(self, tenant: str) -> bool:
+        """Whether a request of `tenant` goes on now whatever the router's saturation, ahead of the prompts of its
+        priority queued on workers: its tenant has fewer requests running, by weight, than every other tenant
+        with requests running or queued (so it is served below its share while they are not), and the gate is
+        free (nothing unplaced, below max_in_flight, the tenant below its own cap). Each such start brings the
+        tenant nearer its share, so a tenant goes ahead only until it has caught up."""
+        limit = self.config.max_in_flight
+        if self.placing or (limit is not None and self.in_flight >= limit) or not self._tenant_has_room(tenant):
+            return False
+        mine = self.running.get(tenant, 0) / self.weight(tenant)
+        others = [self.running.get(t, 0) / self.weight(t) for t in set(self.running) | set(self.queue.tenants)
+                  if t != tenant and (self.running.get(t, 0) or self.queue.queued(t))]
+        return bool(others) and mine < min(others)
 
     def _room(self) -> bool:
         """Room for one more: below max_in_flight, and the router not saturated as far as it can tell, that
@@ -410,13 +436,15 @@ class FlowControl:
     def _has_room(self, tenant: str) -> bool:
         return self._room() and self._tenant_has_room(tenant)
 
-    def _start(self, tenant: str, priority: int, waited_s: float) -> None:
+    def _start(self, tenant: str, priority: int, waited_s: float, ahead: bool = False) -> None:
         self.in_flight += 1
         self.placing += 1
         self.last_start = self.clock()
         self.running[tenant] = self.running.get(tenant, 0) + 1
         if self.metrics is not None:
             self.metrics.admitted.labels(tenant, str(priority)).inc()
+            if ahead:
+                self.metrics.ahead.labels(tenant).inc()
             self.metrics.queue_time.labels(tenant).observe(waited_s)
             self.metrics.running.labels(tenant).set(self.running[tenant])
 

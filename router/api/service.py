@@ -191,7 +191,7 @@ class OpenAIService:
                                           ready)
             if audit is not None:
                 audit.flow = {"priority": req.priority, "tenant_weight": self.flow.weight(tenant),
-                              "queued_s": round(time.monotonic() - queued_at, 6)}
+                              "queued_s": round(time.monotonic() - queued_at, 6), "ahead": grant.ahead}
             candidates, seeds = [], []
             ticket.on_release = lambda: grant.release(sum(c.num_tokens for cand in candidates for c in cand.choices))
             for p, ids in enumerate(prompts):
@@ -201,7 +201,7 @@ class OpenAIService:
                 seeds.append(secrets.randbits(62) if params.seed is None else params.seed)
                 seeded = params if params.seed is not None else replace(params, seed=seeds[-1])
                 candidates += _candidates(f"{fmt.id}-{p}", p, ids, seeded, salt, hashes[p], trace.timeline,
-                                          req.priority)
+                                          req.priority, grant.ahead)
             placed = grant.placements(len(candidates))
             for cand in candidates:
                 cand.on_placed = placed
@@ -354,12 +354,12 @@ class OpenAIService:
 
 
 def _candidates(request_id: str, prompt: int, ids: list[int], params: SamplingParams, salt: str | None,
-                hashes: list[int], timeline: RequestTimeline, priority: int = 0) -> list[Candidates]:
+                hashes: list[int], timeline: RequestTimeline, priority: int = 0, ahead: bool = False) -> list[Candidates]:
     """Prompt `prompt`'s n candidates: one request whose candidates fork on one worker, or, for outputs
     under a grammar or a reasoning budget (which forked candidates do not carry yet), n requests of one
     candidate each, seeded candidate_seed(seed, i) alike."""
     first = prompt * params.n
-    request = GenerateRequest(request_id, ids, params, salt, timeline.copy(), priority=priority)
+    request = GenerateRequest(request_id, ids, params, salt, timeline.copy(), priority=priority, ahead=ahead)
     if params.n == 1 or (params.structured is None and params.max_reasoning_tokens is None):
         return [Candidates([Choice(first + i, prompt) for i in range(params.n)], request, hashes)]
     return [Candidates([Choice(first + i, prompt)], request.candidate(i), hashes) for i in range(params.n)]

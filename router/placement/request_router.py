@@ -291,8 +291,9 @@ class RequestRouter:
                                                                    request.sampling_params.use_beam_search),
                                                elapsed_s=max(0.0, time.time() - request.times["arrival"]),
                                                output_tokens=expected_output_tokens(request),
-                                               prefill_backlog=self._backlog_ahead_of(request.request_id,
-                                                                                      request.priority))
+                                               prefill_backlog=None if request.ahead else self._backlog_ahead_of(
+                                                   request.request_id, request.priority),
+                                               ahead=request.ahead)
                 except NoDecodeWorker:
                     decode_wait = decode_wait or DecodeWait(request, self.decode_wait_s, self.metrics)
                     if await decode_wait.wait(self.view):

@@ -120,15 +120,19 @@ class WorkerView:
     def route(self, block_hashes: Sequence[int], prompt_tokens: int, exclude: Collection[str] = (),
               remote_prefill: bool = True, elapsed_s: float = 0.0,
               output_tokens: int = EXPECTED_OUTPUT_TOKENS,
-              prefill_backlog: Mapping[str, tuple[int, int]] | None = None) -> RouteDecision:
+              prefill_backlog: Mapping[str, tuple[int, int]] | None = None, ahead: bool = False) -> RouteDecision:
         """Place a request that arrived `elapsed_s` ago and will generate about `output_tokens`; raises NoDecodeWorker when no decode worker is
         schedulable. Without `remote_prefill` the decode worker prefills, whatever the policy says. A
-        decision to wait for a prefill slot (`wait`) is not counted: the caller routes again."""
+        decision to wait for a prefill slot (`wait`) is not counted: the caller routes again. A request that
+        goes `ahead` of the prompts queued on its workers (GenerateRequest.ahead) sees no prefill queue."""
         local_only = self.colocated or not remote_prefill
         loads = {"prefill": [], "decode": []}
         for w in self.workers.values():
             if w.worker_id not in exclude and not (local_only and w.pool == "prefill"):
-                loads[w.pool].append(w.load())
+                load = w.load()
+                if ahead and w.pool == "prefill":
+                    load.num_waiting = 0
+                loads[w.pool].append(load)
         decision = self.router.route(block_hashes, prompt_tokens, loads["prefill"], loads["decode"], elapsed_s,
                                      output_tokens, prefill_backlog)
         if local_only:
