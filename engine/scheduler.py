@@ -74,9 +74,27 @@ class Scheduler:
         budget = StepBudget(min(self.max_num_batched_tokens, token_cap or self.max_num_batched_tokens),
                             self._num_decodes() if self.prefill_budget is not None else 0)
         scheduled: list[tuple[Request, int]] = []
-        if not self._schedule_running(budget, scheduled, self._short_prompt_waits(budget)):
-            self._schedule_waiting(budget, scheduled)
+        band = self._prompt_band()
+        if not self._schedule_running(budget, scheduled, self._short_prompt_waits(budget), band):
+            self._schedule_waiting(budget, scheduled, band)
         return scheduled
+
+    def _prompt_band(self) -> float | None:
+        """The most urgent priority among the prompts to compute (running ones with chunks left, and the first
+        waiting one that is not an import): a step computes prompt chunks of that band only, since a less
+        urgent prompt beside them would only delay their first tokens (on CPU a bigger prefill step is no
+        faster per token). Decodes are not held back. A waiting prompt counts only if it can be admitted now
+        (a seat, free blocks for its whole prompt, and no running prompt computing its prefix for it to wait
+        for): running prompts never stop for one that cannot. None without prompt work."""
+        bands = [req.priority for req in self.running if req.num_tokens - req.num_computed_tokens > 1]
+        first = self.waiting[0] if self.waiting else None
+        if (first is not None and not first.num_computed_tokens and first.priority < min(bands, default=first.priority + 1)
+                and len(self.running) < self.max_num_seqs
+                and self.block_manager.num_free_blocks * self.block_manager.block_size >= first.num_tokens
+                and not (bands and self._waits_for_prefix(first, self.block_manager.peek_computed_blocks(first),
+                                                          self._computing_blocks()))):
+            bands.append(first.priority)
+        return min(bands, default=None)
 
     def _short_prompt_waits(self, budget: StepBudget) -> bool:
         """Whether the first waiting request is a prompt whose uncached rest fits this step's prefill room
@@ -95,7 +113,7 @@ class Scheduler:
         return rest <= min(budget.tokens, self._prefill_budget(budget.num_decodes, cached))
 
     def _schedule_running(self, budget: StepBudget, scheduled: list[tuple[Request, int]],
-                          yield_prefill: bool = False) -> bool:
+                          yield_prefill: bool = False, band: float | None = None) -> bool:
         """Give running requests their next tokens (a decode, a draft to verify, or a prompt chunk), in order;
         with `yield_prefill`, no prompt chunks (a short waiting prompt takes the room). True when one of
         them had to preempt another for a block."""
@@ -104,7 +122,7 @@ class Scheduler:
         while i < len(self.running) and budget.tokens > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget.tokens)
-            if num_new > 1 and yield_prefill:
+            if num_new > 1 and (yield_prefill or band is not None and req.priority > band):
                 i += 1
                 continue
             if num_new > 1:
@@ -130,13 +148,13 @@ class Scheduler:
                 i += 1
         return preempted
 
-    def _schedule_waiting(self, budget: StepBudget, scheduled: list[tuple[Request, int]]) -> None:
+    def _schedule_waiting(self, budget: StepBudget, scheduled: list[tuple[Request, int]],
+                          band: float | None = None) -> None:
         """Admit waiting requests in order while the budget, `max_num_seqs` and free blocks allow. A prompt
         whose next uncached block another admitted prompt is computing waits for it (and then finds it
         cached) instead of computing the same prefix beside it."""
         passed = 0  # waiting prompts this step has no prefill room for, or that wait for a prefix
         computing = None  # hashes of prompt blocks admitted prompts have yet to compute
-        band = None  # the priority of the first prompt this step admits
         while passed < len(self.waiting) and budget.tokens > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[passed]
             # A request whose prompt KV was imported arrives with blocks and computed tokens.
@@ -165,8 +183,6 @@ class Scheduler:
             if not self.block_manager.allocate_slots(req, num_new, computed):
                 break
             del self.waiting[passed]
-            if not imported and band is None:
-                band = req.priority
             self._admit(req, num_cached, imported)
             scheduled.append((req, num_new))
             budget.take(num_new)
