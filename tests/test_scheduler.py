@@ -262,11 +262,15 @@ def test_prompts_of_one_band_still_share_a_step():
     assert [n for _, n in step(sched)] == [40, 40, 40]
 
 
+def bulk_running(sched: Scheduler, first_token: int = 100) -> None:
+    """A 48-token prompt `bulk` admitted and one 16-token chunk into it."""
+    sched.add(request("bulk", 48, first_token=first_token))
+    assert step(sched) == [("bulk", 16)]
+
+
 def test_a_running_prompts_chunks_wait_while_a_more_urgent_prompt_computes_and_never_for_one_that_cannot():
     sched = scheduler(max_num_batched_tokens=16)
-    bulk = request("bulk", 48, first_token=100)
-    sched.add(bulk)
-    assert step(sched) == [("bulk", 16)]
+    bulk_running(sched)
     urgent = request("urgent", 32)
     urgent.priority = -0.5
     sched.add(urgent)
@@ -275,9 +279,7 @@ def test_a_running_prompts_chunks_wait_while_a_more_urgent_prompt_computes_and_n
     assert ("bulk", 16) in step(sched)  # urgent only decodes now: bulk's chunks go on
     # A prompt that cannot be admitted (4 blocks free, 5 needed) does not stop the running one.
     tight = scheduler(num_blocks=8, max_num_batched_tokens=16)
-    bulk = request("bulk", 48, first_token=100)
-    tight.add(bulk)
-    assert step(tight) == [("bulk", 16)]
+    bulk_running(tight)
     big = request("big", 70)
     big.priority = -1
     tight.add(big)
@@ -287,9 +289,7 @@ def test_a_running_prompts_chunks_wait_while_a_more_urgent_prompt_computes_and_n
 def test_an_urgent_prompt_that_waits_for_its_prefix_lets_the_prompt_computing_it_go_on():
     """Otherwise neither would move: the urgent one waits for the prefix, the one computing it for the urgent."""
     sched = scheduler(max_num_batched_tokens=16)
-    bulk = request("bulk", 48)
-    sched.add(bulk)
-    assert step(sched) == [("bulk", 16)]
+    bulk_running(sched, first_token=1)
     urgent = request("urgent", 40)  # the same first tokens: its second block is the one bulk computes next
     urgent.priority = -1
     sched.add(urgent)

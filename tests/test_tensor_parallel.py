@@ -162,29 +162,13 @@ def _running(pid: int) -> bool:
         return False
 
 
-PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
 def move(prefill: Engine, decode: Engine, server, client, request_id: str, prompt: list[int]):
-    """Prefill on one engine, pull what decode lacks, decode to the end: (indices pulled, bytes, tokens)."""
-    from tests.test_kv_transfer_engine import prefill_remotely
+    """tests/test_kv_transfer_engine.py's `disaggregate`, and no lease left behind."""
+    from tests.test_kv_transfer_engine import disaggregate
 
-    first, params, hashes = prefill_remotely(prefill, request_id, prompt)
-    num_full = params["num_tokens"] // prefill.config.block_size
-    handle = server.lease(request_id, params["block_ids"], hashes[:num_full], params["num_tokens"],
-                          on_release=prefill.block_manager.free_block_ids)
-    req = decode.make_request(request_id, prompt, PARAMS)
-    req.all_token_ids.extend(first)
-    indices = decode.reserve_for_import(req)
-    stats = client.pull(handle, [req.block_table[i] for i in indices], indices)
-    client.release(handle)  # a same-host copy has released it already
+    moved = disaggregate(prefill, decode, server, client, request_id, prompt)
     assert not server.leases
-    decode.add_imported(req)
-    tokens = list(first)
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            tokens.extend(out.new_token_ids)
-    return indices, stats.num_bytes, tokens
+    return moved
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +201,7 @@ def test_kv_moves_whole_between_engines_of_different_tp_sizes(tp_engines, sizes,
         # a prompt per case, so that no decode engine has it cached from an earlier one
         salt = 1 + 7 * (3 * ["grpc", "torch_dist", "shm"].index(transport) + [(2, 1), (1, 2), (2, 2)].index(sizes))
         prompt = [(i * 31 + salt) % 500 + 3 for i in range(45)]  # two full blocks and a partial one
+        from tests.test_kv_transfer_engine import PARAMS
         expected = tp_engines["reference"].generate([prompt], PARAMS)[0].token_ids
         sent = server.stats.bytes_sent
         indices, num_bytes, tokens = move(prefill, decode, server, client, f"r-{sizes}-{transport}", prompt)
@@ -238,6 +223,7 @@ def test_kv_moves_between_tp_sizes_when_ranks_replicate_the_kv_head(models):
     made = [Engine(EngineConfig(model=models["one-kv-head"], dtype="float32", num_kv_blocks=32,
                                 tensor_parallel_size=tp)) for tp in (2, 1, 2)]
     try:
+        from tests.test_kv_transfer_engine import PARAMS
         reference = made[1].generate([list(range(40, 85))], PARAMS)[0].token_ids
         for src, dst, name in ((made[0], made[1], "2-1"), (made[1], made[2], "1-2")):
             server = KVTransferServer(src.kv_cache, "t", KVServerConfig()).start()

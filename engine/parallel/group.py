@@ -56,7 +56,7 @@ class TPGroup:
         return RankFailed(f"tensor-parallel group of {self.size} failed{': ' + gone if gone else ''} ({error})")
 
     @classmethod
-    def host(cls, size: int, device: torch.device, host: str = "127.0.0.1") -> tuple[dist.TCPStore, GroupAddress]:
+    def host(cls, size: int, host: str = "127.0.0.1") -> tuple[dist.TCPStore, GroupAddress]:
         """Rank 0's store, on a free port of `host` (the ranks of a worker share one node)."""
         store = dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=DEFAULT_TIMEOUT_S),
                               wait_for_workers=False)

@@ -30,7 +30,7 @@ class Ranks:
     def start(cls, config: EngineConfig, model_dir: Path) -> Ranks:
         size = config.tensor_parallel_size
         device = rank_device(config, 0)
-        store, address = TPGroup.host(size, device)
+        store, address = TPGroup.host(size)
         context = multiprocessing.get_context("spawn")
         processes = [context.Process(target=run_rank, args=(config, str(model_dir), rank, address),
                                      name=f"tandem-tp-rank-{rank}", daemon=True) for rank in range(1, size)]

@@ -10,11 +10,13 @@ architecture this file does not know."""
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
 from engine.parallel.group import TPGroup
 
@@ -169,11 +171,13 @@ def load_sharded(model_dir: Path, dtype: torch.dtype, device: torch.device, attn
     model.to_empty(device=device)
     model.model.rotary_emb = type(rotary)(config=hf_config).to(device)  # its buffers are computed, not stored
     tied = getattr(hf_config, "tie_word_embeddings", False)
-    for name, param in model.named_parameters():
-        if tied and name == "lm_head.weight":
-            continue
-        with torch.no_grad():
-            param.copy_(_read_shard(files, name, plan, tied))
+    with ExitStack() as stack:  # each file opened once
+        opened = {path: stack.enter_context(safe_open(path, framework="pt")) for path in set(files.values())}
+        for name, param in model.named_parameters():
+            if tied and name == "lm_head.weight":
+                continue
+            with torch.no_grad():
+                param.copy_(_read_shard(opened, files, name, plan))
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval(), plan
@@ -187,34 +191,30 @@ def _safetensors(model_dir: Path) -> dict[str, Path]:
     single = model_dir / "model.safetensors"
     if not single.exists():
         raise ValueError(f"tensor parallelism reads safetensors checkpoints; {model_dir} has none")
-    from safetensors import safe_open
     with safe_open(single, framework="pt") as f:
         return {name: single for name in f.keys()}
 
 
-def _read_shard(files: dict[str, Path], name: str, plan: ShardPlan, tied: bool) -> torch.Tensor:
-    """This rank's slice of the checkpoint's `name`."""
-    from safetensors import safe_open
-
+def _read_shard(opened: dict, files: dict[str, Path], name: str, plan: ShardPlan) -> torch.Tensor:
+    """This rank's slice of the checkpoint's `name` (`opened`: each file's open safetensors handle)."""
     source = name
     if name == "lm_head.weight" and name not in files:
         source = "model.embed_tokens.weight"
     if source not in files:
         raise ValueError(f"the checkpoint has no weight {source!r}")
-    with safe_open(files[source], framework="pt") as f:
-        full = f.get_slice(source)
-        rows = _rows(name, plan)
-        if rows is None:
-            return _maybe_bias(name, plan, full[:])
-        start, end = rows
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            return full[:, start:end]
-        piece = full[start:end]
-        if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
-            pad = plan.vocab_shard - (end - start)
-            if pad:
-                piece = torch.cat([piece, piece.new_zeros(pad, *piece.shape[1:])])
-        return piece
+    full = opened[files[source]].get_slice(source)
+    rows = _rows(name, plan)
+    if rows is None:
+        return _maybe_bias(name, plan, full[:])
+    start, end = rows
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return full[:, start:end]
+    piece = full[start:end]
+    if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+        pad = plan.vocab_shard - (end - start)
+        if pad:
+            piece = torch.cat([piece, piece.new_zeros(pad, *piece.shape[1:])])
+    return piece
 
 
 def _maybe_bias(name: str, plan: ShardPlan, tensor: torch.Tensor) -> torch.Tensor:
