@@ -3,10 +3,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.hashing import extend_block_hashes
 from engine.kv_events import KVEvent
 from engine.request import Request
+
+if TYPE_CHECKING:
+    from engine.kv_tiers import KVTiers
 
 
 @dataclass(slots=True)
@@ -22,7 +26,10 @@ class BlockManager:
 
     Forked requests (n candidates, beams) share blocks by reference count; a request about to write into
     a shared block gets a copy of it first (copy on write): `take_copies` hands the (src, dst) pairs to
-    the engine, which copies the KV before the forward that writes."""
+    the engine, which copies the KV before the forward that writes.
+
+    With `tiers` (engine/kv_tiers.py), a cached block whose last reference is dropped is demoted to the tiers
+    below, and `promote` brings a prompt's blocks back from them."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
@@ -34,6 +41,7 @@ class BlockManager:
         self.copies: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.tiers: KVTiers | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -122,12 +130,45 @@ class BlockManager:
         reused, whether or not the first token sampled elsewhere is already in `req` (decode may reserve
         before it exists)."""
         num_prompt = req.num_prompt_tokens
+        self.promote(req, num_prompt + 1)
         computed = self.get_computed_blocks(req, num_prompt + 1)
         num_cached = len(computed) * self.block_size
         if not self.allocate_slots(req, num_prompt - num_cached, computed):
             return None
         req.num_cached_tokens = num_cached
         return list(range(len(computed), self.blocks_needed(num_prompt)))
+
+    def promote(self, req: Request, num_tokens: int | None = None) -> int:
+        """Bring back from the tiers below (engine/kv_tiers.py) the blocks of `req`'s prefix that follow its
+        device hits, as far as the chain goes and free blocks allow: they become cached blocks no request holds
+        yet, found by the next `get_computed_blocks`. Returns how many came back."""
+        if self.tiers is None or not self.enable_prefix_caching:
+            return 0
+        hits = self.peek_computed_blocks(req, num_tokens)
+        bs = self.block_size
+        max_blocks = ((req.num_tokens if num_tokens is None else num_tokens) - 1) // bs
+        found = []
+        for i in range(len(hits), min(max_blocks, len(req.block_hashes))):
+            location = self.tiers.find(req.block_hashes[i], req.all_token_ids[i * bs:(i + 1) * bs])
+            if location is None:
+                break
+            found.append((*location, req.block_hashes[i]))
+        del found[max(0, self.num_free_blocks - sum(1 for b in hits if self.blocks[b].ref_count == 0)):]
+        if not found:
+            return 0
+        self.add_references(hits)  # the pops below must not take the hits the promoted blocks extend
+        block_ids = [self._pop_free() for _ in found]
+        self.tiers.promote(found, block_ids)
+        first = len(hits)
+        self.events.append(KVEvent("stored", [], req.block_hashes[first - 1] if first else None))
+        for i, ((_, _, block_hash), block_id) in enumerate(zip(found, block_ids), start=first):
+            block = self.blocks[block_id]
+            block.block_hash, block.token_ids = block_hash, tuple(req.all_token_ids[i * bs:(i + 1) * bs])
+            self.cached[block_hash] = block_id
+            self.events[-1].block_hashes.append(block_hash)
+        self.free_block_ids(reversed(block_ids))
+        self.free_block_ids(hits)
+        return len(found)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the blocks of `parent` (one more reference each) and its cache bookkeeping."""
@@ -201,7 +242,9 @@ class BlockManager:
         req.num_cached_blocks = 0
 
     def free_block_ids(self, block_ids) -> None:
-        """Drop one reference from each block; tail blocks first so they are evicted first."""
+        """Drop one reference from each block; tail blocks first so they are evicted first. Cached blocks
+        nobody holds any more go down to the tiers, when there are some."""
+        demoted = []
         for block_id in block_ids:
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -210,6 +253,10 @@ class BlockManager:
                 self.free_blocks[block_id] = None
                 if block.block_hash is None:
                     self.free_blocks.move_to_end(block_id, last=False)
+                elif self.tiers is not None:
+                    demoted.append((block_id, block.block_hash, block.token_ids))
+        if demoted:
+            self.tiers.demote(demoted)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block that no request holds; False if some are still in use."""
@@ -218,6 +265,8 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash, block.token_ids = None, ()
         self.cached.clear()
+        if self.tiers is not None:
+            self.tiers.clear()
         self.events.append(KVEvent("cleared"))
         return True
 
@@ -225,8 +274,13 @@ class BlockManager:
         """All cached block hashes, for a router resync."""
         return list(self.cached)
 
+    def tier_snapshot(self) -> dict[str, list[int]]:
+        """Per tier below the device cache, the block hashes it holds (for a router resync)."""
+        return {} if self.tiers is None else self.tiers.snapshot()
+
     def take_events(self) -> list[KVEvent]:
-        events, self.events = self.events, []
+        events = list(self.events)
+        self.events.clear()  # the same list: the tiers append to it too
         return events
 
     def add_references(self, block_ids) -> None:
@@ -243,6 +297,8 @@ class BlockManager:
 
     def _pop_free(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)
+        if self.tiers is not None:
+            self.tiers.wait_block(block_id)  # it is about to be written: a pending demotion reads it first
         block = self.blocks[block_id]
         if block.block_hash is not None:
             del self.cached[block.block_hash]

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.kv_tiers_config import KVTiersConfig
 from engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:  # torch loads where a model runs, not in the control plane that only reads configs
@@ -105,6 +106,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # Ranks that each hold 1/N of the model and its KV heads (engine/parallel/); num_threads is split among them.
     tensor_parallel_size: int = 1
+    # Tiers below the KV cache that evicted prefix blocks go down to and come back from (engine/kv_tiers.py).
+    kv_tiers: KVTiersConfig | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -122,6 +125,8 @@ class EngineConfig:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.kv_tiers is not None and self.kv_tiers.enabled and not self.enable_prefix_caching:
+            raise ValueError("kv_tiers hold prefix-cache blocks: they need enable_prefix_caching")
 
     @property
     def resolved_dtype(self) -> str:

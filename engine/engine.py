@@ -60,6 +60,8 @@ class Engine:
         self.kv_cache = runner.kv_cache
         self.max_model_len = min(config.max_model_len or runner.max_position_embeddings, runner.max_position_embeddings)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        if config.kv_tiers is not None and config.kv_tiers.enabled:
+            self.block_manager.tiers = self._tiers(config)
         self.step_costs = StepCosts()  # measured on every step; workers report it, the router places with it
         self.scheduler = Scheduler(config, self.block_manager, self._prefill_budget(config))
         self.eos_token_ids = eos_token_ids(runner.model, tokenizer)
@@ -78,9 +80,24 @@ class Engine:
         self.num_prompt_tokens = 0
         self._ids = itertools.count()
 
+    def _tiers(self, config: EngineConfig):
+        """The KV tiers below this engine's cache; not for a CUDA tensor-parallel cache (each rank's is its own)."""
+        from engine.kv_tiers import KVTiers
+        if config.tensor_parallel_size > 1 and self.runner.device.type != "cpu":
+            self.close()
+            raise ValueError("kv_tiers with tensor_parallel_size > 1 run on CPU only for now (a rank-local CUDA cache)")
+        try:
+            return KVTiers(config.kv_tiers, self.kv_cache, self.block_manager.events)
+        except BaseException:
+            self.close()
+            raise
+
     def close(self, graceful: bool = True) -> None:
         """Stop a tensor-parallel engine's other ranks (an engine of one rank holds nothing to stop): told to,
-        or killed when a step may still be running on another thread (not `graceful`)."""
+        or killed when a step may still be running on another thread (not `graceful`); and the tiers' copier."""
+        if getattr(self, "block_manager", None) is not None and self.block_manager.tiers is not None:
+            self.block_manager.tiers.close()
+            self.block_manager.tiers = None
         if self.ranks is not None:
             self.ranks.close(graceful)
             self.ranks = None
@@ -145,6 +162,8 @@ class Engine:
             self.waiting_for_grammar.add(req)
             return
         self.scheduler.add(req)
+        if not req.num_computed_tokens:
+            self.block_manager.promote(req)  # its prefix's blocks in a lower tier come back ahead of its step
         if req.pending_forks and req.num_output_tokens:  # its first token was sampled elsewhere
             self.forking.add_first_sampled(req)
 
@@ -172,7 +191,8 @@ class Engine:
                 "tensor_parallel_size": self.config.tensor_parallel_size,
                 "tp_ranks_alive": 1 if self.ranks is None else 1 + self.ranks.num_alive(),
                 "tp_shm_too_large": 0 if self.ranks is None or self.ranks.group.shm is None
-                else self.ranks.group.shm.too_large}
+                else self.ranks.group.shm.too_large,
+                "kv_tiers": None if bm.tiers is None else bm.tiers.stats()}
 
     def reserve_for_import(self, req: Request) -> list[int] | None:
         """Blocks for `req`'s whole prompt (BlockManager.reserve_for_import): the indices of those whose KV must

@@ -1,7 +1,9 @@
 """KV cache events, in Dynamo's vocabulary: blocks stored, blocks removed, all cleared.
 
 The engine appends events as its prefix cache changes; workers stamp them with
-a per-worker sequence number and publish them to the router's index.
+a per-worker sequence number and publish them to the router's index. An event
+names the tier it happened in: the device cache, or a tier below it
+(engine/kv_tiers.py: "host", "disk"); "cleared" clears every tier.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ class KVEvent:
     kind: Literal["stored", "removed", "cleared"]
     block_hashes: list[int] = field(default_factory=list)
     parent_hash: int | None = None  # for "stored": hash of the block before the first one
+    tier: str = "device"
 
 
 @dataclass(slots=True)

@@ -159,6 +159,8 @@ class Scheduler:
             req = self.waiting[passed]
             # A request whose prompt KV was imported arrives with blocks and computed tokens.
             imported = req.num_computed_tokens > 0
+            if not imported and self.block_manager.tiers is not None:
+                self.block_manager.promote(req)  # what a lower tier holds of its prefix, if it was evicted since
             computed = [] if imported else self.block_manager.peek_computed_blocks(req)
             if not imported and self.block_manager.enable_prefix_caching:
                 computing = self._computing_blocks() if computing is None else computing
