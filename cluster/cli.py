@@ -51,7 +51,8 @@ def serve_command(args, parser) -> int:
     overrides = {"model": args.model, "device": args.device, "dtype": args.dtype,
                  "mode": "colocated" if args.colocated else None, "prefill.replicas": args.prefill,
                  "decode.replicas": args.decode, "prefill.tensor_parallel_size": args.prefill_tp,
-                 "decode.tensor_parallel_size": args.decode_tp, "host": args.host, "port": args.port, "admin_key": args.admin_key,
+                 "decode.tensor_parallel_size": args.decode_tp, "kv_tiers.host_gb": args.kv_host_gb,
+                 "kv_tiers.disk_gb": args.kv_disk_gb, "kv_tiers.disk_path": args.kv_disk_path, "host": args.host, "port": args.port, "admin_key": args.admin_key,
                  "api_keys": dict(args.api_key) if args.api_key else None,
                  "autoscaler.enabled": True if args.autoscale else None,
                  "served_model_name": args.served_model_name, "chat_template": args.chat_template,
@@ -214,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tensor-parallel ranks per prefill worker (default 1)")
     serve.add_argument("--decode-tp", type=_count, metavar="N",
                        help="tensor-parallel ranks per decode worker (default 1)")
+    serve.add_argument("--kv-host-gb", type=_gib, metavar="GIB",
+                       help="per worker, a host-memory tier below the KV cache for evicted prefixes (default 0: none)")
+    serve.add_argument("--kv-disk-gb", type=_gib, metavar="GIB",
+                       help="per worker, a disk tier below the host tier (needs --kv-host-gb and --kv-disk-path)")
+    serve.add_argument("--kv-disk-path", type=_non_empty, metavar="DIR", help="where the disk tier's files go")
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"],
                        help="where workers run (default auto: CUDA when present)")
     serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
@@ -305,6 +311,16 @@ def _count(text: str) -> int:
     if not text.isdigit() or int(text) > 256:
         raise argparse.ArgumentTypeError(f"{text!r} is not a worker count: give a whole number from 0 to 256")
     return int(text)
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (0 <= value <= 65536):  # also NaN
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give GiB as a number from 0 to 65536")
+    return value
 
 
 def _port(text: str) -> int:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engine.config import CpuBinding, EngineConfig
 from engine.errors import first_field_error
+from engine.kv_tiers_config import KVTiersConfig
 from engine.spec_decode import SpeculativeConfig
 from cluster.scaling_policy import Thresholds
 from kv_transfer.config import TLSFiles, TransferConfig
@@ -59,6 +60,31 @@ class EngineOptions(_Strict):
     # On CPU in fp32, linears whose weights are exactly the 4- or 8-bit blocks the model shipped as (the
     # default SmolLM2's GGUF) compute decode steps from those blocks (engine/weight_blocks.py).
     weight_blocks: bool = True
+
+
+class KVTiersOptions(_Strict):
+    """Tiers below each worker's KV cache (engine/kv_tiers.py): evicted prefix blocks wait in `host_gb` GiB of
+    host memory (pinned on CUDA; shared memory on CPU, beyond `engine.kv_cache_memory_gb`), then in `disk_gb`
+    GiB of a memory-mapped file in `disk_path`, and come back on a prefix hit instead of being recomputed."""
+    host_gb: float = Field(0.0, ge=0, le=4096, allow_inf_nan=False)
+    disk_path: str | None = None
+    disk_gb: float = Field(0.0, ge=0, le=65536, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KVTiersOptions:
+        self.engine_config()
+        if self.disk_path is not None:
+            path = Path(self.disk_path)
+            if path.exists() and not path.is_dir():
+                raise ValueError(f"kv_tiers.disk_path {self.disk_path} is not a directory")
+        return self
+
+    def engine_config(self) -> KVTiersConfig | None:
+        try:
+            config = KVTiersConfig(self.host_gb, self.disk_path, self.disk_gb)
+        except ValueError as exc:
+            raise ValueError(str(exc).removeprefix("kv_tiers.")) from None
+        return config if config.enabled else None
 
 
 class SpeculativeOptions(_Strict):
@@ -331,6 +357,7 @@ class ClusterConfig(_Strict):
     prefill: PoolConfig = Field(default_factory=PoolConfig)
     decode: PoolConfig = Field(default_factory=PoolConfig)
     engine: EngineOptions = Field(default_factory=EngineOptions)
+    kv_tiers: KVTiersOptions = Field(default_factory=KVTiersOptions)  # below each worker's cache; off by default
     speculative_config: SpeculativeOptions | None = None  # the decode pool's default; None: requests opt in
     transfer: TransferOptions = Field(default_factory=TransferOptions)
     router: RouterOptions = Field(default_factory=RouterOptions)
@@ -418,7 +445,7 @@ class ClusterConfig(_Strict):
                             num_threads=threads, cpu_binding=binding, itl_slo_ms=itl_slo_ms,
                             borrow_slice_ms=slice_ms if binding is not None and binding.borrow else None,
                             stall_ratio=self.slo.stall_ratio, speculative_config=speculative,
-                            kv_cache_shared=shared_cache,
+                            kv_cache_shared=shared_cache, kv_tiers=self.kv_tiers.engine_config(),
                             reasoning_markers=(self.reasoning.start, self.reasoning.end) if self.reasoning else None,
                             **self.engine.model_dump())
 

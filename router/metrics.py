@@ -267,6 +267,7 @@ class WorkerStatsCollector:
                 family.add_metric([s.pool, s.worker_id], float(get(s)))
             yield family
         yield from _measured_costs(stats)
+        yield from _kv_tiers(stats)
         yield from _spec_decode(stats)
         yield from _transfer(self.transfer)
 
@@ -360,6 +361,35 @@ def _measured_costs(stats: list) -> Iterable[Metric]:
             pull.add_metric([s.pool, s.worker_id], s.kv_pull_gbps)
             latency.add_metric([s.pool, s.worker_id], s.kv_pull_latency_s)
     return [speed, step, pull, latency]
+
+
+KV_TIER_SERIES = {  # name -> (help, KVTiers.stats key, counter?)
+    "tandem:kv_tier_capacity_blocks": ("Blocks a tier below the KV cache holds at most.", "num_slots", False),
+    "tandem:kv_tier_blocks": ("Blocks a tier below the KV cache holds now.", "num_used", False),
+    "tandem:kv_tier_stored_blocks": ("Blocks demoted into a tier (from the cache, or from the tier above).",
+                                     "stored", True),
+    "tandem:kv_tier_hits": ("Blocks promoted from a tier back into the cache for a prompt (prefix hits "
+                            "that would have been recomputed without the tier).", "hits", True),
+    "tandem:kv_tier_evictions": ("Blocks a tier's LRU dropped (down to the next tier, if any).", "evicted", True),
+    "tandem:kv_tier_promote_seconds": ("Seconds spent copying hits back into the cache.", "promote_seconds", True),
+}
+
+
+def _kv_tiers(stats: list) -> Iterable[Metric]:
+    """Per worker and tier below its KV cache: capacity, use, and what moved; and failed copies (stay 0)."""
+    labels = ["pool", "worker", "tier"]
+    tiered = [s for s in stats if s.kv_tiers]
+    for name, (doc, key, counter) in KV_TIER_SERIES.items():
+        family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=labels)
+        for s in tiered:
+            for tier, values in s.kv_tiers["tiers"].items():
+                family.add_metric([s.pool, s.worker_id, tier], float(values[key]))
+        yield family
+    failures = CounterMetricFamily("tandem:kv_tier_copy_failures", "Copies into a KV tier that failed: their "
+                                   "blocks were dropped from the tier (should stay 0).", labels=["pool", "worker"])
+    for s in tiered:
+        failures.add_metric([s.pool, s.worker_id], float(s.kv_tiers["copy_failures"]))
+    yield failures
 
 
 SPEC_DECODE_COUNTERS = {

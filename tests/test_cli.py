@@ -53,6 +53,8 @@ def run_cli(capsys, *argv):
     (["serve", "--config", "/nonexistent.yaml"], "no such file: /nonexistent.yaml"),
     (["serve", "--device", "tpu"], "invalid choice: 'tpu'"),
     (["serve", "--colocated", "--prefill", "1"], "--prefill does not apply with --colocated"),
+    (["serve", "--kv-host-gb", "-1"], "'-1' is not a size"),
+    (["serve", "--kv-disk-gb", "nan"], "'nan' is not a size"),
 ])
 def test_bad_flags_exit_2_with_a_message_naming_the_flag(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)

@@ -245,3 +245,48 @@ def test_engine_outputs_equal_a_run_that_never_evicted(tiny_llama_dir, tmp_path)
     assert stats["tiers"]["disk"]["stored"] > 0 and stats["copy_failures"] == 0
     for engine in engines.values():
         engine.close()
+
+
+# ---- configuration and metrics ----------------------------------------------------------------------
+
+def test_the_cluster_config_and_flags_give_every_worker_its_tiers(tmp_path, capsys):
+    from cluster.cli import build_parser, main
+    from cluster.config import ClusterConfig, load_config
+
+    args = build_parser().parse_args(["serve", "--kv-host-gb", "2", "--kv-disk-gb", "8",
+                                      "--kv-disk-path", str(tmp_path)])
+    config = load_config(None, **{"kv_tiers.host_gb": args.kv_host_gb, "kv_tiers.disk_gb": args.kv_disk_gb,
+                                  "kv_tiers.disk_path": args.kv_disk_path})
+    for role in ("prefill", "decode"):
+        assert config.engine_config(config.decode, role).kv_tiers == KVTiersConfig(2.0, str(tmp_path), 8.0)
+    assert ClusterConfig().engine_config(ClusterConfig().decode, "decode").kv_tiers is None  # off by default
+    assert main(["serve", "--kv-disk-gb", "1", "--kv-host-gb", "1"]) == 1
+    assert "invalid config field 'kv_tiers'" in capsys.readouterr().err
+    file = tmp_path / "file"
+    file.write_text("")
+    with pytest.raises(ValueError, match="not a directory"):
+        ClusterConfig(kv_tiers={"host_gb": 1, "disk_gb": 1, "disk_path": str(file)})
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig(kv_tiers=KVTiersConfig(host_gb=1), enable_prefix_caching=False)
+
+
+def test_tier_series_are_exported_per_worker_and_tier():
+    from router.metrics import WorkerStatsCollector
+    from worker_runtime.protocol import WorkerLoad, WorkerStats
+
+    cache, bm = setup(host_blocks=4, disk_blocks=8, disk_path="/tmp")
+    for req in (request(range(17)), request(range(100, 121), rid="b"), request(range(17), rid="again")):
+        compute(cache, bm, req)
+        bm.free(req)
+        bm.tiers.flush()
+    collector = WorkerStatsCollector()
+    stats = WorkerStats("decode-1", "decode", kv_tiers=bm.tiers.stats())
+    collector.update(stats)
+    families = {f.name: f for f in collector.collect()}
+    hits = {s.labels["tier"]: s.value for s in families["tandem:kv_tier_hits"].samples}
+    assert hits == {"host": 0.0, "disk": 4.0}  # a's blocks went down to disk under b's
+    used = {s.labels["tier"]: s.value for s in families["tandem:kv_tier_blocks"].samples}
+    assert used == {"host": 4.0, "disk": 8.0}  # a came back up, pushing b down; the disk tier is full
+    assert [s.value for s in families["tandem:kv_tier_copy_failures"].samples] == [0.0]
+    assert WorkerLoad.reported("decode-1", stats, True).promote_s_per_block > 0  # the prior before any hit
+    assert WorkerLoad.reported("decode-1", WorkerStats("decode-1", "decode"), True).promote_s_per_block == 0

@@ -146,3 +146,52 @@ def test_tenant_salt_gives_different_hashes_so_tenants_never_share_a_prefix():
     other = block_hashes(PROMPT, BLOCK, cache_salt="tenant-b")
     assert index.overlap(other, ["w0"]) == {"w0": 0}
     assert index.overlap(block_hashes(PROMPT, BLOCK, cache_salt="tenant-a"), ["w0"]) == {"w0": 8}
+
+
+# ---- tiers below the device cache -----------------------------------------------------------------
+
+def tier_batch(worker, seq, kind, hashes, tier):
+    return KVEventBatch(worker, seq, [KVEvent(kind, list(hashes), tier=tier)])
+
+
+def test_blocks_in_a_lower_tier_count_only_when_tiers_are_asked_for():
+    index = PrefixIndex()
+    index.apply(stored("w0", 0, HASHES[:3]))
+    index.apply(tier_batch("w0", 1, "stored", HASHES[3:6], "host"))
+    index.apply(tier_batch("w1", 0, "stored", HASHES[:8], "disk"))
+    assert index.overlap(HASHES, ["w0", "w1"]) == {"w0": 3, "w1": 0}
+    assert index.overlap(HASHES, ["w0", "w1"], tiers=True) == {"w0": 6, "w1": 8}
+    assert index.tier_overlap(HASHES, ["w0", "w1"]) == {"w0": (3, 6), "w1": (0, 8)}
+    assert index.num_blocks("w0") == 3 and index.num_lower_blocks("w0") == {"host": 3}
+
+
+def test_a_block_leaves_a_worker_only_when_its_last_tier_drops_it():
+    index = PrefixIndex()
+    index.apply(tier_batch("w0", 0, "stored", HASHES[:2], "host"))
+    index.apply(tier_batch("w0", 1, "stored", HASHES[:2], "disk"))
+    index.apply(stored("w0", 2, HASHES[:2]))
+    index.apply(KVEventBatch("w0", 3, [KVEvent("removed", HASHES[:2])]))  # from the device cache
+    index.apply(tier_batch("w0", 4, "removed", HASHES[:1], "host"))
+    assert index.tier_overlap(HASHES, ["w0"]) == {"w0": (0, 2)}
+    index.apply(tier_batch("w0", 5, "removed", HASHES[:1], "disk"))
+    assert index.tier_overlap(HASHES, ["w0"]) == {"w0": (0, 0)}
+    index.apply(KVEventBatch("w0", 6, [KVEvent("cleared")]))  # every tier
+    assert index.overlap(HASHES[1:], ["w0"], tiers=True) == {"w0": 0}
+    assert len(index._lower_owners) == 0
+
+
+def test_a_resync_and_a_removed_worker_replace_and_drop_the_lower_tiers_too():
+    index = PrefixIndex()
+    index.apply(tier_batch("w0", 0, "stored", HASHES, "host"))
+    index.resync("w0", HASHES[:1], 7, {"disk": HASHES[1:4]})
+    assert index.tier_overlap(HASHES, ["w0"]) == {"w0": (1, 4)}
+    index.remove_worker("w0")
+    assert index.overlap(HASHES, ["w0"], tiers=True) == {"w0": 0} and not index._lower_owners
+
+
+def test_in_flight_overlap_counts_lower_tiers_when_asked():
+    index = PrefixIndex()
+    index.apply(tier_batch("w0", 0, "stored", HASHES[:2], "host"))
+    index.begin_prompt("w0", "p", HASHES[2:4])
+    assert index.overlap(HASHES, ["w0"], in_flight=True, tiers=True) == {"w0": 4}
+    assert index.overlap(HASHES, ["w0"], in_flight=True) == {"w0": 0}

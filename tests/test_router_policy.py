@@ -816,3 +816,23 @@ def test_the_ingress_queue_ahead_is_placed_first_on_either_path_so_a_prediction_
     assert queued.predicted_ttft_s > slot_waiters.predicted_ttft_s
     shared = spread_backlog([one_slot, prefill_worker(), prefill_worker(healthy=False)], (3, 900))
     assert [(w.num_waiting, w.queued_prefill_tokens) for w in shared] == [(3, 706), (2, 450), (0, 0)]
+
+
+def test_a_worker_holding_the_prefix_in_a_lower_tier_is_preferred_and_charged_its_promotion():
+    """Both idle: the decode worker whose host tier holds the prompt's blocks wins over one that holds none, and
+    its placement costs the promotion it measured on top of the same computation of the rest."""
+    from engine.hashing import block_hashes
+    from engine.kv_events import KVEvent, KVEventBatch
+    from router.placement.index import PrefixIndex
+    from router.placement.routing import Router
+    from worker_runtime.protocol import WorkerLoad
+
+    hashes = block_hashes(list(range(512)), 16)
+    index = PrefixIndex()
+    index.apply(KVEventBatch("d1", 0, [KVEvent("stored", hashes, tier="host")]))
+    router = Router(index, 16)
+    loads = [WorkerLoad("d0"), WorkerLoad("d1", promote_s_per_block=0.001)]
+    decision = router.route(hashes, 512, [], loads)
+    assert decision.decode.worker_id == "d1" and decision.decode.cached_tokens == 512
+    index.apply(KVEventBatch("d0", 0, [KVEvent("stored", hashes)]))  # d0: the same blocks in its device cache
+    assert router.route(hashes, 512, [], loads).decode.worker_id == "d0"

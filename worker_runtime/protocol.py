@@ -138,10 +138,25 @@ class WorkerStats:
     tensor_parallel_size: int = 1  # ranks of the logical worker (engine/parallel/)
     tp_ranks_alive: int = 1  # of them, running (a rank's death fails the worker: its ping raises)
     tp_shm_too_large: int = 0  # CPU ranks' collectives too large for their shared memory: over Gloo (stay 0)
+    kv_tiers: dict | None = None  # the KV tiers below the cache (engine/kv_tiers.py KVTiers.stats); None: none
 
     @property
     def kv_usage(self) -> float:
         return self.num_active_blocks / self.num_total_blocks
+
+
+PRIOR_PROMOTE_GBPS = 2.0  # a tier's copy back into the cache before one was measured (a memcpy; H2D on CUDA)
+
+
+def promote_seconds(tiers: dict | None) -> float:
+    """Seconds a worker spends bringing one block back from its tiers (KVTiers.stats): measured over its
+    promotions so far, else a prior from the block's bytes; 0 without tiers."""
+    if not tiers:
+        return 0.0
+    hits = sum(t["hits"] for t in tiers["tiers"].values())
+    if hits:
+        return sum(t["promote_seconds"] for t in tiers["tiers"].values()) / hits
+    return tiers["bytes_per_block"] / (PRIOR_PROMOTE_GBPS * 1e9)
 
 
 @dataclass(slots=True)
@@ -166,6 +181,8 @@ class WorkerLoad:
     # A decode worker: the streams the router expects to join it per second (its share of the recent
     # arrival rate), which a long local prefill will run beside.
     arrivals_per_s: float = 0.0
+    # What bringing one block back from a tier below its cache costs it (measured; a prior until then).
+    promote_s_per_block: float = 0.0
 
     @classmethod
     def reported(cls, worker_id: str, stats: WorkerStats | None, healthy: bool) -> WorkerLoad:
@@ -177,7 +194,7 @@ class WorkerLoad:
                    num_running=stats.num_running, num_active_blocks=stats.num_active_blocks,
                    num_total_blocks=stats.num_total_blocks, healthy=healthy, step_costs=stats.step_costs,
                    kv_bytes_per_token=stats.kv_bytes_per_token, kv_pull_gbps=stats.kv_pull_gbps,
-                   kv_pull_latency_s=stats.kv_pull_latency_s)
+                   kv_pull_latency_s=stats.kv_pull_latency_s, promote_s_per_block=promote_seconds(stats.kv_tiers))
 
     @property
     def idle(self) -> bool:
@@ -203,3 +220,4 @@ class KVEventsReply:
     batches: list = field(default_factory=list)
     snapshot: list[int] | None = None
     seq: int = 0
+    tiers: dict[str, list[int]] | None = None  # with a snapshot: per tier below the device cache, its blocks

@@ -133,8 +133,9 @@ class EngineServer:
                 # Read seq before the snapshot: batches up to it are then in the snapshot, and a batch
                 # published meanwhile is applied again on top, which set-like events tolerate.
                 seq = self.events.seq
-                snapshot = await self.loop.run(self.engine.block_manager.snapshot)
-                return KVEventsReply(self.worker_id, [], snapshot, seq)
+                bm = self.engine.block_manager
+                snapshot, tiers = await self.loop.run(lambda: (bm.snapshot(), bm.tier_snapshot()))
+                return KVEventsReply(self.worker_id, [], snapshot, seq, tiers or None)
             remaining = deadline - time.monotonic()
             if batches or remaining <= 0:
                 return KVEventsReply(self.worker_id, batches, None, self.events.seq)

@@ -8,6 +8,11 @@ cleared), numbered per worker. The index keeps two views of the same facts:
 - per block hash, a bitmask of the worker slots holding it (a Python int), so
   one routing lookup walks the request's hash chain once for all workers at
   a time, with one dict lookup and a few integer operations per block.
+
+Blocks in a worker's tiers below its device cache (engine/kv_tiers.py: host,
+disk) are kept apart, per tier and in a second bitmask map: `overlap` counts
+them with `tiers=True` (the worker promotes them before computing), and
+`tier_overlap` tells device hits from those.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from engine.kv_events import KVEvent, KVEventBatch
 class _WorkerEntry:
     bit: int  # 1 << slot; the worker's bit in every block's owner mask
     blocks: set[int] = field(default_factory=set)
+    lower: dict[str, set[int]] = field(default_factory=dict)  # tier below the device cache -> its blocks
     seq: int = -1  # last applied batch sequence number
     needs_resync: bool = False
     # Prompts routed to the worker and not finished: their blocks will be there once computed.
@@ -43,6 +49,7 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._workers: dict[str, _WorkerEntry] = {}
         self._owners: dict[int, int] = {}  # block hash -> bitmask of worker slots
+        self._lower_owners: dict[int, int] = {}  # block hash -> bitmask of the workers holding it in a lower tier
         self._slot_worker: list[str | None] = []  # slot -> worker id
         self._free_slots: list[int] = []
         self._pool_masks: dict[tuple[str, ...], int] = {}  # worker ids -> their bits
@@ -64,12 +71,17 @@ class PrefixIndex:
         entry.seq = batch.seq
         return True
 
-    def resync(self, worker_id: str, block_hashes: Iterable[int], seq: int) -> None:
-        """Replace a worker's entries with a snapshot taken after its batch `seq`."""
+    def resync(self, worker_id: str, block_hashes: Iterable[int], seq: int,
+               tiers: dict[str, Iterable[int]] | None = None) -> None:
+        """Replace a worker's entries with a snapshot taken after its batch `seq` (`tiers`: per tier below its
+        device cache, the blocks it holds)."""
         entry = self._workers.get(worker_id) or self._add_worker(worker_id)
         self._drop_blocks(entry, entry.blocks)
         entry.blocks = set()
+        self._clear_lower(entry)
         self._store_blocks(entry, block_hashes)
+        for tier, hashes in (tiers or {}).items():
+            self._store_lower(entry, tier, hashes)
         entry.seq = seq
         entry.needs_resync = False
 
@@ -79,6 +91,7 @@ class PrefixIndex:
         if entry is None:
             return
         self._drop_blocks(entry, entry.blocks)
+        self._clear_lower(entry)
         self._pool_masks.clear()
         slot = entry.bit.bit_length() - 1
         self._slot_worker[slot] = None
@@ -103,15 +116,17 @@ class PrefixIndex:
 
     # ---- querying ----------------------------------------------------------------
 
-    def overlap(self, block_hashes: Sequence[int], workers: Iterable[str], in_flight: bool = False) -> dict[str, int]:
+    def overlap(self, block_hashes: Sequence[int], workers: Iterable[str], in_flight: bool = False,
+                tiers: bool = False) -> dict[str, int]:
         """For each worker, how many leading blocks of the request's hash chain it holds (with `in_flight`,
-        or will hold once the prompts routed to it are computed: `begin_prompt`).
+        or will hold once the prompts routed to it are computed: `begin_prompt`; with `tiers`, in its device
+        cache or a tier below it).
 
         Counting stops at a worker's first miss: a block is only reusable when
         every block before it is cached on the same worker too.
         """
         pool = tuple(workers)
-        result = self._overlap(block_hashes, pool)
+        result = self._overlap(block_hashes, pool, tiers and bool(self._lower_owners))
         if in_flight:
             for worker_id in pool:
                 entry = self._workers.get(worker_id)
@@ -119,24 +134,43 @@ class PrefixIndex:
                     ahead = entry.in_flight_blocks
                     depth = 0
                     for block_hash in block_hashes:
-                        if block_hash not in ahead and block_hash not in entry.blocks:
+                        if block_hash not in ahead and block_hash not in entry.blocks \
+                                and not (tiers and self._lower_owners.get(block_hash, 0) & entry.bit):
                             break
                         depth += 1
                     result[worker_id] = max(result[worker_id], depth)
         return result
 
-    def _overlap(self, block_hashes: Sequence[int], pool: tuple[str, ...]) -> dict[str, int]:
+    def tier_overlap(self, block_hashes: Sequence[int], workers: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """For each worker, (leading blocks in its device cache, leading blocks in it or a tier below it)."""
+        pool = tuple(workers)
+        device = self._overlap(block_hashes, pool)
+        if not self._lower_owners:
+            return {worker_id: (n, n) for worker_id, n in device.items()}
+        anywhere = self._overlap(block_hashes, pool, True)
+        return {worker_id: (device[worker_id], anywhere[worker_id]) for worker_id in pool}
+
+    def num_lower_blocks(self, worker_id: str) -> dict[str, int]:
+        """Per tier below the worker's device cache, how many blocks the index holds for it."""
+        entry = self._workers.get(worker_id)
+        return {} if entry is None else {tier: len(hashes) for tier, hashes in entry.lower.items()}
+
+    def _overlap(self, block_hashes: Sequence[int], pool: tuple[str, ...], tiers: bool = False) -> dict[str, int]:
         result = dict.fromkeys(pool, 0)
         mask = self._pool_masks.get(pool)
         if mask is None:
             mask = self._pool_mask(pool)
         owners = self._owners
+        lower = self._lower_owners if tiers else None
         slot_worker = self._slot_worker
         depth = 0
         for block_hash in block_hashes:
             if not mask:
                 return result
-            held = owners.get(block_hash, 0) & mask
+            held = owners.get(block_hash, 0)
+            if lower is not None:
+                held |= lower.get(block_hash, 0)
+            held &= mask
             if depth:  # workers lost at depth 0 keep the default 0
                 lost = mask ^ held
                 while lost:
@@ -198,15 +232,23 @@ class PrefixIndex:
     def _apply_event(self, entry: _WorkerEntry, event: KVEvent) -> None:
         # `stored` events carry parent_hash for tree-shaped indexes; a flat
         # index does not need it because `overlap` checks contiguity itself.
-        if event.kind == "stored":
+        if event.tier != "device" and event.kind != "cleared":
+            if event.kind == "stored":
+                self._store_lower(entry, event.tier, event.block_hashes)
+            elif event.kind == "removed":
+                self._drop_lower(entry, event.tier, event.block_hashes)
+            else:
+                raise ValueError(f"unknown KV event kind {event.kind!r}")
+        elif event.kind == "stored":
             self._store_blocks(entry, event.block_hashes)
         elif event.kind == "removed":
             held = entry.blocks.intersection(event.block_hashes)
             entry.blocks -= held
             self._drop_blocks(entry, held)
-        elif event.kind == "cleared":
+        elif event.kind == "cleared":  # every tier
             self._drop_blocks(entry, entry.blocks)
             entry.blocks = set()
+            self._clear_lower(entry)
         else:
             raise ValueError(f"unknown KV event kind {event.kind!r}")
 
@@ -225,3 +267,32 @@ class PrefixIndex:
                 owners[block_hash] = remaining
             else:
                 del owners[block_hash]
+
+    def _store_lower(self, entry: _WorkerEntry, tier: str, block_hashes: Iterable[int]) -> None:
+        held = entry.lower.setdefault(tier, set())
+        owners, bit = self._lower_owners, entry.bit
+        for block_hash in block_hashes:
+            held.add(block_hash)
+            owners[block_hash] = owners.get(block_hash, 0) | bit
+
+    def _drop_lower(self, entry: _WorkerEntry, tier: str, block_hashes: Iterable[int]) -> None:
+        held = entry.lower.get(tier)
+        if not held:
+            return
+        owners, bit = self._lower_owners, entry.bit
+        for block_hash in block_hashes:
+            if block_hash not in held:
+                continue
+            held.discard(block_hash)
+            if any(block_hash in other for other in entry.lower.values()):
+                continue  # still in another of its tiers
+            remaining = owners[block_hash] & ~bit
+            if remaining:
+                owners[block_hash] = remaining
+            else:
+                del owners[block_hash]
+
+    def _clear_lower(self, entry: _WorkerEntry) -> None:
+        for tier, held in list(entry.lower.items()):
+            self._drop_lower(entry, tier, list(held))
+        entry.lower = {}

@@ -57,7 +57,10 @@ class PoolPolicy:
         candidates = [load for load in loads if load.healthy and not load.draining]
         if not candidates:
             return None
-        overlaps = self.index.overlap(block_hashes, [load.worker_id for load in candidates], self.in_flight)
+        # Blocks in a tier below a worker's cache count as cached: it brings them back before computing (a copy,
+        # a hundredth or less of computing them).
+        overlaps = self.index.overlap(block_hashes, [load.worker_id for load in candidates], self.in_flight,
+                                      tiers=True)
         block_size = self.block_size
         if self.round_robin:
             chosen = sorted(candidates, key=lambda load: load.worker_id)[self._turn % len(candidates)]

@@ -194,10 +194,11 @@ class Router:
         candidates = [load for load in decode_loads if load.schedulable]
         if not candidates:
             raise NoDecodeWorker("no decode worker is healthy and accepting requests")
-        overlaps = self.index.overlap(block_hashes, [load.worker_id for load in candidates])
+        overlaps = self.index.tier_overlap(block_hashes, [load.worker_id for load in candidates])
         options = []
         for load in candidates:
-            cached = overlaps[load.worker_id] * self.block_size
+            on_device, anywhere = overlaps[load.worker_id]
+            cached = anywhere * self.block_size  # blocks in a tier below its cache come back before its prefill
             decision = decide_prefill_by_cost(prompt_tokens, cached, prefill_cached, load, prefill, self.disagg,
                                               elapsed_s)
             displaced = displaced_seconds(prompt_tokens, cached, output_tokens, load,
@@ -205,6 +206,7 @@ class Router:
                                           self.hit_share.get(load.worker_id, 0.0), self.block_size)
             seconds = decode_seconds(prompt_tokens, cached, load, decision, output_tokens, self.disagg,
                                      self.block_size, elapsed_s, displaced)
+            seconds += (anywhere - on_device) * load.promote_s_per_block
             options.append((seconds, load.num_running + load.num_waiting, load.worker_id, cached, decision))
         best = min(option[0] for option in options)
         near = [option for option in options if option[0] <= best + TIE_TOLERANCE_S]

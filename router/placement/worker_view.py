@@ -312,7 +312,7 @@ class WorkerView:
                 after = -1
                 continue
             if reply.snapshot is not None:
-                self.index.resync(w.worker_id, reply.snapshot, reply.seq)
+                self.index.resync(w.worker_id, reply.snapshot, reply.seq, reply.tiers)
                 after = reply.seq
                 continue
             for batch in reply.batches:
