@@ -144,6 +144,9 @@ class TransferOptions(_Strict):
     layerwise: bool = False
     # grpc on CPU: a decode worker on its prefill worker's host copies the KV from its shared cache
     shared_memory: bool = True
+    # A decode worker pulls the prefix blocks another worker holds (its cache or tiers) instead of computing
+    # them, when the router's cost model says the pull is faster; every worker serves its own to peers.
+    peer_prefix_pulls: bool = True
     # Per node, TANDEM_KV_ADVERTISE_HOST / TANDEM_KV_BIND_HOST in a worker's environment win over these.
     advertise_host: str | None = None  # None: the node's IP as Ray sees it
     bind_host: str | None = None  # None: the advertised address itself; "0.0.0.0": every interface
@@ -439,7 +442,8 @@ class ClusterConfig(_Strict):
         itl_slo_ms = self.slo.itl_ms if role == "decode" else None
         slice_ms = self.slo.itl_ms if self.cpu.borrow_slice_ms is None else self.cpu.borrow_slice_ms
         speculative = self.speculative_config.engine_config() if role == "decode" and self.speculative_config else None
-        shared_cache = role == "prefill" and self.transfer.backend == "grpc" and self.transfer.shared_memory
+        shared_cache = (role == "prefill" or self.transfer.peer_prefix_pulls) and self.transfer.backend == "grpc" \
+            and self.transfer.shared_memory
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
                             tensor_parallel_size=pool.tensor_parallel_size,
                             num_threads=threads, cpu_binding=binding, itl_slo_ms=itl_slo_ms,
@@ -453,7 +457,8 @@ class ClusterConfig(_Strict):
         token = self.transfer.token or os.environ.get("TANDEM_KV_TOKEN", "")
         return TransferConfig(backend=self.transfer.backend, token=token, lease_ttl_s=self.transfer.lease_ttl_s,
                               timeout_s=self.transfer.timeout_s, layerwise=self.transfer.layerwise,
-                              shared_memory=self.transfer.shared_memory, advertise_host=self.transfer.advertise_host,
+                              shared_memory=self.transfer.shared_memory,
+                              peer_prefix_pulls=self.transfer.peer_prefix_pulls, advertise_host=self.transfer.advertise_host,
                               bind_host=self.transfer.bind_host,
                               tls=self.transfer.tls.files() if self.transfer.tls else None)
 

@@ -5,10 +5,13 @@ import asyncio
 import logging
 from contextlib import aclosing
 
+import ray
+
 from engine.config import EngineConfig
 from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult, WorkerStats
 from engine.request import Request
 from worker_runtime.request_log import set_request_id
+from worker_runtime.kv_server import start_kv_server
 from worker_runtime.serving import EngineServer, WorkerDraining
 from worker_runtime.tracing import emit_spans
 from engine.step_costs import TransferSpeed
@@ -48,6 +51,13 @@ class DecodeWorker(EngineServer):
         self.pull_speed = TransferSpeed()
         self._releases: set[asyncio.Task] = set()
         self.feeds = FeedServer(worker_id, self.generate)
+        # Prefix blocks pulled from peers (issue 41): served to them from here, pulled from them on the router's
+        # word; a failed peer pull falls back to computing, counted per reason like a failed import.
+        self.pulls_prefixes = transfer.peer_prefix_pulls
+        self.kv_server = start_kv_server(self.engine.kv_cache, transfer) if transfer.peer_prefix_pulls else None
+        self.peer_counters = {"peer_pulls": 0, "peer_blocks_pulled": 0, "peer_bytes_pulled": 0,
+                              "peer_pull_seconds": 0.0, "peer_blocks_had": 0}
+        self.peer_failures = TransferFailures(worker_id)
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult | None = None,
                        pending: list | None = None):
@@ -86,6 +96,8 @@ class DecodeWorker(EngineServer):
                     return
             else:
                 self.counters["local_prefills"] += 1
+            if request.prefix_source is not None and add == self.engine.add:
+                await self._pull_prefix(engine_req, request)
             request.stamp("decode_admitted")
             local = add != self.engine.add_imported  # no KV pulled: the prompt is computed here
             if local:
@@ -200,6 +212,60 @@ class DecodeWorker(EngineServer):
         self.pull_speed.observe(stats.num_bytes, stats.seconds)
         return self.engine.add_imported
 
+    async def _pull_prefix(self, req: Request, request: GenerateRequest) -> None:
+        """Pull the prompt's first blocks from the peer the router named (`request.prefix_source`) into the prefix
+        cache, where the local prefill then finds them; what this worker already has (tiers included) is not
+        pulled. A failure leaves the prompt to compute here, counted per reason (tandem:kv_peer_pull_failures)."""
+        source = request.prefix_source
+        reserved = await self.loop.run(self.engine.block_manager.reserve_prefix, req, source.num_blocks)
+        if reserved is None:
+            self.peer_failures.record("no_free_blocks", source.worker_id, f"no free KV blocks for {req.request_id}")
+            return
+        have, dst = reserved
+        self.peer_counters["peer_blocks_had"] += have
+        if not dst:
+            return
+        bs = self.engine.config.block_size
+        wanted = have + len(dst)
+        handle = None
+        try:
+            handle = await asyncio.wait_for(source.actor.lease_prefix.remote(
+                req.block_hashes[:wanted], req.all_token_ids[:wanted * bs]), self.kv_client.timeout_s)
+            if handle is None or len(handle.block_hashes) <= have:
+                raise KVTransferError(f"{source.worker_id} no longer holds the prefix", reason="lease_expired")
+            dst_used = dst[:len(handle.block_hashes) - have]
+            request.stamp("peer_pull_started")
+            stats = await asyncio.to_thread(self.kv_client.pull, handle, dst_used, list(range(have, have + len(dst_used))))
+        except (KVTransferError, asyncio.TimeoutError, ray.exceptions.RayError) as exc:
+            reason = failure_reason(exc) if isinstance(exc, KVTransferError) else (
+                "timeout" if isinstance(exc, asyncio.TimeoutError) else "unreachable")
+            self.peer_failures.record(reason, source.worker_id, str(exc) or type(exc).__name__)
+            self.loop.submit(self.engine.block_manager.free_block_ids, list(reversed(dst)))
+            if handle is not None:
+                await self._release_lease(handle)
+            return
+        except BaseException:
+            self.loop.submit(self.engine.block_manager.free_block_ids, list(reversed(dst)))
+            if handle is not None:
+                await self._release_lease(handle)
+            raise
+        unused = dst[len(dst_used):]
+        await self.loop.run(self._adopt_prefix, req, dst_used, have, unused)
+        request.stamp("peer_pull_done")
+        if stats.path != "shm":
+            release = asyncio.ensure_future(self._release_lease(handle))
+            self._releases.add(release)
+            release.add_done_callback(self._releases.discard)
+        self.peer_counters["peer_pulls"] += 1
+        self.peer_counters["peer_blocks_pulled"] += len(dst_used)
+        self.peer_counters["peer_bytes_pulled"] += stats.num_bytes
+        self.peer_counters["peer_pull_seconds"] += stats.seconds
+        self.pull_speed.observe(stats.num_bytes, stats.seconds)
+
+    def _adopt_prefix(self, req: Request, dst: list[int], have: int, unused: list[int]) -> None:
+        self.engine.block_manager.adopt_prefix(req, dst, have)
+        self.engine.block_manager.free_block_ids(unused)
+
     async def _first_token(self, req: Request, prefill: PrefillResult) -> bool:
         """Layer-wise: wait for the prefill worker's first token and append it; False if it finished the request."""
         if prefill.first is not None:
@@ -236,9 +302,13 @@ class DecodeWorker(EngineServer):
         failures = self.failures.snapshot()
         return {**self.counters, "shm_unavailable": getattr(self.kv_client, "shm_unavailable", 0),
                 "transfer_failures": sum(failures.values()),
-                "transfer_failures_by_reason": failures}
+                "transfer_failures_by_reason": failures, **self.peer_counters,
+                "peer_pull_failures_by_reason": self.peer_failures.snapshot(),
+                "bytes_served": 0 if self.kv_server is None else self.kv_server.stats.bytes_sent}
 
     def shutdown(self) -> None:
+        if self.kv_server is not None:
+            self.kv_server.stop(grace=1.0)
         self.kv_client.close()
         self.loop.stop()
         self.close_engine()

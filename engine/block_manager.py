@@ -145,14 +145,18 @@ class BlockManager:
         if self.tiers is None or not self.enable_prefix_caching:
             return 0
         hits = self.peek_computed_blocks(req, num_tokens)
+        max_blocks = ((req.num_tokens if num_tokens is None else num_tokens) - 1) // self.block_size
+        return self._promote_chain(req.block_hashes[:max_blocks], req.all_token_ids, hits)
+
+    def _promote_chain(self, block_hashes, token_ids, hits: list[int]) -> int:
+        """`promote` for the chain `block_hashes` of `token_ids`, whose first `len(hits)` blocks are cached."""
         bs = self.block_size
-        max_blocks = ((req.num_tokens if num_tokens is None else num_tokens) - 1) // bs
         found = []
-        for i in range(len(hits), min(max_blocks, len(req.block_hashes))):
-            location = self.tiers.find(req.block_hashes[i], req.all_token_ids[i * bs:(i + 1) * bs])
+        for i in range(len(hits), len(block_hashes)):
+            location = self.tiers.find(block_hashes[i], token_ids[i * bs:(i + 1) * bs])
             if location is None:
                 break
-            found.append((*location, req.block_hashes[i]))
+            found.append((*location, block_hashes[i]))
         del found[max(0, self.num_free_blocks - sum(1 for b in hits if self.blocks[b].ref_count == 0)):]
         if not found:
             return 0
@@ -160,15 +164,58 @@ class BlockManager:
         block_ids = [self._pop_free() for _ in found]
         self.tiers.promote(found, block_ids)
         first = len(hits)
-        self.events.append(KVEvent("stored", [], req.block_hashes[first - 1] if first else None))
+        self.events.append(KVEvent("stored", [], block_hashes[first - 1] if first else None))
         for i, ((_, _, block_hash), block_id) in enumerate(zip(found, block_ids), start=first):
             block = self.blocks[block_id]
-            block.block_hash, block.token_ids = block_hash, tuple(req.all_token_ids[i * bs:(i + 1) * bs])
+            block.block_hash, block.token_ids = block_hash, tuple(token_ids[i * bs:(i + 1) * bs])
             self.cached[block_hash] = block_id
             self.events[-1].block_hashes.append(block_hash)
         self.free_block_ids(reversed(block_ids))
         self.free_block_ids(hits)
         return len(found)
+
+    def hold_prefix(self, block_hashes, token_ids) -> list[int]:
+        """The leading blocks of the chain `block_hashes` (of `token_ids`) in the cache, after bringing back
+        what a tier below holds, each with one more reference (a lease for a peer's pull: `free_block_ids`
+        lets go)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = self._chain_hits(block_hashes, token_ids)
+        if self.tiers is not None and self._promote_chain(block_hashes, token_ids, hits):
+            hits = self._chain_hits(block_hashes, token_ids)
+        self.add_references(hits)
+        return hits
+
+    def reserve_prefix(self, req: Request, num_blocks: int) -> tuple[int, list[int]] | None:
+        """Before pulling the first `num_blocks` blocks of `req`'s prompt from a peer: how many it already has
+        here (tiers included), and fresh blocks (ref count 1) for the rest; None when the pool is short."""
+        num_blocks = min(num_blocks, (req.num_prompt_tokens - 1) // self.block_size)
+        self.promote(req, num_blocks * self.block_size + 1)
+        have = len(self.peek_computed_blocks(req, num_blocks * self.block_size + 1))
+        if have >= num_blocks:
+            return have, []
+        dst = self.allocate_blocks(num_blocks - have)
+        return None if dst is None else (have, dst)
+
+    def adopt_prefix(self, req: Request, dst: list[int], have: int) -> None:
+        """Blocks `dst` now hold `req`'s prompt blocks `have`, `have + 1`, ... (pulled from a peer): into the
+        prefix cache (where a block is cached already, that copy stays) and free, for `req` to find."""
+        bs = self.block_size
+        self.update_block_hashes(req)
+        for i, block_id in enumerate(dst, start=have):
+            parent = req.block_hashes[i - 1] if i else None
+            self.register_block(block_id, req.block_hashes[i], req.all_token_ids[i * bs:(i + 1) * bs], parent)
+        self.free_block_ids(reversed(dst))
+
+    def _chain_hits(self, block_hashes, token_ids) -> list[int]:
+        bs = self.block_size
+        hits = []
+        for i, block_hash in enumerate(block_hashes):
+            block_id = self.lookup(block_hash, token_ids[i * bs:(i + 1) * bs])
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the blocks of `parent` (one more reference each) and its cache bookkeeping."""

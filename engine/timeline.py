@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-STAGES = ("arrival", "validated", "tokenized", "routed", "prefill_queued", "prefill_started", "prefill_done",
+STAGES = ("arrival", "validated", "tokenized", "routed", "peer_pull_started", "peer_pull_done", "prefill_queued", "prefill_started", "prefill_done",
           "transfer_started", "transfer_done", "decode_admitted", "decode_started", "first_token", "last_token",
           "finished")
 

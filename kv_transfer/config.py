@@ -41,3 +41,6 @@ class TransferConfig:
     layerwise: bool = False
     shared_memory: bool = True
     tls: TLSFiles | None = None
+    # Every worker serves its cached prefix blocks to peers, and a decode worker the router points at a peer
+    # holding more of a prompt's prefix pulls those blocks instead of computing them (issue 41).
+    peer_prefix_pulls: bool = True

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-
-import ray
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -20,10 +17,10 @@ from engine.outputs import RequestOutput
 from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult
 from engine.request import Request
 from worker_runtime.request_log import set_request_id
+from worker_runtime.kv_server import start_kv_server
 from worker_runtime.serving import EngineServer, WorkerDraining
 from worker_runtime.tracing import emit_spans
 from kv_transfer.config import TransferConfig
-from kv_transfer.addresses import KVAddresses, hosts_that_cannot_reach, is_loopback, resolve_kv_addresses
 from kv_transfer.handle import KVHandle
 
 logger = logging.getLogger(__name__)
@@ -38,16 +35,7 @@ class PrefillWorker(EngineServer):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig):
         super().__init__(worker_id, engine_config)
         from engine.layer_progress import LayerProgress  # here, with the model (see EngineServer.__init__)
-        from kv_transfer.server import KVTransferServer
-        from kv_transfer.server_config import KVServerConfig
-
-        addresses = node_kv_addresses(transfer)
-        server_config = KVServerConfig(advertise_host=addresses.advertise_host, bind_host=addresses.bind_host,
-                                       lease_ttl_s=transfer.lease_ttl_s, max_workers=transfer.max_workers,
-                                       dist=transfer.backend == "torch_dist", tls=transfer.tls,
-                                       shared_memory=transfer.shared_memory)
-        self.kv_server = KVTransferServer(self.engine.kv_cache, transfer.token or secrets.token_hex(16),
-                                          server_config).start()
+        self.kv_server = start_kv_server(self.engine.kv_cache, transfer)
         self.lease_ttl_s = transfer.lease_ttl_s
         self.counters = {"layerwise_leases": 0, "forwards_ended_with_pull_open": 0}
         # Layer-wise requests waiting for their last chunk to be scheduled (read and written on the loop thread).
@@ -187,7 +175,7 @@ class PrefillWorker(EngineServer):
     def _lease(self, req: Request, block_ids: list[int], layers_ready: int | None = None) -> KVHandle:
         num_full = req.num_prompt_tokens // self.engine.config.block_size
         return self.kv_server.lease(req.request_id, block_ids, req.block_hashes[:num_full], req.num_prompt_tokens,
-                                    on_release=self._free_blocks, layers_ready=layers_ready)
+                                    on_release=self._free_leased, layers_ready=layers_ready)
 
     # ---- loop thread: leasing early and marking layers ready ------------------------------------------
 
@@ -223,9 +211,6 @@ class PrefillWorker(EngineServer):
         if req.finished and req.block_table:
             self.engine.block_manager.free(req)
 
-    def _free_blocks(self, block_ids: list[int]) -> None:
-        # Called from transport threads when a lease ends; the loop thread frees them before its next step.
-        self.loop.submit(self.engine.block_manager.free_block_ids, list(reversed(block_ids)))
 
 
 def _resolve(future: asyncio.Future, handle: KVHandle | None) -> None:
@@ -235,19 +220,3 @@ def _resolve(future: asyncio.Future, handle: KVHandle | None) -> None:
 
 def _aborted(request_id: str) -> RequestOutput:
     return RequestOutput(request_id, [], "", finished=True, finish_reason="abort")
-
-
-def node_kv_addresses(transfer: TransferConfig) -> KVAddresses:
-    """This worker's KV addresses, resolved on its own node (its environment, then the config, then Ray's
-    node IP); warns when it would advertise loopback while the Ray cluster spans several hosts."""
-    node_ip = ray.util.get_node_ip_address()
-    addresses = resolve_kv_addresses(transfer.advertise_host, transfer.bind_host, node_ip)
-    if is_loopback(addresses.advertise_host):
-        node_ips = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
-        others = hosts_that_cannot_reach(addresses.advertise_host, node_ip, node_ips)
-        if others:
-            logger.warning("this prefill worker advertises its KV server at %s, a loopback address, but the "
-                           "Ray cluster has nodes on other hosts (%s) that cannot pull from it; set "
-                           "TANDEM_KV_ADVERTISE_HOST or transfer.advertise_host to this node's routable IP",
-                           addresses.advertise_host, ", ".join(others))
-    return addresses

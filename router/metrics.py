@@ -69,6 +69,9 @@ class Metrics:
                                registry=r)
         self.routing_hits = Counter("tandem:routing_prefix_hit_blocks", "Prompt blocks cached on the chosen worker.",
                                     ["pool", "worker"], registry=r)
+        self.peer_prefix = Counter("tandem:routing_peer_prefix", "Prompts whose decode worker was told to pull the "
+                                   "prefix from a peer holding it (issue 41), by holder and puller.",
+                                   ["holder", "worker"], registry=r)
         self.migrations = Counter("tandem:request_migrations", "Requests moved on after their decode worker "
                                   "failed mid-stream, by the worker that failed.", ["worker"], registry=r)
         self.rejected = Counter("tandem:requests_rejected", "Requests refused at admission.", ["reason"],
@@ -336,6 +339,33 @@ def _transfer(transfer: dict[str, dict]) -> Iterable[Metric]:
                                    labels=labels + ["reason"])
     for worker_id, t in transfer.items():
         for reason, n in t.get("transfer_failures_by_reason", {}).items():
+            failures.add_metric(["decode", worker_id, reason], float(n))
+    yield failures
+    yield from _peer_pulls(transfer)
+
+
+PEER_PULL_COUNTERS = {  # name -> (help, transfer_stats key)
+    "tandem:kv_peer_pulls": ("Prompt prefixes a decode worker pulled from a peer holding them instead of computing "
+                             "them.", "peer_pulls"),
+    "tandem:kv_peer_pull_blocks": ("KV blocks pulled from peers.", "peer_blocks_pulled"),
+    "tandem:kv_peer_pull_bytes": ("KV bytes pulled from peers.", "peer_bytes_pulled"),
+    "tandem:kv_peer_pull_seconds": ("Seconds spent pulling from peers.", "peer_pull_seconds"),
+}
+
+
+def _peer_pulls(transfer: dict[str, dict]) -> Iterable[Metric]:
+    """Decode workers' prefix pulls from peers, and those that failed and were computed instead, by reason."""
+    labels = _LABELS
+    pulling = {w: t for w, t in transfer.items() if "peer_pulls" in t}
+    for name, (doc, key) in PEER_PULL_COUNTERS.items():
+        family = CounterMetricFamily(name, doc, labels=labels)
+        for worker_id, t in pulling.items():
+            family.add_metric(["decode", worker_id], float(t[key]))
+        yield family
+    failures = CounterMetricFamily("tandem:kv_peer_pull_failures", "Prefix pulls from peers that failed: the "
+                                   "prompt was computed instead, by reason.", labels=labels + ["reason"])
+    for worker_id, t in pulling.items():
+        for reason, n in t["peer_pull_failures_by_reason"].items():
             failures.add_metric(["decode", worker_id, reason], float(n))
     yield failures
 

@@ -174,3 +174,46 @@ def test_commands_to_a_stopped_engine_loop_fail_instead_of_hanging():
         loop.submit(lambda: 8).result(timeout=5)
     with pytest.raises(EngineStopped):
         asyncio.run(loop.run(lambda: 9))
+
+
+# ---- peer prefix pulls (issue 41) ---------------------------------------------------------------------
+
+def peer_view(prefill_tokens_per_s: float):
+    from engine.step_costs import StepCosts
+    view = view_with("decode-0", "decode-1")
+    costs = StepCosts(prefill_tokens_per_s={4096: prefill_tokens_per_s, 2048: prefill_tokens_per_s,
+                                            1024: prefill_tokens_per_s}, decode_step_s={1: 0.02})
+    for worker_id in ("decode-0", "decode-1"):
+        poll(view, worker_id, kv_bytes_per_token=23040, serves_prefixes=True, pulls_prefixes=True, step_costs=costs)
+    return view
+
+
+def test_a_decode_worker_is_pointed_at_the_peer_holding_more_of_the_prefix_when_pulling_is_faster():
+    prompt = list(range(2000))
+    hashes = block_hashes(prompt, BLOCK)
+    view = peer_view(prefill_tokens_per_s=2000.0)  # 1,984 tokens: ~1 s to compute, ~50 ms to pull at 1 GB/s
+    view.index.apply(KVEventBatch("decode-1", 0, [KVEvent("stored", hashes[:100]),
+                                                   KVEvent("stored", hashes[100:], tier="host")]))
+    view.index.apply(KVEventBatch("decode-0", 0, [KVEvent("stored", hashes[:10])]))
+    source = view.peer_prefix("decode-0", hashes, len(prompt))
+    assert source.worker_id == "decode-1" and source.num_blocks == (len(prompt) - 1) // BLOCK  # a token left
+    assert view.peer_prefix("decode-1", hashes, len(prompt)) is None  # it holds the most itself
+    slow_pull = peer_view(prefill_tokens_per_s=1e7)  # computing is faster than any pull
+    slow_pull.index.apply(KVEventBatch("decode-1", 0, [KVEvent("stored", hashes)]))
+    assert slow_pull.peer_prefix("decode-0", hashes, len(prompt)) is None
+
+
+def test_no_peer_pull_for_a_worker_that_does_not_pull_or_a_holder_that_does_not_serve():
+    prompt = list(range(2000))
+    hashes = block_hashes(prompt, BLOCK)
+    view = peer_view(prefill_tokens_per_s=2000.0)
+    view.index.apply(KVEventBatch("decode-1", 0, [KVEvent("stored", hashes)]))
+    poll(view, "decode-0", kv_bytes_per_token=23040, pulls_prefixes=False)
+    assert view.peer_prefix("decode-0", hashes, len(prompt)) is None
+    view = peer_view(prefill_tokens_per_s=2000.0)
+    view.index.apply(KVEventBatch("decode-1", 0, [KVEvent("stored", hashes)]))
+    poll(view, "decode-1", serves_prefixes=False)
+    assert view.peer_prefix("decode-0", hashes, len(prompt)) is None
+    view = peer_view(prefill_tokens_per_s=2000.0)
+    view.index.apply(KVEventBatch("decode-1", 0, [KVEvent("stored", hashes[:1])]))  # one block: not worth a call
+    assert view.peer_prefix("decode-0", hashes, len(prompt)) is None

@@ -27,6 +27,14 @@ class DispatchPath(str, Enum):
     SEQUENTIAL = "sequential"
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixSource:
+    """Where a decode worker pulls the first `num_blocks` prompt blocks from: the worker `worker_id` (its actor)."""
+    worker_id: str
+    actor: object
+    num_blocks: int
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     """A tokenized request as the ingress built it; stages add timestamps to its `timeline`.
@@ -49,6 +57,9 @@ class GenerateRequest:
     # Its tenant was below its share when the ingress let it on (router/api/flow_control.py): it goes ahead of the
     # prompts of its priority queued on workers, and a full prefill queue does not hold it back.
     ahead: bool = False
+    # A peer holding more of the prompt's prefix than the decode worker: it pulls those blocks from there first
+    # (router/placement/worker_view.py peer_prefix). Set per placement.
+    prefix_source: PrefixSource | None = None
 
     def __post_init__(self):
         if self.timeline is None:
@@ -139,6 +150,8 @@ class WorkerStats:
     tp_ranks_alive: int = 1  # of them, running (a rank's death fails the worker: its ping raises)
     tp_shm_too_large: int = 0  # CPU ranks' collectives too large for their shared memory: over Gloo (stay 0)
     kv_tiers: dict | None = None  # the KV tiers below the cache (engine/kv_tiers.py KVTiers.stats); None: none
+    serves_prefixes: bool = False  # leases its cached prefix blocks to peers (EngineServer.lease_prefix)
+    pulls_prefixes: bool = False  # pulls prefix blocks from a peer when a request names one (prefix_source)
 
     @property
     def kv_usage(self) -> float:
@@ -183,6 +196,8 @@ class WorkerLoad:
     arrivals_per_s: float = 0.0
     # What bringing one block back from a tier below its cache costs it (measured; a prior until then).
     promote_s_per_block: float = 0.0
+    serves_prefixes: bool = False  # WorkerStats.serves_prefixes, pulls_prefixes
+    pulls_prefixes: bool = False
 
     @classmethod
     def reported(cls, worker_id: str, stats: WorkerStats | None, healthy: bool) -> WorkerLoad:
@@ -194,7 +209,8 @@ class WorkerLoad:
                    num_running=stats.num_running, num_active_blocks=stats.num_active_blocks,
                    num_total_blocks=stats.num_total_blocks, healthy=healthy, step_costs=stats.step_costs,
                    kv_bytes_per_token=stats.kv_bytes_per_token, kv_pull_gbps=stats.kv_pull_gbps,
-                   kv_pull_latency_s=stats.kv_pull_latency_s, promote_s_per_block=promote_seconds(stats.kv_tiers))
+                   kv_pull_latency_s=stats.kv_pull_latency_s, promote_s_per_block=promote_seconds(stats.kv_tiers),
+                   serves_prefixes=stats.serves_prefixes, pulls_prefixes=stats.pulls_prefixes)
 
     @property
     def idle(self) -> bool:

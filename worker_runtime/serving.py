@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 
 from engine.config import EngineConfig
 from worker_runtime.cpu_cores import PinnedCores, cpu_quota, node_cores, pinning_is_safe, unpin
@@ -32,6 +33,8 @@ class EngineServer:
     """One engine behind an async interface, owned by one worker actor."""
 
     pool = "engine"
+    kv_server = None  # its KV export server (worker_runtime/kv_server.py), when it has one
+    pulls_prefixes = False  # whether it pulls prefix blocks from peers (DecodeWorker)
 
     def __init__(self, worker_id: str, engine_config: EngineConfig):
         self.worker_id = worker_id
@@ -104,7 +107,40 @@ class EngineServer:
 
     async def stats(self) -> WorkerStats:
         counters = await self.loop.run(self._counters)
-        return WorkerStats(self.worker_id, self.pool, draining=self.draining, **counters)
+        return WorkerStats(self.worker_id, self.pool, draining=self.draining, serves_prefixes=self.kv_server is not None,
+                           pulls_prefixes=self.pulls_prefixes, **counters)
+
+    # ---- prefix blocks for peers --------------------------------------------------------------------
+
+    MAX_PREFIX_BLOCKS = 16384
+
+    async def lease_prefix(self, block_hashes: list[int], token_ids: list[int]):
+        """Lease to a peer the leading blocks of this prefix chain that this worker holds (in its cache, or in
+        a tier below, brought back for it): the KVHandle it pulls them with, or None when it holds none (or
+        serves none). `token_ids` are the chain's tokens, one block's worth per hash (hits are confirmed by
+        them). The lease ends when the peer releases it, or after transfer.lease_ttl_s."""
+        bs = self.engine.config.block_size
+        if (not isinstance(block_hashes, list) or not isinstance(token_ids, list)
+                or len(block_hashes) > self.MAX_PREFIX_BLOCKS or len(token_ids) != len(block_hashes) * bs
+                or not all(type(h) is int and h >= 0 for h in block_hashes)
+                or not all(type(t) is int for t in token_ids)):
+            raise ValueError(f"lease_prefix: at most {self.MAX_PREFIX_BLOCKS} block hashes (non-negative ints) and "
+                             f"{bs} token ids per hash")
+        if self.kv_server is None or not block_hashes:
+            return None
+        block_ids = await self.loop.run(self.engine.block_manager.hold_prefix, block_hashes, token_ids)
+        if not block_ids:
+            return None
+        try:
+            return self.kv_server.lease(f"prefix-{uuid.uuid4().hex}", block_ids, block_hashes[:len(block_ids)],
+                                        len(block_ids) * bs, on_release=self._free_leased)
+        except BaseException:
+            self._free_leased(block_ids)
+            raise
+
+    def _free_leased(self, block_ids: list[int]) -> None:
+        # Called from transport threads when a lease ends; the loop thread frees them before its next step.
+        self.loop.submit(self.engine.block_manager.free_block_ids, list(reversed(block_ids)))
 
     def _counters(self) -> dict:
         """The engine's counters and step costs, with the threads a forward would get now (on the loop

@@ -233,3 +233,22 @@ def displaced_seconds(prompt_tokens: int, decode_cached_tokens: int, output_toke
 def _blocks_needed(prompt_tokens: int, cached_tokens: int, output_tokens: int, block_size: int) -> int:
     """New KV blocks the request takes on a worker that caches `cached_tokens` of its prompt."""
     return -(-(prompt_tokens + output_tokens - cached_tokens) // block_size)
+
+
+PEER_LEASE_S = 0.005  # a peer's lease_prefix call (a Ray round trip) before the pull starts
+MIN_PEER_BLOCKS = 2  # fewer blocks to gain are computed, not pulled
+
+
+def peer_pull_pays(num_blocks: int, start_tokens: int, prompt_tokens: int, puller: WorkerLoad, holder: WorkerLoad,
+                   holder_lower_blocks: int, block_size: int) -> tuple[bool, float, float]:
+    """Whether `puller` gets `num_blocks` prompt blocks (from token `start_tokens` on) sooner by pulling them from
+    `holder` (its lease, the holder bringing `holder_lower_blocks` of them back from its tiers, the pull at the
+    puller's measured speed) than by computing them at its measured prefill speed; and both predictions, in
+    seconds (pull, compute). Unknown KV sizes (no stats yet) never pull."""
+    if num_blocks < MIN_PEER_BLOCKS or not puller.kv_bytes_per_token:
+        return False, float("inf"), 0.0
+    tokens = num_blocks * block_size
+    pull = (PEER_LEASE_S + holder_lower_blocks * holder.promote_s_per_block
+            + pull_seconds(tokens * puller.kv_bytes_per_token, puller.kv_pull_latency_s, puller.kv_pull_gbps))
+    compute = puller.step_costs.prefill_time(tokens, start_tokens + tokens) if tokens else 0.0
+    return pull < compute, pull, compute

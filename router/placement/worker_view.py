@@ -22,7 +22,8 @@ import ray
 from router.metrics import Metrics
 from worker_runtime.engine_loop import EngineStopped
 from worker_runtime.membership import Membership, WorkerEntry
-from worker_runtime.protocol import WorkerLoad, WorkerStats
+from worker_runtime.protocol import PrefixSource, WorkerLoad, WorkerStats
+from router.placement.cost_model import peer_pull_pays
 from router.placement.index import PrefixIndex
 from router.placement.routing import EXPECTED_OUTPUT_TOKENS, NoDecodeWorker, RouteDecision, Router
 
@@ -238,6 +239,35 @@ class WorkerView:
 
     def actor(self, worker_id: str):
         return self.workers[worker_id].entry.actor
+
+    def peer_prefix(self, decode_id: str, block_hashes: Sequence[int], prompt_tokens: int) -> PrefixSource | None:
+        """The peer a decode worker that computes the prompt itself should pull its prefix from: the live worker
+        (either pool) holding the longest run of the prompt's leading blocks beyond what `decode_id` holds, in
+        its cache or a tier below, when pulling them is predicted faster than computing them
+        (cost_model.peer_pull_pays); None otherwise."""
+        target = self.workers.get(decode_id)
+        if target is None:
+            return None
+        puller = target.load()
+        usable = block_hashes[:max(0, (prompt_tokens - 1) // self.block_size)]
+        if not puller.pulls_prefixes or not usable:
+            return None
+        peers = {w.worker_id: w for w in self.workers.values()
+                 if w.worker_id != decode_id and w.entry.healthy and w.reachable and w.stats is not None
+                 and w.stats.serves_prefixes}
+        if not peers:
+            return None
+        overlaps = self.index.tier_overlap(usable, [decode_id, *peers])
+        have = overlaps[decode_id][1]
+        best = max(peers, key=lambda worker_id: overlaps[worker_id][1])
+        on_device, anywhere = overlaps[best]
+        pays, pull_s, compute_s = peer_pull_pays(anywhere - have, have * self.block_size, prompt_tokens, puller,
+                                                 peers[best].load(), anywhere - max(on_device, have),
+                                                 self.block_size)
+        if not pays:
+            return None
+        self.metrics.peer_prefix.labels(best, decode_id).inc()
+        return PrefixSource(best, peers[best].entry.actor, anywhere)
 
     def lost(self, worker_id: str, reason: object = "") -> None:
         """A call to the worker failed: drop its index entries now and route around it."""

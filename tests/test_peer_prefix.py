@@ -1,0 +1,85 @@
+"""Peer prefix pulls between real decode workers (issue 41): a prefix cached only on worker A, in its cache or in
+its host tier, is pulled by worker B instead of computed (bytes counted, no prompt token of it computed again,
+the same output), through A's lease, which B releases; a holder that is gone leaves B to compute, counted."""
+import random
+
+import pytest
+import ray
+
+from cluster.config import ClusterConfig
+from cluster.pools import Pools
+from engine import SamplingParams
+from worker_runtime.protocol import GenerateRequest, PrefixSource
+from tests.helpers import wait_for
+from tests.pool_helpers import run_all
+
+pytestmark = pytest.mark.ray
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def pair(ray_cluster, tiny_llama_dir):
+    config = ClusterConfig(model=tiny_llama_dir, mode="colocated", name="peers", engine={"num_kv_blocks": 40},
+                           kv_tiers={"host_gb": 0.002}, decode={"replicas": 2, "num_cpus": 0.5})
+    pools = Pools(config)
+    pools.start()
+    (a_id, a), (b_id, b) = sorted((worker_id, info.actor) for worker_id, info in pools.decode.workers.items())
+    yield (a_id, a), (b_id, b)
+    pools.shutdown()
+
+
+def prompt(seed: int, n: int = 200) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def pulled(b, request_id, tokens, source) -> list[int]:
+    request = GenerateRequest(request_id, tokens, GREEDY)
+    request.prefix_source = source
+    [(out, _)] = run_all([request], b)
+    return out
+
+
+def test_a_prefix_cached_only_on_a_is_pulled_by_b_and_not_computed_again(pair):
+    (a_id, a), (b_id, _b) = pair
+    b = _b
+    tokens = prompt(1)
+    [(want, _)] = run_all([GenerateRequest("on-a", tokens, GREEDY)], a)
+    before = ray.get(b.stats.remote())
+    got = pulled(b, "on-b", tokens, PrefixSource(a_id, a, (len(tokens) - 1) // BS))
+    assert got == want
+    stats, transfer = ray.get(b.stats.remote()), ray.get(b.transfer_stats.remote())
+    assert transfer["peer_pulls"] == 1 and transfer["peer_blocks_pulled"] == 12
+    assert transfer["peer_bytes_pulled"] == 12 * BS * stats.kv_bytes_per_token
+    assert not any(transfer["peer_pull_failures_by_reason"].values())
+    assert stats.prefix_cache_hits - before.prefix_cache_hits == 12 * BS  # none of the pulled tokens computed
+    assert wait_for(lambda: ray.get(a.stats.remote()).num_active_blocks == 0)  # B released A's lease
+
+
+def test_a_prefix_in_the_holders_host_tier_is_brought_back_and_pulled(pair):
+    (a_id, a), (_, b) = pair
+    tokens = prompt(2)
+    [(want, _)] = run_all([GenerateRequest("tier-a", tokens, GREEDY)], a)
+    for i in range(3):  # 3 x 14 blocks through a cache of 40: the first prompt's blocks go to the host tier
+        run_all([GenerateRequest(f"evict-{i}", prompt(100 + i), GREEDY)], a)
+    tiers = ray.get(a.stats.remote()).kv_tiers["tiers"]["host"]
+    assert tiers["num_used"] > 0
+    hits_before = tiers["hits"]
+    before = ray.get(b.transfer_stats.remote())["peer_blocks_pulled"]
+    assert pulled(b, "tier-b", tokens, PrefixSource(a_id, a, (len(tokens) - 1) // BS)) == want
+    assert ray.get(b.transfer_stats.remote())["peer_blocks_pulled"] - before == 12
+    assert ray.get(a.stats.remote()).kv_tiers["tiers"]["host"]["hits"] > hits_before
+
+
+def test_a_holder_that_is_gone_leaves_the_puller_to_compute_counted(pair):
+    (a_id, a), (_, b) = pair
+    tokens = prompt(3)
+    [(want, _)] = run_all([GenerateRequest("gone-a", tokens, GREEDY)], a)
+    ray.kill(a, no_restart=True)
+    failures = ray.get(b.transfer_stats.remote())["peer_pull_failures_by_reason"]
+    assert pulled(b, "gone-b", tokens, PrefixSource(a_id, a, (len(tokens) - 1) // BS)) == want
+    after = ray.get(b.transfer_stats.remote())["peer_pull_failures_by_reason"]
+    assert after["unreachable"] == failures["unreachable"] + 1
+    assert wait_for(lambda: ray.get(b.stats.remote()).num_active_blocks == 0)  # nothing reserved leaks
