@@ -147,6 +147,9 @@ class TransferOptions(_Strict):
     # A decode worker pulls the prefix blocks another worker holds (its cache or tiers) instead of computing
     # them, when the router's cost model says the pull is faster; every worker serves its own to peers.
     peer_prefix_pulls: bool = True
+    # A drained (or scaled-down) decode worker hands its most used prefixes to the decode workers that stay,
+    # for at most this long, before it leaves (with peer_prefix_pulls; 0: it does not).
+    handoff_budget_s: float = Field(10.0, ge=0, le=600)
     # Per node, TANDEM_KV_ADVERTISE_HOST / TANDEM_KV_BIND_HOST in a worker's environment win over these.
     advertise_host: str | None = None  # None: the node's IP as Ray sees it
     bind_host: str | None = None  # None: the advertised address itself; "0.0.0.0": every interface

@@ -180,7 +180,45 @@ class ClusterController:
                 self.events.record(pool.pool, "drain", info.worker_id, reason)
         time.sleep(self.drain_grace_s)  # requests routed just before the membership changed still arrive
         pool.drain_and_wait(infos, timeout_s)
+        self._hand_off(pool, infos)
         self._remove(pool, infos, reason)
+
+    HANDOFF_PREFIXES = 64  # per drained worker, its most used
+
+    def _hand_off(self, pool: WorkerPool, infos: list[WorkerInfo]) -> None:
+        """Before drained decode workers leave: the decode workers that stay pull their most used prefixes
+        (DecodeWorker.pull_prefix), spread over them in turn, within transfer.handoff_budget_s; what did not
+        make it in time stays behind. Recorded as a `handoff` event with the blocks moved."""
+        budget = self.config.transfer.handoff_budget_s
+        if pool.pool != "decode" or not self.config.transfer.peer_prefix_pulls or not budget:
+            return
+        leaving = {info.worker_id for info in infos}
+        stayers = [info for info in pool.workers.values()
+                   if info.worker_id not in leaving and not info.draining and info.ready and info.healthy]
+        if not stayers:
+            return
+        deadline = time.monotonic() + budget
+        for info in infos:
+            try:
+                chains = ray.get(info.actor.hot_prefixes.remote(self.HANDOFF_PREFIXES),
+                                 timeout=max(0.0, deadline - time.monotonic()))
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                logger.info("no prefixes handed over from %s: %s", info.worker_id, exc)
+                continue
+            refs = [stayers[k % len(stayers)].actor.pull_prefix.remote(info.worker_id, info.actor, hashes, tokens)
+                    for k, (hashes, tokens) in enumerate(chains)]
+            done, late = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+            for ref in late:
+                ray.cancel(ref)
+            blocks = 0
+            for ref in done:
+                try:
+                    blocks += ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    logger.info("a prefix handed over from %s did not arrive: %s", info.worker_id, exc)
+            self.events.record(pool.pool, "handoff", info.worker_id,
+                               f"{blocks} prefix blocks of {len(done)}/{len(chains)} prefixes to "
+                               f"{', '.join(s.worker_id for s in stayers)}")
 
     def _drain_in_turn(self, pool: WorkerPool, infos: list[WorkerInfo], reason: str) -> None:
         with self.pool_locks[pool.pool]:

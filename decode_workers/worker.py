@@ -58,6 +58,7 @@ class DecodeWorker(EngineServer):
         self.peer_counters = {"peer_pulls": 0, "peer_blocks_pulled": 0, "peer_bytes_pulled": 0,
                               "peer_pull_seconds": 0.0, "peer_blocks_had": 0}
         self.peer_failures = TransferFailures(worker_id)
+        self._handoff_lock = asyncio.Lock()
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult | None = None,
                        pending: list | None = None):
@@ -214,56 +215,81 @@ class DecodeWorker(EngineServer):
 
     async def _pull_prefix(self, req: Request, request: GenerateRequest) -> None:
         """Pull the prompt's first blocks from the peer the router named (`request.prefix_source`) into the prefix
-        cache, where the local prefill then finds them; what this worker already has (tiers included) is not
-        pulled. A failure leaves the prompt to compute here, counted per reason (tandem:kv_peer_pull_failures)."""
+        cache, where the local prefill then finds them."""
         source = request.prefix_source
-        reserved = await self.loop.run(self.engine.block_manager.reserve_prefix, req, source.num_blocks)
+        bs = self.engine.config.block_size
+        num_blocks = min(source.num_blocks, (req.num_prompt_tokens - 1) // bs)
+        await self.loop.run(self.engine.block_manager.update_block_hashes, req)
+        request.stamp("peer_pull_started")
+        await self._pull_chain(source.worker_id, source.actor, req.block_hashes[:num_blocks],
+                               req.all_token_ids[:num_blocks * bs])
+        request.stamp("peer_pull_done")
+
+    async def pull_prefix(self, source_id: str, source, block_hashes: list[int], token_ids: list[int]) -> int:
+        """Pull the prefix chain `block_hashes` (of `token_ids`) from the worker `source` (its actor) into this
+        worker's prefix cache; returns the blocks pulled (a drained worker's prefixes handed over: the
+        controller calls it)."""
+        bs = self.engine.config.block_size
+        if (not isinstance(block_hashes, list) or not isinstance(token_ids, list)
+                or len(token_ids) != len(block_hashes) * bs or len(block_hashes) > self.MAX_PREFIX_BLOCKS
+                or not all(type(h) is int and h >= 0 for h in block_hashes)
+                or not all(type(t) is int for t in token_ids)):
+            raise ValueError(f"pull_prefix: at most {self.MAX_PREFIX_BLOCKS} block hashes (non-negative ints) and "
+                             f"{bs} token ids per hash")
+        async with self._handoff_lock:  # one at a time: a handover's prefixes together may exceed the cache
+            return await self._pull_chain(source_id, source, block_hashes, token_ids)
+
+    async def _pull_chain(self, source_id: str, source, block_hashes: list[int], token_ids: list[int]) -> int:
+        """Pull what this worker lacks of the chain from `source`; what it has already (tiers included) is not
+        pulled. A failure leaves it to compute, counted per reason (tandem:kv_peer_pull_failures). Returns the
+        blocks pulled."""
+        bm = self.engine.block_manager
+        reserved = await self.loop.run(bm.reserve_prefix, block_hashes, token_ids)
         if reserved is None:
-            self.peer_failures.record("no_free_blocks", source.worker_id, f"no free KV blocks for {req.request_id}")
-            return
+            self.peer_failures.record("no_free_blocks", source_id, "no free KV blocks to pull a prefix into")
+            return 0
         have, dst = reserved
         self.peer_counters["peer_blocks_had"] += have
         if not dst:
-            return
-        bs = self.engine.config.block_size
+            return 0
         wanted = have + len(dst)
+        bs = self.engine.config.block_size
         handle = None
         try:
-            handle = await asyncio.wait_for(source.actor.lease_prefix.remote(
-                req.block_hashes[:wanted], req.all_token_ids[:wanted * bs]), self.kv_client.timeout_s)
+            handle = await asyncio.wait_for(source.lease_prefix.remote(block_hashes[:wanted], token_ids[:wanted * bs]),
+                                            self.kv_client.timeout_s)
             if handle is None or len(handle.block_hashes) <= have:
-                raise KVTransferError(f"{source.worker_id} no longer holds the prefix", reason="lease_expired")
-            dst_used = dst[:len(handle.block_hashes) - have]
-            request.stamp("peer_pull_started")
-            stats = await asyncio.to_thread(self.kv_client.pull, handle, dst_used, list(range(have, have + len(dst_used))))
+                raise KVTransferError(f"{source_id} no longer holds the prefix", reason="lease_expired")
+            used = dst[:len(handle.block_hashes) - have]
+            stats = await asyncio.to_thread(self.kv_client.pull, handle, used, list(range(have, have + len(used))))
         except (KVTransferError, asyncio.TimeoutError, ray.exceptions.RayError) as exc:
             reason = failure_reason(exc) if isinstance(exc, KVTransferError) else (
                 "timeout" if isinstance(exc, asyncio.TimeoutError) else "unreachable")
-            self.peer_failures.record(reason, source.worker_id, str(exc) or type(exc).__name__)
-            self.loop.submit(self.engine.block_manager.free_block_ids, list(reversed(dst)))
-            if handle is not None:
-                await self._release_lease(handle)
-            return
+            self.peer_failures.record(reason, source_id, str(exc) or type(exc).__name__)
+            await self._give_back(dst, handle)
+            return 0
         except BaseException:
-            self.loop.submit(self.engine.block_manager.free_block_ids, list(reversed(dst)))
-            if handle is not None:
-                await self._release_lease(handle)
+            await self._give_back(dst, handle)
             raise
-        unused = dst[len(dst_used):]
-        await self.loop.run(self._adopt_prefix, req, dst_used, have, unused)
-        request.stamp("peer_pull_done")
+        await self.loop.run(self._adopt_prefix, block_hashes, token_ids, used, have, dst[len(used):])
         if stats.path != "shm":
             release = asyncio.ensure_future(self._release_lease(handle))
             self._releases.add(release)
             release.add_done_callback(self._releases.discard)
         self.peer_counters["peer_pulls"] += 1
-        self.peer_counters["peer_blocks_pulled"] += len(dst_used)
+        self.peer_counters["peer_blocks_pulled"] += len(used)
         self.peer_counters["peer_bytes_pulled"] += stats.num_bytes
         self.peer_counters["peer_pull_seconds"] += stats.seconds
         self.pull_speed.observe(stats.num_bytes, stats.seconds)
+        return len(used)
 
-    def _adopt_prefix(self, req: Request, dst: list[int], have: int, unused: list[int]) -> None:
-        self.engine.block_manager.adopt_prefix(req, dst, have)
+    async def _give_back(self, dst: list[int], handle: KVHandle | None) -> None:
+        self.loop.submit(self.engine.block_manager.free_block_ids, list(reversed(dst)))
+        if handle is not None:
+            await self._release_lease(handle)
+
+    def _adopt_prefix(self, block_hashes, token_ids, used: list[int], have: int, unused: list[int]) -> None:
+        self.engine.block_manager.adopt_prefix(block_hashes, token_ids, used, have)
         self.engine.block_manager.free_block_ids(unused)
 
     async def _first_token(self, req: Request, prefill: PrefillResult) -> bool:

@@ -186,25 +186,28 @@ class BlockManager:
         self.add_references(hits)
         return hits
 
-    def reserve_prefix(self, req: Request, num_blocks: int) -> tuple[int, list[int]] | None:
-        """Before pulling the first `num_blocks` blocks of `req`'s prompt from a peer: how many it already has
-        here (tiers included), and fresh blocks (ref count 1) for the rest; None when the pool is short."""
-        num_blocks = min(num_blocks, (req.num_prompt_tokens - 1) // self.block_size)
-        self.promote(req, num_blocks * self.block_size + 1)
-        have = len(self.peek_computed_blocks(req, num_blocks * self.block_size + 1))
-        if have >= num_blocks:
-            return have, []
-        dst = self.allocate_blocks(num_blocks - have)
-        return None if dst is None else (have, dst)
+    def reserve_prefix(self, block_hashes, token_ids) -> tuple[int, list[int]] | None:
+        """Before pulling the prefix chain `block_hashes` (of `token_ids`) from a peer: how many of its leading
+        blocks are here already (tiers included), and fresh blocks (ref count 1) for the rest; None when the
+        pool is short."""
+        hits = self._chain_hits(block_hashes, token_ids)
+        if self.tiers is not None and self._promote_chain(block_hashes, token_ids, hits):
+            hits = self._chain_hits(block_hashes, token_ids)
+        if len(hits) >= len(block_hashes):
+            return len(hits), []
+        self.add_references(hits)  # the allocation must not take them
+        dst = self.allocate_blocks(len(block_hashes) - len(hits))
+        self.free_block_ids(hits)
+        return None if dst is None else (len(hits), dst)
 
-    def adopt_prefix(self, req: Request, dst: list[int], have: int) -> None:
-        """Blocks `dst` now hold `req`'s prompt blocks `have`, `have + 1`, ... (pulled from a peer): into the
-        prefix cache (where a block is cached already, that copy stays) and free, for `req` to find."""
+    def adopt_prefix(self, block_hashes, token_ids, dst: list[int], have: int) -> None:
+        """Blocks `dst` now hold blocks `have`, `have + 1`, ... of the chain `block_hashes` (pulled from a
+        peer): into the prefix cache (where a block is cached already, that copy stays) and free, for the
+        prompts that start with it to find."""
         bs = self.block_size
-        self.update_block_hashes(req)
         for i, block_id in enumerate(dst, start=have):
-            parent = req.block_hashes[i - 1] if i else None
-            self.register_block(block_id, req.block_hashes[i], req.all_token_ids[i * bs:(i + 1) * bs], parent)
+            parent = block_hashes[i - 1] if i else None
+            self.register_block(block_id, block_hashes[i], token_ids[i * bs:(i + 1) * bs], parent)
         self.free_block_ids(reversed(dst))
 
     def _chain_hits(self, block_hashes, token_ids) -> list[int]:

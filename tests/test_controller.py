@@ -149,7 +149,7 @@ def test_draining_a_busy_worker_mid_load_lets_its_requests_finish(app, controlle
     assert ray.get(controller.membership.remote()).version > before
     assert_actor_gone(steps["actor"])
     events = [(e.action, e.worker_id) for e in ray.get(controller.scaling_events.remote())]
-    assert events[-2:] == [("drain", victim), ("remove", victim)]
+    assert events[-3:] == [("drain", victim), ("handoff", victim), ("remove", victim)]
 
 
 def test_surviving_workers_hold_no_blocks_once_the_load_is_over(controller):

@@ -11,6 +11,8 @@ import os
 import threading
 import time
 import uuid
+from array import array
+from collections import OrderedDict
 
 from engine.config import EngineConfig
 from worker_runtime.cpu_cores import PinnedCores, cpu_quota, node_cores, pinning_is_safe, unpin
@@ -48,6 +50,7 @@ class EngineServer:
         self.engine = Engine(engine_config)
         self.engine.warm_up()  # the router places by measured step costs from the first request on
         self.events = KVEventLog(worker_id)
+        self.hot = HotPrefixes()  # what a drain hands to the workers that stay
         self.draining = False
         self.in_flight: set[str] = set()
         self.event_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()
@@ -94,6 +97,7 @@ class EngineServer:
             for rid in ids:
                 self.loop.unsubscribe(rid)
                 self.loop.submit(self.engine.abort, rid)
+            self.hot.note(engine_req, self.engine.config.block_size)
 
     @staticmethod
     def outgoing(out: RequestOutput, request: GenerateRequest) -> RequestOutput:
@@ -137,6 +141,20 @@ class EngineServer:
         except BaseException:
             self._free_leased(block_ids)
             raise
+
+    async def hot_prefixes(self, limit: int = 64) -> list[tuple[list[int], list[int]]]:
+        """This worker's most used prompt prefixes (hash chain, tokens) whose first block it still holds, most
+        used first: what a drain hands over to the workers that stay (the controller asks)."""
+        bm = self.engine.block_manager
+
+        def held(block_hashes, token_ids) -> bool:
+            bs = bm.block_size
+            tokens = token_ids[:bs]
+            return bm.lookup(block_hashes[0], tokens) is not None or (
+                bm.tiers is not None and bm.tiers.find(block_hashes[0], tokens) is not None)
+
+        chains = self.hot.hottest(max(0, min(int(limit), HotPrefixes.MAX_CHAINS)))
+        return await self.loop.run(lambda: [(list(h), list(t)) for h, t in chains if held(h, t)])
 
     def _free_leased(self, block_ids: list[int]) -> None:
         # Called from transport threads when a lease ends; the loop thread frees them before its next step.
@@ -238,6 +256,37 @@ class EngineServer:
                     loop.call_soon_threadsafe(_wake, future)
                 except RuntimeError:  # that event loop has closed: nobody waits on it any more
                     pass
+
+
+class HotPrefixes:
+    """The full-block prompt prefixes of the requests a worker served, counted: the most used ones are what it
+    hands over when drained. Bounded (least recently used out); a prompt that extends a counted one replaces it."""
+
+    MAX_CHAINS = 256
+
+    def __init__(self):
+        self.chains: OrderedDict[int, list] = OrderedDict()  # last block hash -> [uses, hashes, tokens]
+
+    def note(self, req: Request, block_size: int) -> None:
+        num_full = min(req.num_prompt_tokens // block_size, len(req.block_hashes))
+        if num_full < 2:
+            return
+        hashes = tuple(req.block_hashes[:num_full])
+        entry = self.chains.pop(hashes[-1], None)
+        if entry is None:
+            entry = [0, hashes, array("l", req.all_token_ids[:num_full * block_size])]
+            for i in range(num_full - 1):  # a shorter prefix of this one is covered by it now
+                shorter = self.chains.pop(hashes[i], None)
+                if shorter is not None:
+                    entry[0] += shorter[0]
+        entry[0] += 1
+        self.chains[hashes[-1]] = entry
+        while len(self.chains) > self.MAX_CHAINS:
+            self.chains.popitem(last=False)
+
+    def hottest(self, limit: int) -> list[tuple[tuple[int, ...], array]]:
+        ranked = sorted(enumerate(self.chains.values()), key=lambda item: (item[1][0], item[0]), reverse=True)
+        return [(entry[1], entry[2]) for _, entry in ranked[:limit]]
 
 
 def _wake(future: asyncio.Future) -> None:
