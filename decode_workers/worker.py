@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult, WorkerStats
 from engine.request import Request
 from worker_runtime.request_log import set_request_id
-from worker_runtime.kv_server import start_kv_server
+from kv_transfer.worker_server import start_kv_server
 from worker_runtime.serving import EngineServer, WorkerDraining
 from worker_runtime.tracing import emit_spans
 from engine.step_costs import TransferSpeed

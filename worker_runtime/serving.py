@@ -35,7 +35,7 @@ class EngineServer:
     """One engine behind an async interface, owned by one worker actor."""
 
     pool = "engine"
-    kv_server = None  # its KV export server (worker_runtime/kv_server.py), when it has one
+    kv_server = None  # its KV export server (kv_transfer/worker_server.py), when it has one
     pulls_prefixes = False  # whether it pulls prefix blocks from peers (DecodeWorker)
 
     def __init__(self, worker_id: str, engine_config: EngineConfig):
