@@ -188,7 +188,7 @@ class ClusterController:
     def _hand_off(self, pool: WorkerPool, infos: list[WorkerInfo]) -> None:
         """Before drained decode workers leave: the decode workers that stay pull their most used prefixes
         (DecodeWorker.pull_prefix), spread over them in turn, within transfer.handoff_budget_s; what did not
-        make it in time stays behind. Recorded as a `handoff` event with the blocks moved."""
+        make it in time stays behind. Recorded as a `handoff` event with the blocks moved (none when it held none)."""
         budget = self.config.transfer.handoff_budget_s
         if pool.pool != "decode" or not self.config.transfer.peer_prefix_pulls or not budget:
             return
@@ -204,6 +204,8 @@ class ClusterController:
                                  timeout=max(0.0, deadline - time.monotonic()))
             except (ray.exceptions.RayError, TimeoutError) as exc:
                 logger.info("no prefixes handed over from %s: %s", info.worker_id, exc)
+                continue
+            if not chains:
                 continue
             refs = [stayers[k % len(stayers)].actor.pull_prefix.remote(info.worker_id, info.actor, hashes, tokens)
                     for k, (hashes, tokens) in enumerate(chains)]
