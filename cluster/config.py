@@ -65,10 +65,13 @@ class EngineOptions(_Strict):
 class KVTiersOptions(_Strict):
     """Tiers below each worker's KV cache (engine/kv_tiers.py): evicted prefix blocks wait in `host_gb` GiB of
     host memory (pinned on CUDA; shared memory on CPU, beyond `engine.kv_cache_memory_gb`), then in `disk_gb`
-    GiB of a memory-mapped file in `disk_path`, and come back on a prefix hit instead of being recomputed."""
+    GiB of a memory-mapped file in `disk_path`, and come back on a prefix hit instead of being recomputed;
+    `remote_url` (redis:// or rediss://) adds a store every worker shares below them."""
     host_gb: float = Field(0.0, ge=0, le=4096, allow_inf_nan=False)
     disk_path: str | None = None
     disk_gb: float = Field(0.0, ge=0, le=65536, allow_inf_nan=False)
+    # A Redis or Valkey server all workers share below their own tiers (needs the `store` extra: redis-py).
+    remote_url: str | None = Field(None, max_length=2048)
 
     @model_validator(mode="after")
     def _consistent(self) -> KVTiersOptions:
@@ -81,7 +84,7 @@ class KVTiersOptions(_Strict):
 
     def engine_config(self) -> KVTiersConfig | None:
         try:
-            config = KVTiersConfig(self.host_gb, self.disk_path, self.disk_gb)
+            config = KVTiersConfig(self.host_gb, self.disk_path, self.disk_gb, self.remote_url)
         except ValueError as exc:
             raise ValueError(str(exc).removeprefix("kv_tiers.")) from None
         return config if config.enabled else None

@@ -130,7 +130,7 @@ class BlockManager:
         reused, whether or not the first token sampled elsewhere is already in `req` (decode may reserve
         before it exists)."""
         num_prompt = req.num_prompt_tokens
-        self.promote(req, num_prompt + 1)
+        self.promote(req, num_prompt + 1, remote=True)
         computed = self.get_computed_blocks(req, num_prompt + 1)
         num_cached = len(computed) * self.block_size
         if not self.allocate_slots(req, num_prompt - num_cached, computed):
@@ -138,17 +138,18 @@ class BlockManager:
         req.num_cached_tokens = num_cached
         return list(range(len(computed), self.blocks_needed(num_prompt)))
 
-    def promote(self, req: Request, num_tokens: int | None = None) -> int:
+    def promote(self, req: Request, num_tokens: int | None = None, remote: bool = False) -> int:
         """Bring back from the tiers below (engine/kv_tiers.py) the blocks of `req`'s prefix that follow its
         device hits, as far as the chain goes and free blocks allow: they become cached blocks no request holds
-        yet, found by the next `get_computed_blocks`. Returns how many came back."""
+        yet, found by the next `get_computed_blocks`. `remote`: past the worker's own tiers, ask the shared
+        store too (a network round trip: once per request, not at every step). Returns how many came back."""
         if self.tiers is None or not self.enable_prefix_caching:
             return 0
         hits = self.peek_computed_blocks(req, num_tokens)
         max_blocks = ((req.num_tokens if num_tokens is None else num_tokens) - 1) // self.block_size
-        return self._promote_chain(req.block_hashes[:max_blocks], req.all_token_ids, hits)
+        return self._promote_chain(req.block_hashes[:max_blocks], req.all_token_ids, hits, remote)
 
-    def _promote_chain(self, block_hashes, token_ids, hits: list[int]) -> int:
+    def _promote_chain(self, block_hashes, token_ids, hits: list[int], remote: bool = True) -> int:
         """`promote` for the chain `block_hashes` of `token_ids`, whose first `len(hits)` blocks are cached."""
         bs = self.block_size
         found = []
@@ -157,6 +158,9 @@ class BlockManager:
             if location is None:
                 break
             found.append((*location, block_hashes[i]))
+        start = len(hits) + len(found)
+        if remote and start < len(block_hashes) and len(found) < self.num_free_blocks:
+            found += self.tiers.remote_run(block_hashes[start:], token_ids[start * bs:len(block_hashes) * bs])
         del found[max(0, self.num_free_blocks - sum(1 for b in hits if self.blocks[b].ref_count == 0)):]
         if not found:
             return 0

@@ -163,7 +163,7 @@ class Engine:
             return
         self.scheduler.add(req)
         if not req.num_computed_tokens:
-            self.block_manager.promote(req)  # its prefix's blocks in a lower tier come back ahead of its step
+            self.block_manager.promote(req, remote=True)  # its prefix's blocks below come back ahead of its step
         if req.pending_forks and req.num_output_tokens:  # its first token was sampled elsewhere
             self.forking.add_first_sampled(req)
 

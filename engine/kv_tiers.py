@@ -35,6 +35,8 @@ from engine.kv_cache import KVCache
 from engine.kv_events import KVEvent
 from engine.kv_tiers_config import GIB, KVTiersConfig
 
+REMOTE = -1  # the level of a block found in the remote store (engine/kv_remote.py)
+
 logger = logging.getLogger(__name__)
 
 
@@ -146,6 +148,14 @@ class KVTiers:
             if disk_slots < 1:
                 raise ValueError(f"kv_tiers.disk_gb {config.disk_gb} holds no block of {self.bytes_per_block} bytes")
             self.tiers.append(Tier("disk", self._disk_memory(disk_slots, config.disk_path), self.block_dim))
+        self.remote = None
+        if config.remote_url:
+            from engine.kv_remote import RemoteStore
+            shape = list(self._shape(1))
+            del shape[self.block_dim]
+            self.remote = RemoteStore(config.remote_url, cache.layout, cache.tp_size, tuple(shape))
+        self._in_remote: OrderedDict[int, None] = OrderedDict()  # hashes known to be in the store (bounded)
+        self.remote_promote_seconds = 0.0
         self.copy_failures = 0
         self._block_jobs: dict[int, int] = {}  # device block -> the last job reading it
         self._slot_jobs: dict[tuple[int, int], int] = {}  # (tier level, slot) -> the last job writing it
@@ -187,8 +197,10 @@ class KVTiers:
         return torch.frombuffer(self._files[-1], dtype=dtype).view(shape)
 
     def close(self) -> None:
-        """Stop the copier (pending copies finish first)."""
+        """Stop the copier (pending copies finish first) and the store's connection."""
         self._copier.close()
+        if self.remote is not None:
+            self.remote.close()
 
     # ---- demotion ------------------------------------------------------------------------------------
 
@@ -198,6 +210,7 @@ class KVTiers:
         self._drop_failed()
         host = self.tiers[0]
         ids, slots, filled = [], [], []
+        shared = []  # (hash, tokens, slot) of the blocks the shared store does not hold yet
         for block_id, block_hash, token_ids in blocks:
             if block_hash in host.slots:
                 host.slots.move_to_end(block_hash)
@@ -209,16 +222,38 @@ class KVTiers:
             ids.append(block_id)
             slots.append(slot)
             filled.append((0, slot))
+            if self.remote is not None and block_hash not in self._in_remote:
+                shared.append((block_hash, token_ids, slot))
+                self._note_remote(block_hash)
         if ids:
             src, dst, dim = self.cache.memory, host.memory, self.block_dim
             ids_t, slots_t = torch.tensor(ids), torch.tensor(slots)
+            remote = self.remote
 
             def copy():
                 dst.index_copy_(dim, slots_t, src.index_select(dim, ids_t.to(src.device)).to(dst.device))
+                if shared:  # written through to the shared store (a failure is counted there)
+                    remote.put([(h, t, dst.select(dim, slot)) for h, t, slot in shared])
 
             seq = self._submit(copy, filled)
             for block_id in ids:
                 self._block_jobs[block_id] = seq
+
+    def _note_remote(self, block_hash: int) -> None:
+        self._in_remote[block_hash] = None
+        self._in_remote.move_to_end(block_hash)
+        if len(self._in_remote) > 65536:
+            self._in_remote.popitem(last=False)
+
+    def remote_run(self, block_hashes: Sequence[int], token_ids: Sequence[int]) -> list[tuple[int, torch.Tensor, int]]:
+        """The leading run of the chain `block_hashes` (of `token_ids`) that the remote store holds, as
+        (REMOTE, block tensor, hash) for `promote`; [] without a store."""
+        if self.remote is None or not block_hashes:
+            return []
+        run = self.remote.get_run(block_hashes, token_ids, self.cache.layout.block_size)
+        for block_hash in block_hashes[:len(run)]:
+            self._note_remote(block_hash)
+        return [(REMOTE, block, block_hash) for block, block_hash in zip(run, block_hashes)]
 
     def wait_block(self, block_id: int) -> None:
         """Before device block `block_id` is written again: let a pending demotion of it finish."""
@@ -311,10 +346,14 @@ class KVTiers:
 
     def promote(self, found: Sequence[tuple[int, int, int]], block_ids: Sequence[int]) -> None:
         """Copy tier slots (level, slot, hash) into device blocks `block_ids` (free ones, popped by the caller),
-        before any step reads them."""
+        before any step reads them; a block from the remote store is (REMOTE, its tensor, hash)."""
         started = time.perf_counter()
         by_level: dict[int, tuple[list[int], list[int]]] = {}
+        dst, dim = self.cache.memory, self.block_dim
         for (level, slot, block_hash), block_id in zip(found, block_ids):
+            if level == REMOTE:
+                dst.select(dim, block_id).copy_(slot)
+                continue
             self._wait_slot(level, slot)
             tier = self.tiers[level]
             tier.slots.move_to_end(block_hash)
@@ -323,7 +362,6 @@ class KVTiers:
             slots, ids = by_level.setdefault(level, ([], []))
             slots.append(slot)
             ids.append(block_id)
-        dst, dim = self.cache.memory, self.block_dim
         for level, (slots, ids) in by_level.items():
             src = self.tiers[level].memory
             ids_t = torch.tensor(ids, device=dst.device)
@@ -332,6 +370,8 @@ class KVTiers:
         seconds = time.perf_counter() - started
         for level in by_level:
             self.tiers[level].stats.promote_seconds += seconds * len(by_level[level][0]) / len(found)
+        if self.remote is not None:
+            self.remote_promote_seconds += seconds * sum(1 for f in found if f[0] == REMOTE) / len(found)
 
     # ---- leases and state ----------------------------------------------------------------------------
 
@@ -369,4 +409,10 @@ class KVTiers:
                              "hits": tier.stats.hits, "evicted": tier.stats.evicted, "bytes_in": tier.stats.bytes_in,
                              "bytes_out": tier.stats.bytes_out, "promote_seconds": tier.stats.promote_seconds}
                  for tier in self.tiers}
-        return {"tiers": tiers, "copy_failures": self.copy_failures, "bytes_per_block": self.bytes_per_block}
+        if self.remote is not None:
+            remote = self.remote.stats()
+            tiers["remote"] = {"num_slots": 0, "num_used": 0, "stored": remote["stored"], "hits": remote["hits"],
+                               "evicted": 0, "bytes_in": remote["bytes_in"], "bytes_out": remote["bytes_out"],
+                               "promote_seconds": self.remote_promote_seconds}
+        return {"tiers": tiers, "copy_failures": self.copy_failures, "bytes_per_block": self.bytes_per_block,
+                "remote_failures": 0 if self.remote is None else self.remote.failures}

@@ -420,6 +420,12 @@ def _kv_tiers(stats: list) -> Iterable[Metric]:
     for s in tiered:
         failures.add_metric([s.pool, s.worker_id], float(s.kv_tiers["copy_failures"]))
     yield failures
+    remote = CounterMetricFamily("tandem:kv_tier_remote_failures", "Calls to the shared remote KV store that failed: "
+                                 "reads became misses (the prefix was computed), writes were skipped (should stay 0).",
+                                 labels=["pool", "worker"])
+    for s in tiered:
+        remote.add_metric([s.pool, s.worker_id], float(s.kv_tiers.get("remote_failures", 0)))
+    yield remote
 
 
 SPEC_DECODE_COUNTERS = {
