@@ -71,3 +71,6 @@ class OneWorkerView:
 
     def actor(self, worker_id):
         return self.decode
+
+    def peer_prefix(self, decode_id, block_hashes, prompt_tokens):  # one worker: no peer to pull from
+        return None
