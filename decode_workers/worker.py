@@ -229,13 +229,7 @@ class DecodeWorker(EngineServer):
         """Pull the prefix chain `block_hashes` (of `token_ids`) from the worker `source` (its actor) into this
         worker's prefix cache; returns the blocks pulled (a drained worker's prefixes handed over: the
         controller calls it)."""
-        bs = self.engine.config.block_size
-        if (not isinstance(block_hashes, list) or not isinstance(token_ids, list)
-                or len(token_ids) != len(block_hashes) * bs or len(block_hashes) > self.MAX_PREFIX_BLOCKS
-                or not all(type(h) is int and h >= 0 for h in block_hashes)
-                or not all(type(t) is int for t in token_ids)):
-            raise ValueError(f"pull_prefix: at most {self.MAX_PREFIX_BLOCKS} block hashes (non-negative ints) and "
-                             f"{bs} token ids per hash")
+        self.check_chain("pull_prefix", block_hashes, token_ids)
         async with self._handoff_lock:  # one at a time: a handover's prefixes together may exceed the cache
             return await self._pull_chain(source_id, source, block_hashes, token_ids)
 

@@ -92,15 +92,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         self.update_block_hashes(req)
-        bs = self.block_size
-        max_blocks = ((req.num_tokens if num_tokens is None else num_tokens) - 1) // bs
-        hits = []
-        for i, h in enumerate(req.block_hashes[:max_blocks]):
-            block_id = self.lookup(h, req.all_token_ids[i * bs:(i + 1) * bs])
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        max_blocks = ((req.num_tokens if num_tokens is None else num_tokens) - 1) // self.block_size
+        return self._chain_hits(req.block_hashes[:max_blocks], req.all_token_ids)
 
     def can_allocate(self, num_blocks: int, computed_blocks: list[int] = ()) -> bool:
         reclaimed = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)

@@ -124,12 +124,7 @@ class EngineServer:
         serves none). `token_ids` are the chain's tokens, one block's worth per hash (hits are confirmed by
         them). The lease ends when the peer releases it, or after transfer.lease_ttl_s."""
         bs = self.engine.config.block_size
-        if (not isinstance(block_hashes, list) or not isinstance(token_ids, list)
-                or len(block_hashes) > self.MAX_PREFIX_BLOCKS or len(token_ids) != len(block_hashes) * bs
-                or not all(type(h) is int and h >= 0 for h in block_hashes)
-                or not all(type(t) is int for t in token_ids)):
-            raise ValueError(f"lease_prefix: at most {self.MAX_PREFIX_BLOCKS} block hashes (non-negative ints) and "
-                             f"{bs} token ids per hash")
+        self.check_chain("lease_prefix", block_hashes, token_ids)
         if self.kv_server is None or not block_hashes:
             return None
         block_ids = await self.loop.run(self.engine.block_manager.hold_prefix, block_hashes, token_ids)
@@ -155,6 +150,17 @@ class EngineServer:
 
         chains = self.hot.hottest(max(0, min(int(limit), HotPrefixes.MAX_CHAINS)))
         return await self.loop.run(lambda: [(list(h), list(t)) for h, t in chains if held(h, t)])
+
+    def check_chain(self, what: str, block_hashes, token_ids) -> None:
+        """Refuse a prefix chain from a peer that is not one: lists of non-negative int hashes (at most
+        MAX_PREFIX_BLOCKS) and ints, a block's worth of tokens per hash."""
+        bs = self.engine.config.block_size
+        if (not isinstance(block_hashes, list) or not isinstance(token_ids, list)
+                or len(block_hashes) > self.MAX_PREFIX_BLOCKS or len(token_ids) != len(block_hashes) * bs
+                or not all(type(h) is int and h >= 0 for h in block_hashes)
+                or not all(type(t) is int for t in token_ids)):
+            raise ValueError(f"{what}: at most {self.MAX_PREFIX_BLOCKS} block hashes (non-negative ints) and "
+                             f"{bs} token ids per hash")
 
     def _free_leased(self, block_ids: list[int]) -> None:
         # Called from transport threads when a lease ends; the loop thread frees them before its next step.
