@@ -61,7 +61,8 @@ class BlockManager:
     def update_block_hashes(self, req: Request) -> None:
         """Extend `req.block_hashes` to cover every full block of its tokens."""
         if len(req.block_hashes) < req.num_tokens // self.block_size:  # most decode steps fill no block
-            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt)
+            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt,
+                                req.lora and req.lora.key)
 
     def lookup(self, block_hash: int, token_ids=None) -> int | None:
         """The block caching `block_hash` (confirmed by token ids when given), or None."""

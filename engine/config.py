@@ -108,6 +108,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Tiers below the KV cache that evicted prefix blocks go down to and come back from (engine/kv_tiers.py).
     kv_tiers: KVTiersConfig | None = None
+    # LoRA adapters (engine/lora.py): requests may name one; `max_loras` device slots of rank up to
+    # `max_lora_rank`, and host copies of up to `max_cpu_loras` (None: max_loras) adapters.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -125,6 +131,12 @@ class EngineConfig:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters with tensor_parallel_size > 1 are not supported yet")
         if self.kv_tiers is not None and self.kv_tiers.enabled and not self.enable_prefix_caching:
             raise ValueError("kv_tiers hold prefix-cache blocks: they need enable_prefix_caching")
 

@@ -17,6 +17,7 @@ from engine.errors import InvalidRequestError, RankFailed
 from engine.forking import Forking
 from engine.grammar_wait import GrammarWaitList
 from engine.input_processor import InputProcessor, prompt_batch
+from engine.lora_request import LoRARequest
 from engine.model_loader import eos_token_ids, load_tokenizer, resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.output_processor import CompletionCollector, OutputProcessor
@@ -64,6 +65,7 @@ class Engine:
             self.block_manager.tiers = self._tiers(config)
         self.step_costs = StepCosts()  # measured on every step; workers report it, the router places with it
         self.scheduler = Scheduler(config, self.block_manager, self._prefill_budget(config))
+        self.scheduler.loras = runner.lora
         self.eos_token_ids = eos_token_ids(runner.model, tokenizer)
         self.structured = StructuredOutputManager(tokenizer, runner.vocab_size, config.max_num_seqs)
         self.sampler = Sampler(self.eos_token_ids, self.structured)
@@ -132,19 +134,36 @@ class Engine:
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                      cache_salt: str | None = None, output_token_ids: Sequence[int] = (),
-                     timeline: RequestTimeline | None = None, priority: float = 0) -> Request:
+                     timeline: RequestTimeline | None = None, priority: float = 0,
+                     lora: LoRARequest | None = None) -> Request:
         """Validate and build a request without queueing it (InputProcessor.make_request). A worker passes
         the output tokens a migrated request already streamed, and its request's timeline for the engine
-        to stamp (a new one otherwise). `priority`: lower is scheduled first and preempted last."""
+        to stamp (a new one otherwise). `priority`: lower is scheduled first and preempted last. `lora`: the
+        adapter it runs with, read now (InvalidRequestError naming `model` when it cannot be served)."""
+        if lora is not None:
+            self.prepare_lora(lora)
         req = self.inputs.make_request(request_id, prompt, params, cache_salt, output_token_ids, timeline)
         for r in (req, *req.pending_forks):
             r.priority = priority
+            r.lora = lora
         return req
 
+    def prepare_lora(self, lora: LoRARequest) -> None:
+        """Read adapter `lora` into host memory and check it fits this model (InvalidRequestError otherwise)."""
+        from engine.lora import LoRAError
+        if self.runner.lora is None:
+            raise InvalidRequestError(f"model {lora.name!r} is a LoRA adapter, and this engine runs without "
+                                      f"enable_lora", field="model")
+        try:
+            self.runner.lora.prepare(lora)
+        except LoRAError as e:
+            raise InvalidRequestError(str(e), field="model") from None
+
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None, priority: int = 0) -> Request:
+                    cache_salt: str | None = None, priority: int = 0, lora: LoRARequest | None = None) -> Request:
         """Queue a request; raises InvalidRequestError (naming the field) when it cannot run."""
-        req = self.make_request(request_id, prompt, params or SamplingParams(), cache_salt, priority=priority)
+        req = self.make_request(request_id, prompt, params or SamplingParams(), cache_salt, priority=priority,
+                                lora=lora)
         if any(rid in self.requests for rid in output_ids(req)):
             raise InvalidRequestError(f"request id {request_id!r} is already running", field="request_id")
         self.add(req)
@@ -241,6 +260,8 @@ class Engine:
         loop's; read, never written)."""
         failed = self._admit_structured() if self.waiting_for_grammar else []
         scheduled = self._schedule(context)
+        while self.scheduler.lora_failed:  # its adapter could not be read back into a slot
+            failed += self.forking.fail(*self.scheduler.lora_failed.pop())
         if not scheduled:
             return self._idle(failed)
         try:

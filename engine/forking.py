@@ -125,7 +125,7 @@ class Forking:
 
     def _new_beam(self, search: BeamSearch, parent: Request) -> Request:
         return Request(search.next_beam_id(), parent.prompt_token_ids, parent.sampling_params, parent.max_tokens,
-                       parent.cache_salt, beam_search=search, timeline=parent.timeline)
+                       parent.cache_salt, beam_search=search, timeline=parent.timeline, lora=parent.lora)
 
     def finish_beams(self, search: BeamSearch, aborted: bool = False,
                      error: Exception | None = None) -> list[RequestOutput]:

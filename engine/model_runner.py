@@ -30,6 +30,7 @@ class StepPlan:
     starts: list[int]
     tables: list[list[int]]
     decodes: list[int]
+    loras: list[int] | None = None  # each request's LoRA slot (-1: the base model); None: no adapter in the step
 
 
 @dataclass(slots=True)
@@ -38,6 +39,7 @@ class PackedBatch:
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     last_token_idx: list[int]
+    lora_rows: list[int] | None = None  # each packed row's LoRA slot, when the step runs an adapter
 
 
 class ModelRunner:
@@ -66,6 +68,11 @@ class ModelRunner:
             blocks = config.weight_blocks and config.torch_dtype == torch.float32
             self.fused_layers = fuse_decoder_layers(self.model, blocks)
             use_onednn_linears(self.model, blocks)
+        self.lora = None  # the adapters' slots and wrappers (engine/lora.py), with enable_lora
+        if config.enable_lora:
+            from engine.lora import LoRAManager
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                                    config.torch_dtype, self.device)
         hf = self.model.config
         if tp is not None:
             from engine.parallel.sharding import row_parallel
@@ -164,6 +171,8 @@ class ModelRunner:
                          key=lambda i: -scheduled[i][0].num_computed_tokens)
         bs = self.config.block_size
         plan = StepPlan([], [], [], decodes)
+        if self.lora is not None and any(req.lora_slot >= 0 for req, _ in scheduled):
+            plan.loras = [req.lora_slot for req, _ in scheduled]
         for req, num_new in scheduled:
             start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
             plan.token_ids.append(req.all_token_ids[start:end] if not req.spec_token_ids
@@ -178,12 +187,15 @@ class ModelRunner:
         input_ids, positions, slots = [], [], []
         last_token_idx = [0] * len(plan.starts)
         tables, lens, prefills = [], [], []
+        lora_rows = None if plan.loras is None else []
         bs = self.config.block_size
         for i in plan.decodes + [i for i in range(len(plan.starts)) if i not in is_decode]:
             ids, start, table = plan.token_ids[i], plan.starts[i], plan.tables[i]
             num_new, offset = len(ids), len(input_ids)
             end = start + num_new
             input_ids.extend(ids)
+            if lora_rows is not None:
+                lora_rows += [plan.loras[i]] * num_new
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_token_idx[i] = offset + num_new - 1
@@ -198,11 +210,13 @@ class ModelRunner:
         gathered += [len(seg.block_ids) for seg in prefills if seg.block_ids is not None and not seg.paged]
         workspace = self._workspace(max(gathered)) if gathered else None
         md = AttentionMetadata(self.kv_cache, self._tensor(slots), decode_groups, prefills, workspace, paged)
-        return PackedBatch(self._tensor(input_ids), self._tensor(positions), md, last_token_idx)
+        return PackedBatch(self._tensor(input_ids), self._tensor(positions), md, last_token_idx, lora_rows)
 
     @torch.inference_mode()
     def forward(self, batch: PackedBatch, keep: torch.Tensor) -> torch.Tensor:
         """Run the model on a packed batch; logits only at the positions in `keep`."""
+        if self.lora is not None:
+            self.lora.set_rows(batch.lora_rows)
         with sdpa_kernel(self.sdpa_backends) if self.sdpa_backends else nullcontext():
             out = self.model(input_ids=batch.input_ids.unsqueeze(0), position_ids=batch.positions.unsqueeze(0),
                              use_cache=False, logits_to_keep=keep, tandem_attn=batch.attn_metadata)

@@ -12,6 +12,7 @@ from engine.timeline import RequestTimeline
 if TYPE_CHECKING:
     import torch
 
+    from engine.lora_request import LoRARequest
     from engine.spec_decode.state import SpecState
     from engine.structured import StructuredOutputRequest
 
@@ -57,6 +58,8 @@ class Request:
     priority: float = 0  # vLLM's meaning: lower is scheduled first and preempted last (x.5: ahead of band x+1)
     spec: SpecState | None = None  # its speculative decoding, when it speculates (engine/spec_decode/)
     spec_token_ids: list[int] = field(default_factory=list)  # this step's draft, verified by the forward
+    lora: LoRARequest | None = None  # the adapter it runs with (engine/lora.py); None: the base model
+    lora_slot: int = -1  # the device slot holding it while the request runs
 
     def __post_init__(self):
         if not self.all_token_ids:

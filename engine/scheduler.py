@@ -46,6 +46,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_waits = 0  # times a waiting prompt waited for a running one to compute its prefix
         self.prefill_budget = prefill_budget  # (decodes, chunk start) -> tokens
+        # LoRA slots (engine/lora.LoRAManager), with enable_lora: a request runs only once its adapter holds
+        # one, so a step never mixes more adapters than there are slots. One whose adapter could not be read
+        # any more waits in `lora_failed` for the engine to fail it.
+        self.loras = None
+        self.lora_failed: list[tuple[Request, Exception]] = []
 
     def add(self, req: Request) -> None:
         """Queue behind every waiting request of its priority or a more urgent one (lower runs first)."""
@@ -174,6 +179,13 @@ class Scheduler:
                 # down: requests behind it whose KV was imported only decode, and need not wait for it.
                 passed += 1
                 continue
+            if req.lora is not None and req.lora_slot < 0:
+                pinned = self._acquire_lora(req)
+                if pinned is None:
+                    continue
+                if not pinned:  # every slot serves other adapters' running requests
+                    passed += 1
+                    continue
             if not imported:
                 self.block_manager.count_lookup(req, computed)
             num_cached = req.num_computed_tokens or len(computed) * self.block_manager.block_size
@@ -181,8 +193,10 @@ class Scheduler:
             if num_new > 1:
                 num_new = self._chunk(budget, num_new, num_cached)
                 if not num_new:
+                    self._release_lora(req)
                     break
             if not self.block_manager.allocate_slots(req, num_new, computed):
+                self._release_lora(req)
                 break
             del self.waiting[passed]
             self._admit(req, num_cached, imported)
@@ -190,6 +204,26 @@ class Scheduler:
             budget.take(num_new)
             if computing is not None:
                 computing.update(req.block_hashes[num_cached // self.block_manager.block_size:])
+
+    def _acquire_lora(self, req: Request) -> bool | None:
+        """Pin a slot holding `req`'s adapter: True; False while every slot serves others; None when the adapter
+        cannot be read any more (`req` leaves the queue for lora_failed)."""
+        from engine.lora import LoRAError
+        try:
+            slot = self.loras.acquire(req.lora)
+        except LoRAError as exc:
+            self.waiting.remove(req)
+            self.lora_failed.append((req, exc))
+            return None
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
+
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = -1
 
     @staticmethod
     def _waits_for_prefix(req: Request, hits: list[int], computing: set[int]) -> bool:
@@ -253,6 +287,7 @@ class Scheduler:
             self.waiting.remove(req)
         if free_blocks:
             self.block_manager.free(req)
+        self._release_lora(req)
         req.status = RequestStatus.FINISHED
 
     def _victim(self, i: int) -> Request:
@@ -264,6 +299,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
+        self._release_lora(req)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
