@@ -5,6 +5,8 @@
     POST /admin/drain  {"worker_id": "decode-1"}
     GET  /admin/events?since=<unix time>        scaling decisions and worker changes
     GET  /admin/requests/{request_id}/trace     a recent request's stage timelines (`tandem trace`)
+    POST /v1/load_lora_adapter   {"lora_name": "x", "lora_path": "/dir"}   vLLM's, serves a LoRA adapter
+    POST /v1/unload_lora_adapter {"lora_name": "x"}
 
 Calls are synchronous: scale returns once new workers are ready and registered with the router and
 drained workers have finished their requests and left; drain returns once the worker is gone.
@@ -21,7 +23,7 @@ from typing import Literal
 import ray
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -66,6 +68,20 @@ class ScaleRequest(BaseModel):
         if self.pool is not None:
             return {self.pool: self.replicas}
         return {pool: n for pool, n in (("prefill", self.prefill), ("decode", self.decode)) if n is not None}
+
+
+class LoadLoRARequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body."""
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRARequest(BaseModel):
+    """vLLM's /v1/unload_lora_adapter body (`lora_int_id` is accepted and ignored, as vLLM does)."""
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: int | None = None
 
 
 class DrainRequest(BaseModel):
@@ -115,6 +131,7 @@ def build_admin_router(get_controller: Callable[[], object], admin_key: str | No
     ingress replica's queue by tenant (router/api/flow_control.py)."""
 
     router = APIRouter(prefix="/admin", route_class=_admin_route_class(admin_key), tags=["admin"])
+    lora = APIRouter(route_class=_admin_route_class(admin_key), tags=["admin"])
 
     async def call(method: str, *args):
         try:
@@ -162,4 +179,18 @@ def build_admin_router(get_controller: Callable[[], object], admin_key: str | No
                                   f"tracing.recent_requests finished requests")
         return found
 
-    return router
+    @lora.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRARequest) -> PlainTextResponse:
+        """Serve a PEFT adapter as model `lora_name` (vLLM's endpoint and answers; the admin key guards it)."""
+        await call("load_lora_adapter", body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @lora.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRARequest) -> PlainTextResponse:
+        await call("unload_lora_adapter", body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    both = APIRouter()
+    both.include_router(router)
+    both.include_router(lora)
+    return both

@@ -56,7 +56,10 @@ def serve_command(args, parser) -> int:
                  "api_keys": dict(args.api_key) if args.api_key else None,
                  "autoscaler.enabled": True if args.autoscale else None,
                  "served_model_name": args.served_model_name, "chat_template": args.chat_template,
-                 "audit.sink": args.audit_sink, "audit.log_inputs": True if args.audit_log_inputs else None}
+                 "audit.sink": args.audit_sink, "audit.log_inputs": True if args.audit_log_inputs else None,
+                 "lora.enabled": True if args.enable_lora else None, "lora.max_loras": args.max_loras,
+                 "lora.max_lora_rank": args.max_lora_rank,
+                 "lora.modules": dict(args.lora_modules) if args.lora_modules else None}
     try:
         config = load_config(args.config, **overrides)
     except ConfigError as exc:
@@ -220,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-disk-gb", type=_gib, metavar="GIB",
                        help="per worker, a disk tier below the host tier (needs --kv-host-gb and --kv-disk-path)")
     serve.add_argument("--kv-disk-path", type=_non_empty, metavar="DIR", help="where the disk tier's files go")
+    serve.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (implied by --lora-modules): /v1/load_lora_adapter loads more")
+    serve.add_argument("--lora-modules", type=_lora_module, nargs="+", metavar="NAME=DIR",
+                       help="PEFT adapters served from the start; requests name one as `model`")
+    serve.add_argument("--max-loras", type=_positive, metavar="N", help="adapters per worker at once (default 1)")
+    serve.add_argument("--max-lora-rank", type=_positive, metavar="R", help="the largest adapter rank (default 16)")
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"],
                        help="where workers run (default auto: CUDA when present)")
     serve.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
@@ -313,6 +322,12 @@ def _count(text: str) -> int:
     return int(text)
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 1024:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number from 1 to 1024")
+    return int(text)
+
+
 def _gib(text: str) -> float:
     try:
         value = float(text)
@@ -348,6 +363,13 @@ def _api_key(text: str) -> tuple[str, str]:
                                          f"or commas")
     from cluster.config import key_tenant
     return key, tenant or key_tenant(key)
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=DIR (a PEFT adapter directory)")
+    return name, path
 
 
 def _audit_sink(text: str) -> str:

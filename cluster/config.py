@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from engine.config import CpuBinding, EngineConfig
 from engine.errors import first_field_error
 from engine.kv_tiers_config import KVTiersConfig
+from engine.lora_request import NAME_PATTERN, LoRAError, adapter_files
 from engine.spec_decode import SpeculativeConfig
 from cluster.scaling_policy import Thresholds
 from kv_transfer.config import TLSFiles, TransferConfig
@@ -88,6 +89,38 @@ class KVTiersOptions(_Strict):
         except ValueError as exc:
             raise ValueError(str(exc).removeprefix("kv_tiers.")) from None
         return config if config.enabled else None
+
+
+class LoRAOptions(_Strict):
+    """LoRA adapters on the base model (engine/lora.py), vLLM's --enable-lora family: each worker holds up to
+    `max_loras` adapters of rank up to `max_lora_rank` at once (host copies of `max_cpu_loras`); `modules`
+    (name -> PEFT directory, on a filesystem every worker reads) are served from the start, and more can be
+    loaded through /v1/load_lora_adapter once `enabled`. Requests name an adapter as their `model`."""
+    enabled: bool = False  # turned on by `modules`
+    max_loras: int = Field(1, ge=1, le=256)
+    max_lora_rank: int = Field(16, ge=1, le=1024)
+    max_cpu_loras: int | None = Field(None, ge=1)
+    modules: dict[str, str] = Field(default_factory=dict, description="adapter name -> PEFT directory")
+
+    @field_validator("modules")
+    @classmethod
+    def _adapters(cls, modules: dict[str, str]) -> dict[str, str]:
+        for name, path in modules.items():
+            if not NAME_PATTERN.match(name):
+                raise ValueError(f"adapter name {name!r} must be 1-128 characters of letters, digits and ._:/-")
+            try:
+                adapter_files(path)
+            except LoRAError as exc:
+                raise ValueError(f"adapter {name}: {exc}") from None
+        return {name: str(Path(path).resolve()) for name, path in modules.items()}
+
+    @model_validator(mode="after")
+    def _on_with_modules(self) -> LoRAOptions:
+        if self.modules:
+            self.enabled = True
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        return self
 
 
 class SpeculativeOptions(_Strict):
@@ -367,6 +400,7 @@ class ClusterConfig(_Strict):
     decode: PoolConfig = Field(default_factory=PoolConfig)
     engine: EngineOptions = Field(default_factory=EngineOptions)
     kv_tiers: KVTiersOptions = Field(default_factory=KVTiersOptions)  # below each worker's cache; off by default
+    lora: LoRAOptions = Field(default_factory=LoRAOptions)  # adapters on the base model; off by default
     speculative_config: SpeculativeOptions | None = None  # the decode pool's default; None: requests opt in
     transfer: TransferOptions = Field(default_factory=TransferOptions)
     router: RouterOptions = Field(default_factory=RouterOptions)
@@ -413,6 +447,15 @@ class ClusterConfig(_Strict):
             raise ValueError("served model names must be non-empty and distinct")
         return names
 
+    @model_validator(mode="after")
+    def _adapters_fit(self) -> ClusterConfig:
+        if taken := sorted(set(self.lora.modules) & set(self.model_names)):
+            raise ValueError(f"lora.modules: {', '.join(taken)} is the base model's served name; name the adapter "
+                             f"otherwise")
+        if self.lora.enabled and (self.prefill.tensor_parallel_size > 1 or self.decode.tensor_parallel_size > 1):
+            raise ValueError("lora: adapters with tensor_parallel_size > 1 are not supported yet")
+        return self
+
     @field_validator("chat_template")
     @classmethod
     def _template(cls, template: str | None) -> str | None:
@@ -457,6 +500,8 @@ class ClusterConfig(_Strict):
                             stall_ratio=self.slo.stall_ratio, speculative_config=speculative,
                             kv_cache_shared=shared_cache, kv_tiers=self.kv_tiers.engine_config(),
                             reasoning_markers=(self.reasoning.start, self.reasoning.end) if self.reasoning else None,
+                            enable_lora=self.lora.enabled, max_loras=self.lora.max_loras,
+                            max_lora_rank=self.lora.max_lora_rank, max_cpu_loras=self.lora.max_cpu_loras,
                             **self.engine.model_dump())
 
     def transfer_config(self) -> TransferConfig:

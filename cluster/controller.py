@@ -11,6 +11,7 @@ The actor is the Ray front: the decisions and the state live in plain objects, e
 """
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -27,6 +28,7 @@ from cluster.pools import Pools, WorkerInfo, WorkerPool, in_flight, stop_named_w
 from cluster.roster import Roster
 from cluster.scaling_plan import ScalingPlan
 from cluster.scaling_policy import LatencyWindow
+from engine.lora_request import LoRAError, LoRARequest
 from worker_runtime.membership import Membership, ScaleResult, ScalingEvent, ScalingReport
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class ClusterController:
         self.latency = LatencyWindow()
         self.pool_locks = {pool.pool: threading.Lock() for pool in self.pools.pools()}
         self._stop = threading.Event()
+        self.adapters = self._adapters(config)  # LoRA adapters served by name (engine/lora.py), in membership
         if ray.get_runtime_context().was_current_actor_reconstructed:
             self._adopt()
         else:
@@ -85,13 +88,77 @@ class ClusterController:
         logger.info("controller restarted: adopted %s",
                     {pool: [info.worker_id for info in infos] for pool, infos in adopted.items()})
 
+    def _adapters(self, config: ClusterConfig) -> dict[str, LoRARequest]:
+        """The config's adapters, then those loaded through the API before a crash (kept in Ray's GCS, which a
+        restarted controller reads back; one whose files changed or went is dropped, logged)."""
+        adapters = {name: LoRARequest.from_dir(name, path) for name, path in config.lora.modules.items()}
+        for name, (path, digest) in self._stored_adapters().items():
+            try:
+                adapter = LoRARequest.from_dir(name, path)
+            except LoRAError as exc:
+                logger.warning("dropping LoRA adapter %s loaded before the restart: %s", name, exc)
+                continue
+            if adapter.digest != digest:
+                logger.warning("dropping LoRA adapter %s loaded before the restart: its files changed", name)
+                continue
+            adapters.setdefault(name, adapter)
+        return adapters
+
+    def _adapters_key(self) -> bytes:
+        return f"tandem/{self.config.name}/lora_adapters".encode()
+
+    def _stored_adapters(self) -> dict[str, list[str]]:
+        from ray.experimental import internal_kv
+        if not internal_kv._internal_kv_initialized():
+            return {}
+        raw = internal_kv._internal_kv_get(self._adapters_key(), namespace=self.config.namespace)
+        return {} if raw is None else json.loads(raw)
+
+    def _store_adapters(self) -> None:
+        from ray.experimental import internal_kv
+        loaded = {n: [a.path, a.digest] for n, a in self.adapters.items() if n not in self.config.lora.modules}
+        internal_kv._internal_kv_put(self._adapters_key(), json.dumps(loaded).encode(), overwrite=True,
+                                     namespace=self.config.namespace)
+
     # ---- what routers, the CLI, the admin API and the autoscaler call ---------------------------
 
     def membership(self, known_version: int = -1, wait_s: float = 0.0) -> Membership:
-        """The ready workers; waits up to `wait_s` for a version newer than `known_version`."""
-        return self.roster.membership(
+        """The ready workers and the LoRA adapters served; waits up to `wait_s` for a version newer than
+        `known_version`."""
+        membership = self.roster.membership(
             lambda: [w for pool in self.pools.pools() for w in list(pool.workers.values()) if w.ready],
             known_version, wait_s)
+        membership.adapters = dict(self.adapters)
+        return membership
+
+    def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """Serve the PEFT adapter at `path` as model `name` (vLLM's /v1/load_lora_adapter). ValueError: LoRA
+        is off, the name is taken, or the directory is no adapter; workers read it when a request needs it."""
+        if not self.config.lora.enabled:
+            raise ValueError("LoRA is not enabled on this server: start it with --enable-lora (or lora.enabled)")
+        if name in self.config.model_names:
+            raise ValueError(f"{name!r} is the base model's name")
+        if name in self.adapters:
+            raise ValueError(f"The lora adapter '{name}' has already been loaded.")
+        adapter = LoRARequest.from_dir(name, path)
+        with self.roster.change():
+            self.adapters[name] = adapter
+        self._store_adapters()
+        logger.info("LoRA adapter %s loaded from %s", name, adapter.path)
+        return adapter
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (KeyError when not served); workers drop it from host memory and from
+        any slot no running request uses."""
+        if name not in self.adapters:
+            raise KeyError(f"The lora adapter '{name}' cannot be found.")
+        with self.roster.change():
+            del self.adapters[name]
+        self._store_adapters()
+        logger.info("LoRA adapter %s unloaded", name)
+        for pool in self.pools.pools():
+            for info in list(pool.workers.values()):
+                info.actor.unload_lora.remote(name)  # best effort: a worker that misses it drops it by LRU
 
     def config_dict(self) -> dict:
         return self.config.model_dump()

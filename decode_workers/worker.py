@@ -178,7 +178,7 @@ class DecodeWorker(EngineServer):
             return self.engine.add
         dst = [req.block_table[i] for i in indices]
         request.stamp("transfer_started")
-        pull = asyncio.ensure_future(asyncio.to_thread(self.kv_client.pull, handle, dst, indices))
+        pull = asyncio.ensure_future(asyncio.to_thread(self._pull_checked, handle, dst, indices, request.lora_key))
         if prefill.first is None:
             self.counters["layerwise_pulls"] += 1
         try:
@@ -310,6 +310,15 @@ class DecodeWorker(EngineServer):
             await asyncio.to_thread(self.kv_client.release, handle)
         except KVTransferError as exc:  # the lease expires on its own; nothing leaks
             logger.debug("%s: releasing lease %s failed: %s", self.worker_id, handle.request_id, exc)
+
+    def _pull_checked(self, handle: KVHandle, dst: list[int], indices: list[int], lora_key: str | None):
+        """Pull a prompt's KV, refusing KV computed with another LoRA adapter than the request runs (counted as a
+        layout mismatch; the request computes its prompt here)."""
+        if handle.lora_key != lora_key:
+            raise KVTransferError(f"LoRA adapter mismatch: the KV of {handle.request_id} was computed with "
+                                  f"{handle.lora_key or 'the base model'}, the request runs "
+                                  f"{lora_key or 'the base model'}", "layout_mismatch")
+        return self.kv_client.pull(handle, dst, indices)
 
     async def stats(self) -> WorkerStats:
         stats = await super().stats()

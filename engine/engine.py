@@ -148,6 +148,10 @@ class Engine:
             r.lora = lora
         return req
 
+    def unload_lora(self, name: str) -> bool:
+        """Forget adapter `name` (LoRAManager.unload); False when it was not held or LoRA is off."""
+        return self.runner.lora is not None and self.runner.lora.unload(name)
+
     def prepare_lora(self, lora: LoRARequest) -> None:
         """Read adapter `lora` into host memory and check it fits this model (InvalidRequestError otherwise)."""
         from engine.lora import LoRAError
@@ -211,7 +215,8 @@ class Engine:
                 "tp_ranks_alive": 1 if self.ranks is None else 1 + self.ranks.num_alive(),
                 "tp_shm_too_large": 0 if self.ranks is None or self.ranks.group.shm is None
                 else self.ranks.group.shm.too_large,
-                "kv_tiers": None if bm.tiers is None else bm.tiers.stats()}
+                "kv_tiers": None if bm.tiers is None else bm.tiers.stats(),
+                "lora": None if self.runner.lora is None else self.runner.lora.summary(sched.running, sched.waiting)}
 
     def reserve_for_import(self, req: Request) -> list[int] | None:
         """Blocks for `req`'s whole prompt (BlockManager.reserve_for_import): the indices of those whose KV must

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
+from collections import Counter
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,6 +194,7 @@ class LoRAStats:
     evictions: int = 0  # ... that replaced another adapter
     reads: int = 0  # adapters read from disk into host memory
     waits: int = 0  # admissions deferred because every slot served a running request
+    load_seconds: float = 0.0  # spent copying adapters into slots
 
 
 class LoRAManager:
@@ -210,6 +214,7 @@ class LoRAManager:
         self.pins = [0] * max_loras
         self.lru: OrderedDict[int, None] = OrderedDict()  # slots, least recently used first
         self.host: OrderedDict[str, LoRAWeights] = OrderedDict()
+        self._host_lock = threading.Lock()  # a worker prepares requests' adapters off its engine loop's thread
         self.stats = LoRAStats()
 
     def _install(self, model: torch.nn.Module) -> list[LoRALinear]:
@@ -257,10 +262,11 @@ class LoRAManager:
 
     def prepare(self, request: LoRARequest) -> LoRAWeights:
         """The adapter in host memory, read and checked against this model (LoRAError otherwise)."""
-        weights = self.host.get(request.key)
-        if weights is not None:
-            self.host.move_to_end(request.key)
-            return weights
+        with self._host_lock:
+            weights = self.host.get(request.key)
+            if weights is not None:
+                self.host.move_to_end(request.key)
+                return weights
         weights = read_adapter(request, self.max_rank)
         for (layer, module), (a, b) in weights.modules.items():
             target = self.targets.get((layer, module))
@@ -272,10 +278,11 @@ class LoRAManager:
                 raise LoRAError(f"adapter {request.name}: layer {layer} {module} is {b.shape[0]}x{a.shape[1]}, "
                                 f"the model's is {wrapper.widths[i]}x{wrapper.in_features}: an adapter of another "
                                 f"base model")
-        self.stats.reads += 1
-        self.host[request.key] = weights
-        while len(self.host) > self.max_cpu_loras:
-            self.host.popitem(last=False)
+        with self._host_lock:
+            self.stats.reads += 1
+            self.host[request.key] = weights
+            while len(self.host) > self.max_cpu_loras:
+                self.host.popitem(last=False)
         return weights
 
     def slot_of(self, key: str) -> int | None:
@@ -309,6 +316,7 @@ class LoRAManager:
         self.pins[slot] -= 1
 
     def _load(self, slot: int, weights: LoRAWeights) -> None:
+        started = time.perf_counter()
         pieces: dict[LoRALinear, list] = {w: [None] * len(w.widths) for w in self.wrappers}
         for (layer, module), (a, b) in weights.modules.items():
             wrapper, i = self.targets[(layer, module)]
@@ -318,13 +326,15 @@ class LoRAManager:
                 wrapper.load(slot, parts)
         self.slots[slot] = weights.request.key
         self.stats.loads += 1
+        self.stats.load_seconds += time.perf_counter() - started
 
     def unload(self, name: str) -> bool:
         """Forget adapter `name` in host memory and in any slot no running request uses; True if it was held."""
         held = False
-        for key in [k for k in self.host if k.rpartition("@")[0] == name]:
-            del self.host[key]
-            held = True
+        with self._host_lock:
+            for key in [k for k in self.host if k.rpartition("@")[0] == name]:
+                del self.host[key]
+                held = True
         for slot, key in enumerate(self.slots):
             if key is not None and key.rpartition("@")[0] == name and not self.pins[slot]:
                 for wrapper in self.wrappers:
@@ -333,6 +343,16 @@ class LoRAManager:
                 self.lru.pop(slot, None)
                 held = True
         return held
+
+    def summary(self, running, waiting) -> dict:
+        """What a worker reports (WorkerStats.lora): slots, what they hold, counters, and the adapters of its
+        running and waiting requests (vllm:lora_requests_info)."""
+        stats = self.stats
+        return {"max_loras": self.max_loras, "keys": [k for k in self.slots if k is not None],
+                "loads": stats.loads, "evictions": stats.evictions, "reads": stats.reads, "waits": stats.waits,
+                "load_seconds": stats.load_seconds,
+                "running": dict(Counter(r.lora.name for r in running if r.lora is not None)),
+                "waiting": dict(Counter(r.lora.name for r in waiting if r.lora is not None))}
 
     def set_rows(self, row_slots: list[int] | None) -> None:
         """The next forward's slot per packed row (-1: the base model); None: no row runs an adapter."""

@@ -25,6 +25,7 @@ class KVHandle:
     block_hashes: tuple[int, ...]
     layout: KVLayout
     shm: ShmSource | None = None  # a CPU prefill worker's shared cache: same-host pulls copy from it
+    lora_key: str | None = None  # the LoRA adapter the KV was computed with (engine/lora.py); None: the base model
 
     @property
     def num_blocks(self) -> int:

@@ -96,8 +96,10 @@ class KVTransferServer:
         self.leases.close()
 
     def lease(self, request_id: str, block_ids: list[int], block_hashes: list[int], num_tokens: int,
-              on_release: OnRelease, ttl: float | None = None, layers_ready: int | None = None) -> KVHandle:
-        """Pin a prefilled request's blocks for decode to pull; returns the handle to pass to decode."""
+              on_release: OnRelease, ttl: float | None = None, layers_ready: int | None = None,
+              lora_key: str | None = None) -> KVHandle:
+        """Pin a prefilled request's blocks for decode to pull; returns the handle to pass to decode (with the
+        LoRA adapter the KV was computed with, which the puller checks against its own)."""
         if len(block_ids) != -(-num_tokens // self.cache.layout.block_size):
             raise ValueError(f"{len(block_ids)} blocks do not hold exactly {num_tokens} tokens")
         if len(block_hashes) > len(block_ids):
@@ -108,7 +110,7 @@ class KVTransferServer:
             layers_ready is None or layers_ready >= self.cache.layout.num_layers)
         shm = shm_source(self.cache, block_ids) if shared else None
         return KVHandle("torch_dist" if self.dist else "grpc", self.address, request_id, num_tokens,
-                        tuple(block_hashes), self.cache.layout, shm)
+                        tuple(block_hashes), self.cache.layout, shm, lora_key)
 
     def mark_layers_ready(self, request_id: str, num_layers_ready: int) -> None:
         """Layer-wise prefill: layers [0, num_layers_ready) may be streamed now.

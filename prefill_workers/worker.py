@@ -71,7 +71,7 @@ class PrefillWorker(EngineServer):
         decode forks the others from the pulled prompt."""
         params = req.candidate_params(0) if req.num_outputs > 1 else req.sampling_params
         return self.engine.make_request(req.request_id, req.prompt_token_ids, params, req.cache_salt,
-                                        timeline=req.timeline, priority=req.queue_priority)
+                                        timeline=req.timeline, priority=req.queue_priority, lora=req.lora)
 
     async def first_token(self, request_id: str) -> RequestOutput:
         """Layer-wise: the first token of a request whose `prefill` returned before it was sampled."""
@@ -175,7 +175,8 @@ class PrefillWorker(EngineServer):
     def _lease(self, req: Request, block_ids: list[int], layers_ready: int | None = None) -> KVHandle:
         num_full = req.num_prompt_tokens // self.engine.config.block_size
         return self.kv_server.lease(req.request_id, block_ids, req.block_hashes[:num_full], req.num_prompt_tokens,
-                                    on_release=self._free_leased, layers_ready=layers_ready)
+                                    on_release=self._free_leased, layers_ready=layers_ready,
+                                    lora_key=req.lora and req.lora.key)
 
     # ---- loop thread: leasing early and marking layers ready ------------------------------------------
 

@@ -72,6 +72,9 @@ class Metrics:
         self.peer_prefix = Counter("tandem:routing_peer_prefix", "Prompts whose decode worker was told to pull the "
                                    "prefix from a peer holding it (issue 41), by holder and puller.",
                                    ["holder", "worker"], registry=r)
+        self.routing_lora = Counter("tandem:routing_lora", "Placements of requests that run a LoRA adapter, by pool, "
+                                    "worker and whether a slot there held it already (hit) or it loads (load).",
+                                    ["pool", "worker", "outcome"], registry=r)
         self.migrations = Counter("tandem:request_migrations", "Requests moved on after their decode worker "
                                   "failed mid-stream, by the worker that failed.", ["worker"], registry=r)
         self.rejected = Counter("tandem:requests_rejected", "Requests refused at admission.", ["reason"],
@@ -271,6 +274,7 @@ class WorkerStatsCollector:
             yield family
         yield from _measured_costs(stats)
         yield from _kv_tiers(stats)
+        yield from _lora(stats)
         yield from _spec_decode(stats)
         yield from _transfer(self.transfer)
 
@@ -391,6 +395,34 @@ def _measured_costs(stats: list) -> Iterable[Metric]:
             pull.add_metric([s.pool, s.worker_id], s.kv_pull_gbps)
             latency.add_metric([s.pool, s.worker_id], s.kv_pull_latency_s)
     return [speed, step, pull, latency]
+
+
+LORA_SERIES = {  # name -> (help, LoRAManager.summary key)
+    "tandem:lora_loads": ("LoRA adapters copied into a device slot.", "loads"),
+    "tandem:lora_evictions": ("LoRA adapter loads that replaced another adapter in its slot (LRU).", "evictions"),
+    "tandem:lora_reads": ("LoRA adapters read from disk into host memory.", "reads"),
+    "tandem:lora_slot_waits": ("Admissions deferred because every LoRA slot served running requests of other "
+                               "adapters.", "waits"),
+    "tandem:lora_load_seconds": ("Seconds spent copying LoRA adapters into slots.", "load_seconds"),
+}
+
+
+def _lora(stats: list) -> Iterable[Metric]:
+    """Per worker with LoRA enabled: slot counters, and vLLM's lora_requests_info (the adapters its running and
+    waiting requests use, as labels of a gauge whose value is the time of the report)."""
+    with_lora = [s for s in stats if s.lora]
+    for name, (doc, key) in LORA_SERIES.items():
+        family = CounterMetricFamily(name, doc, labels=_LABELS)
+        for s in with_lora:
+            family.add_metric([s.pool, s.worker_id], float(s.lora[key]))
+        yield family
+    info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                             labels=_LABELS + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    now = time.time()
+    for s in with_lora:
+        info.add_metric([s.pool, s.worker_id, str(s.lora["max_loras"]), ",".join(sorted(s.lora["running"])),
+                         ",".join(sorted(s.lora["waiting"]))], now)
+    yield info
 
 
 KV_TIER_SERIES = {  # name -> (help, KVTiers.stats key, counter?)

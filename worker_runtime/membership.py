@@ -21,6 +21,7 @@ class Membership:
     """The ready workers of both pools; `version` grows with every change that affects routing."""
     version: int
     workers: list[WorkerEntry] = field(default_factory=list)
+    adapters: dict = field(default_factory=dict)  # LoRA adapters served, name -> engine.lora_request.LoRARequest
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from engine.lora_request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, candidate_id, candidate_seed
 from engine.spec_decode.stats import SpecDecodeStats
@@ -60,10 +61,17 @@ class GenerateRequest:
     # A peer holding more of the prompt's prefix than the decode worker: it pulls those blocks from there first
     # (router/placement/worker_view.py peer_prefix). Set per placement.
     prefix_source: PrefixSource | None = None
+    # The LoRA adapter it runs with (engine/lora.py), named by the request's `model`; None: the base model.
+    # Part of its prefix-block hashes (`lora_key`), on the router and on every worker.
+    lora: LoRARequest | None = None
 
     def __post_init__(self):
         if self.timeline is None:
             self.timeline = RequestTimeline(self.request_id)
+
+    @property
+    def lora_key(self) -> str | None:
+        return None if self.lora is None else self.lora.key
 
     @property
     def queue_priority(self) -> float:
@@ -93,7 +101,7 @@ class GenerateRequest:
         id and params, the same prompt, context and salt, a copy of the timeline."""
         return GenerateRequest(candidate_id(self.request_id, index), self.prompt_token_ids,
                                self.candidate_params(index), self.cache_salt, self.timeline.copy(),
-                               priority=self.priority, ahead=self.ahead)
+                               priority=self.priority, ahead=self.ahead, lora=self.lora)
 
     @property
     def num_context_tokens(self) -> int:
@@ -152,10 +160,21 @@ class WorkerStats:
     kv_tiers: dict | None = None  # the KV tiers below the cache (engine/kv_tiers.py KVTiers.stats); None: none
     serves_prefixes: bool = False  # leases its cached prefix blocks to peers (EngineServer.lease_prefix)
     pulls_prefixes: bool = False  # pulls prefix blocks from a peer when a request names one (prefix_source)
+    lora: dict | None = None  # its LoRA slots and counters (engine/lora.py LoRAManager.summary); None: no LoRA
 
     @property
     def kv_usage(self) -> float:
         return self.num_active_blocks / self.num_total_blocks
+
+
+PRIOR_LORA_LOAD_S = 0.005  # copying an adapter into a slot before a worker measured one (a small adapter)
+
+
+def lora_load_seconds(lora: dict | None) -> float:
+    """A worker's mean seconds to load an adapter into a slot (LoRAManager.summary), or the prior."""
+    if not lora or not lora["loads"]:
+        return PRIOR_LORA_LOAD_S
+    return lora["load_seconds"] / lora["loads"]
 
 
 PRIOR_PROMOTE_GBPS = 2.0  # a tier's copy back into the cache before one was measured (a memcpy; H2D on CUDA)
@@ -198,6 +217,8 @@ class WorkerLoad:
     promote_s_per_block: float = 0.0
     serves_prefixes: bool = False  # WorkerStats.serves_prefixes, pulls_prefixes
     pulls_prefixes: bool = False
+    lora_keys: frozenset[str] = frozenset()  # the adapters its LoRA slots hold (LoRARequest.key)
+    lora_load_s: float = PRIOR_LORA_LOAD_S  # its measured seconds to load an adapter into a slot
 
     @classmethod
     def reported(cls, worker_id: str, stats: WorkerStats | None, healthy: bool) -> WorkerLoad:
@@ -210,7 +231,13 @@ class WorkerLoad:
                    num_total_blocks=stats.num_total_blocks, healthy=healthy, step_costs=stats.step_costs,
                    kv_bytes_per_token=stats.kv_bytes_per_token, kv_pull_gbps=stats.kv_pull_gbps,
                    kv_pull_latency_s=stats.kv_pull_latency_s, promote_s_per_block=promote_seconds(stats.kv_tiers),
-                   serves_prefixes=stats.serves_prefixes, pulls_prefixes=stats.pulls_prefixes)
+                   serves_prefixes=stats.serves_prefixes, pulls_prefixes=stats.pulls_prefixes,
+                   lora_keys=frozenset(stats.lora["keys"]) if stats.lora else frozenset(),
+                   lora_load_s=lora_load_seconds(stats.lora))
+
+    def lora_miss_s(self, lora_key: str | None) -> float:
+        """What running adapter `lora_key` here costs before its first step: nothing when a slot holds it."""
+        return 0.0 if lora_key is None or lora_key in self.lora_keys else self.lora_load_s
 
     @property
     def idle(self) -> bool:

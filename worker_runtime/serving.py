@@ -68,7 +68,7 @@ class EngineServer:
     def build_request(self, req: GenerateRequest) -> Request:
         # Validation and tokenization only read the engine, so they run here, off the loop thread.
         return self.engine.make_request(req.request_id, req.prompt_token_ids, req.sampling_params, req.cache_salt,
-                                        req.output_token_ids, req.timeline, req.queue_priority)
+                                        req.output_token_ids, req.timeline, req.queue_priority, req.lora)
 
     async def stream(self, request: GenerateRequest, engine_req: Request, add=None):
         """Queue `engine_req` (with `add`, default Engine.add) and yield its outputs until it finishes (each
@@ -108,6 +108,11 @@ class EngineServer:
         return out
 
     # ---- what the router and operators read ---------------------------------------------------
+
+    async def unload_lora(self, name: str) -> bool:
+        """Drop LoRA adapter `name` (the controller no longer serves it) from host memory and from any slot no
+        running request uses; on the loop thread, which owns the slots."""
+        return await self.loop.run(self.engine.unload_lora, name)
 
     async def stats(self) -> WorkerStats:
         counters = await self.loop.run(self._counters)

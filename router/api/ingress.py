@@ -143,7 +143,8 @@ class Ingress:
                                      requests, config.block_size, config.limits,
                                      ChatParsing(tokenizer, config.reasoning, config.tool_call_parser),
                                      TraceStore(config.recent_requests),
-                                     Audit(config.audit, model.name, model.revision, writer), flow)
+                                     Audit(config.audit, model.name, model.revision, writer), flow,
+                                     adapters=lambda: self.view.adapters)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Serve's proxy makes the request id when the client sends none (so the replica always sees one in

@@ -142,6 +142,8 @@ class ModelCard(BaseModel):
     owned_by: str = "tandem"
     max_model_len: int
     revision: str | None = None  # "sha256:..." of the weights (engine.model_loader.model_revision)
+    root: str | None = None  # a LoRA adapter's directory (vLLM's ModelCard.root)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's ModelCard.parent)
 
 
 class ModelList(BaseModel):

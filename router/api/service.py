@@ -12,7 +12,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.errors import InvalidRequestError
 from engine.hashing import block_hashes
+from engine.lora_request import LoRARequest
 from engine.outputs import RequestOutput
 from worker_runtime.protocol import GenerateRequest
 from engine.sampling_params import SamplingParams
@@ -61,6 +62,10 @@ class ModelInfo:
     def card(self, name: str) -> ModelCard:
         return ModelCard(id=name, created=self.created, max_model_len=self.max_model_len, revision=self.revision)
 
+    def adapter_card(self, adapter: LoRARequest) -> ModelCard:
+        return ModelCard(id=adapter.name, created=self.created, max_model_len=self.max_model_len,
+                         revision=f"sha256:{adapter.digest}", root=adapter.path, parent=self.name)
+
 
 @dataclass(slots=True)
 class Candidates:
@@ -78,8 +83,11 @@ class OpenAIService:
     def __init__(self, model: ModelInfo, tokenizer, auth: Authenticator, admission: Admission,
                  requests: RequestRouter, block_size: int, limits: RequestLimits | None = None,
                  parsing: ChatParsing | None = None, traces: TraceStore | None = None,
-                 audit: Audit | None = None, flow: FlowControl | None = None):
+                 audit: Audit | None = None, flow: FlowControl | None = None,
+                 adapters: Callable[[], Mapping[str, LoRARequest]] | None = None):
         self.model = model
+        # The LoRA adapters served now, by name (the controller's registry, followed by the worker view).
+        self.adapters = adapters or dict
         self.tokenizer = tokenizer
         self.auth = auth
         self.admission = admission
@@ -94,35 +102,36 @@ class OpenAIService:
 
     def models(self, authorization: str | None) -> ModelList:
         self.auth.tenant(authorization)
-        return ModelList(data=[self.model.card(name) for name in self.model.names])
+        return ModelList(data=[self.model.card(name) for name in self.model.names]
+                         + [self.model.adapter_card(a) for _, a in sorted(self.adapters().items())])
 
     def model_card(self, model: str, authorization: str | None) -> ModelCard:
         """GET /v1/models/{model}."""
         self.auth.tenant(authorization)
-        self.check_model(model)
-        return self.model.card(model)
+        adapter = self.check_model(model)
+        return self.model.card(model) if adapter is None else self.model.adapter_card(adapter)
 
     async def completions(self, body: bytes, authorization: str | None, trace: Trace | None = None) -> Response:
         trace = trace or Trace.from_headers({})
         tenant = self.auth.tenant(authorization)
         req = parse_body(CompletionRequest, body)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         prompts = req.prompts()
 
         def tokenize() -> list[list[int]]:
             return [self.prompt_ids(p, req.add_special_tokens) for p in prompts]
 
-        fmt = CompletionFormatter(self.model.name, self.tokenizer)
+        fmt = CompletionFormatter(self.model.name if lora is None else lora.name, self.tokenizer)
         audit = self.audit.entry(trace.request_id, fmt.id, tenant, "completions", req, prompts, {
             "add_special_tokens": req.add_special_tokens, "truncate_prompt_tokens": req.truncate_prompt_tokens})
         return await self._generate(req, len(prompts), tokenize, "prompt", req.max_tokens, tenant, fmt, trace,
-                                    audit=audit)
+                                    audit=audit, lora=lora)
 
     async def chat(self, body: bytes, authorization: str | None, trace: Trace | None = None) -> Response:
         trace = trace or Trace.from_headers({})
         tenant = self.auth.tenant(authorization)
         req = parse_body(ChatCompletionRequest, body)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         messages, options = req.template_messages(), req.template_options()
         tools = req.tool_use()
         self.parsing.check_tools(tools)
@@ -140,21 +149,22 @@ class OpenAIService:
             prompt_ids.extend(ids)
             return [ids]
 
-        fmt = ChatFormatter(self.model.name, self.tokenizer, lambda: self.parsing.output(tools, prompt_ids))
+        fmt = ChatFormatter(self.model.name if lora is None else lora.name, self.tokenizer,
+                            lambda: self.parsing.output(tools, prompt_ids))
         audit = self.audit.entry(trace.request_id, fmt.id, tenant, "chat.completions", req, [messages],
                                  chat_options(req, tools))
         return await self._generate(req, 1, tokenize, "messages", req.requested_max_tokens, tenant, fmt, trace,
-                                    controls, audit)
+                                    controls, audit, lora)
 
     # ---- shared pipeline --------------------------------------------------------------------------
 
     async def _generate(self, req, num_prompts: int, tokenize, prompt_field: str, max_tokens: int | None,
                         tenant: str | None, fmt: Formatter, trace: Trace, controls: dict | None = None,
-                        audit: AuditEntry | None = None) -> Response:
+                        audit: AuditEntry | None = None, lora: LoRARequest | None = None) -> Response:
         """`tokenize()` makes the prompts' token ids; it runs on the tokenizer pool once admitted. `controls`:
         SamplingParams fields the endpoint sets beyond the request's own (None values are not set). Each
         prompt's (or candidate's) GenerateRequest carries a copy of `trace.timeline`. `audit` gets the
-        request's record once it has run (or failed after being placed)."""
+        request's record once it has run (or failed after being placed). `lora`: the adapter it runs with."""
         self.limits.check_sampling(req)
         params = req.sampling_params(max_tokens, self.model.vocab_size, controls)
         trace.timeline.stamp("validated")
@@ -168,7 +178,8 @@ class OpenAIService:
         ticket = self.admission.acquire(num_prompts * params.beam_width)  # sequences that run
         try:
             prompts, hashes = await self.tokenizers.run(self._prepare, tokenize, salt, max_tokens, prompt_field,
-                                                        req.max_tokens_param, req.check_structured)
+                                                        req.max_tokens_param, req.check_structured,
+                                                        lora and lora.key)
             trace.timeline.stamp("tokenized")
             # Its turn by priority and tenant share, within its tenant's quotas (429 past them).
             max_output = params.max_tokens or self.model.max_model_len - min(len(ids) for ids in prompts)
@@ -201,7 +212,7 @@ class OpenAIService:
                 seeds.append(secrets.randbits(62) if params.seed is None else params.seed)
                 seeded = params if params.seed is not None else replace(params, seed=seeds[-1])
                 candidates += _candidates(f"{fmt.id}-{p}", p, ids, seeded, salt, hashes[p], trace.timeline,
-                                          req.priority, grant.ahead)
+                                          req.priority, grant.ahead, lora)
             placed = grant.placements(len(candidates))
             for cand in candidates:
                 cand.on_placed = placed
@@ -227,14 +238,14 @@ class OpenAIService:
                 ticket.release()
 
     def _prepare(self, tokenize, salt: str | None, max_tokens: int | None, prompt_field: str,
-                 max_field: str, check_structured) -> tuple[list[list[int]], list[list[int]]]:
+                 max_field: str, check_structured, lora_key: str | None = None) -> tuple[list[list[int]], list[list[int]]]:
         """The expensive part, on a pool thread: the output constraint's grammar checked, each prompt's token
         ids, checked against the context, and its block hashes."""
         check_structured()
         prompts = tokenize()
         for ids in prompts:
             self._check_context(ids, max_tokens, prompt_field, max_field)
-        return prompts, [block_hashes(ids, self.block_size, salt) for ids in prompts]
+        return prompts, [block_hashes(ids, self.block_size, salt, lora_key) for ids in prompts]
 
     async def _complete(self, candidates: list[Candidates], prompt_lengths: list[int], fmt: Formatter):
         async def collect(cand: Candidates) -> None:
@@ -326,11 +337,16 @@ class OpenAIService:
 
     # ---- validation -------------------------------------------------------------------------------
 
-    def check_model(self, model: str) -> None:
-        if model not in self.model.names:
-            served = ", ".join(f"`{n}`" for n in self.model.names)
-            raise APIError(404, f"the model `{model}` does not exist; this server serves {served}",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str) -> LoRARequest | None:
+        """The LoRA adapter `model` names, None for the base model; 404 naming what is served otherwise."""
+        if model in self.model.names:
+            return None
+        adapters = self.adapters()
+        if model in adapters:
+            return adapters[model]
+        served = ", ".join(f"`{n}`" for n in (*self.model.names, *sorted(adapters)))
+        raise APIError(404, f"the model `{model}` does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
 
     def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
@@ -354,12 +370,14 @@ class OpenAIService:
 
 
 def _candidates(request_id: str, prompt: int, ids: list[int], params: SamplingParams, salt: str | None,
-                hashes: list[int], timeline: RequestTimeline, priority: int = 0, ahead: bool = False) -> list[Candidates]:
+                hashes: list[int], timeline: RequestTimeline, priority: int = 0, ahead: bool = False,
+                lora: LoRARequest | None = None) -> list[Candidates]:
     """Prompt `prompt`'s n candidates: one request whose candidates fork on one worker, or, for outputs
     under a grammar or a reasoning budget (which forked candidates do not carry yet), n requests of one
     candidate each, seeded candidate_seed(seed, i) alike."""
     first = prompt * params.n
-    request = GenerateRequest(request_id, ids, params, salt, timeline.copy(), priority=priority, ahead=ahead)
+    request = GenerateRequest(request_id, ids, params, salt, timeline.copy(), priority=priority, ahead=ahead,
+                              lora=lora)
     if params.n == 1 or (params.structured is None and params.max_reasoning_tokens is None):
         return [Candidates([Choice(first + i, prompt) for i in range(params.n)], request, hashes)]
     return [Candidates([Choice(first + i, prompt)], request.candidate(i), hashes) for i in range(params.n)]

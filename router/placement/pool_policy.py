@@ -52,8 +52,9 @@ class PoolPolicy:
         self._turn = 0
 
     def place(self, block_hashes: Sequence[int], prompt_tokens: int,
-              loads: Sequence[WorkerLoad]) -> Placement | None:
-        """The cheapest schedulable worker of `loads`, or None when none is schedulable."""
+              loads: Sequence[WorkerLoad], lora_key: str | None = None) -> Placement | None:
+        """The cheapest schedulable worker of `loads`, or None when none is schedulable. A request running LoRA
+        adapter `lora_key` costs more where no slot holds it: the load, as prompt tokens of that worker's time."""
         candidates = [load for load in loads if load.healthy and not load.draining]
         if not candidates:
             return None
@@ -68,7 +69,8 @@ class PoolPolicy:
             return Placement(chosen.worker_id, overlaps[chosen.worker_id] * block_size, 0.0)
         w_prefill, w_decode, w_running = self.weights.prefill, self.weights.decode * block_size, self.weights.running
         # Hashes cover the prompt's full blocks only, so cached never exceeds prompt_tokens.
-        costs = [w_prefill * (prompt_tokens - overlaps[load.worker_id] * block_size + load.queued_prefill_tokens)
+        costs = [w_prefill * (prompt_tokens - overlaps[load.worker_id] * block_size + load.queued_prefill_tokens
+                              + load.lora_miss_s(lora_key) * load.step_costs.prefill_speed(prompt_tokens))
                  + w_decode * load.num_active_blocks + w_running * load.num_running for load in candidates]
         best = min(costs)
         tied = [i for i, cost in enumerate(costs) if cost == best]

@@ -266,7 +266,8 @@ class RequestRouter:
         new context (prompt + those tokens), extending the prompt's."""
         request.output_token_ids = list(streamed)
         context = request.prompt_token_ids + request.output_token_ids
-        return hashing.extend_block_hashes(list(block_hashes), context, self.view.block_size, request.cache_salt)
+        return hashing.extend_block_hashes(list(block_hashes), context, self.view.block_size, request.cache_salt,
+                                           request.lora_key)
 
     def _give_up(self, state: _Routing, why: str) -> RequestOutput:
         """The last delta of a stream that cannot go on: finish_reason "error", naming the failed worker and
@@ -296,7 +297,7 @@ class RequestRouter:
                                                output_tokens=expected_output_tokens(request),
                                                prefill_backlog=None if request.ahead else self._backlog_ahead_of(
                                                    request.request_id, request.priority),
-                                               ahead=request.ahead)
+                                               ahead=request.ahead, lora_key=request.lora_key)
                 except NoDecodeWorker:
                     decode_wait = decode_wait or DecodeWait(request, self.decode_wait_s, self.metrics)
                     if await decode_wait.wait(self.view):

@@ -141,7 +141,7 @@ class Router:
               decode_loads: Sequence[WorkerLoad], elapsed_s: float = 0.0,
               output_tokens: int = EXPECTED_OUTPUT_TOKENS,
               prefill_backlog: Mapping[str, tuple[int, int]] | None = None, record: bool = True,
-              ingress_backlog: tuple[int, int] | None = None) -> RouteDecision:
+              ingress_backlog: tuple[int, int] | None = None, lora_key: str | None = None) -> RouteDecision:
         """Pick the decode worker and decide whether a prefill worker computes the prompt (`record=False`: a
         prediction only, which changes none of the router's measures). `elapsed_s`:
         how long ago the request arrived (its TTFT runs from then); `output_tokens`: what it will likely
@@ -150,21 +150,22 @@ class Router:
         which it would queue behind (`with_backlog`); `ingress_backlog`: the (requests, prompt tokens) queued at
         the ingress ahead of it, placed before it on either path: each pool's workers share it as queued
         prompts (so a prediction sees it whichever path the request would take; with both paths taking
-        prompts, the wait is overstated by up to their number)."""
+        prompts, the wait is overstated by up to their number). `lora_key`: the LoRA adapter it runs with;
+        a worker whose slots do not hold it pays the adapter's load (WorkerLoad.lora_miss_s)."""
         if prefill_backlog:
             prefill_loads = [with_backlog(load, prefill_backlog.get(load.worker_id)) for load in prefill_loads]
         if ingress_backlog and ingress_backlog[0]:
             prefill_loads, decode_loads = (spread_backlog(prefill_loads, ingress_backlog),
                                            spread_backlog(decode_loads, ingress_backlog))
         decode_loads = with_arrivals(decode_loads, self.arrivals.per_second())
-        prefill = self.prefill_policy.place(block_hashes, prompt_tokens, prefill_loads)
+        prefill = self.prefill_policy.place(block_hashes, prompt_tokens, prefill_loads, lora_key)
         prefill_load = None if prefill is None else lent_threads(_load_of(prefill, prefill_loads), decode_loads)
         prefill_cached = prefill.cached_tokens if prefill else 0
         if self.disagg.placement == "slo" and not self.decode_policy.round_robin:
             decode, decision = self._place_decode_by_cost(block_hashes, prompt_tokens, prefill_cached, prefill_load,
-                                                          decode_loads, elapsed_s, output_tokens)
+                                                          decode_loads, elapsed_s, output_tokens, lora_key)
         else:
-            decode = self.decode_policy.place(block_hashes, prompt_tokens, decode_loads)
+            decode = self.decode_policy.place(block_hashes, prompt_tokens, decode_loads, lora_key)
             if decode is None:
                 raise NoDecodeWorker("no decode worker is healthy and accepting requests")
             if self.disagg.placement == "thresholds":
@@ -187,7 +188,7 @@ class Router:
 
     def _place_decode_by_cost(self, block_hashes: Sequence[int], prompt_tokens: int, prefill_cached: int,
                               prefill: WorkerLoad | None, decode_loads: Sequence[WorkerLoad], elapsed_s: float,
-                              output_tokens: int) -> tuple[Placement, PrefillDecision]:
+                              output_tokens: int, lora_key: str | None = None) -> tuple[Placement, PrefillDecision]:
         """The decode worker where the request costs least in seconds (`decode_seconds`), each with the
         prefill decision it would get there; among costs within TIE_TOLERANCE_S, the worker with the fewest
         sequences, then a random one."""
@@ -206,7 +207,7 @@ class Router:
                                           self.hit_share.get(load.worker_id, 0.0), self.block_size)
             seconds = decode_seconds(prompt_tokens, cached, load, decision, output_tokens, self.disagg,
                                      self.block_size, elapsed_s, displaced)
-            seconds += (anywhere - on_device) * load.promote_s_per_block
+            seconds += (anywhere - on_device) * load.promote_s_per_block + load.lora_miss_s(lora_key)
             options.append((seconds, load.num_running + load.num_waiting, load.worker_id, cached, decision))
         best = min(option[0] for option in options)
         near = [option for option in options if option[0] <= best + TIE_TOLERANCE_S]

@@ -100,6 +100,7 @@ class WorkerView:
         self.retry_s = retry_s
         self.workers: dict[str, WorkerState] = {}
         self.version = -1
+        self.adapters: dict = {}  # LoRA adapters served, by name (the controller's, with the membership)
         self._membership_task: asyncio.Task | None = None
         self._loads_changed = asyncio.Event()  # set (and replaced) whenever a load may have dropped
 
@@ -121,11 +122,13 @@ class WorkerView:
     def route(self, block_hashes: Sequence[int], prompt_tokens: int, exclude: Collection[str] = (),
               remote_prefill: bool = True, elapsed_s: float = 0.0,
               output_tokens: int = EXPECTED_OUTPUT_TOKENS,
-              prefill_backlog: Mapping[str, tuple[int, int]] | None = None, ahead: bool = False) -> RouteDecision:
+              prefill_backlog: Mapping[str, tuple[int, int]] | None = None, ahead: bool = False,
+              lora_key: str | None = None) -> RouteDecision:
         """Place a request that arrived `elapsed_s` ago and will generate about `output_tokens`; raises NoDecodeWorker when no decode worker is
         schedulable. Without `remote_prefill` the decode worker prefills, whatever the policy says. A
         decision to wait for a prefill slot (`wait`) is not counted: the caller routes again. A request that
-        goes `ahead` of the prompts queued on its workers (GenerateRequest.ahead) sees no prefill queue."""
+        goes `ahead` of the prompts queued on its workers (GenerateRequest.ahead) sees no prefill queue. One that
+        runs LoRA adapter `lora_key` prefers workers whose slots hold it (Router.route)."""
         local_only = self.colocated or not remote_prefill
         loads = {"prefill": [], "decode": []}
         for w in self.workers.values():
@@ -135,7 +138,7 @@ class WorkerView:
                     load.num_waiting = 0
                 loads[w.pool].append(load)
         decision = self.router.route(block_hashes, prompt_tokens, loads["prefill"], loads["decode"], elapsed_s,
-                                     output_tokens, prefill_backlog)
+                                     output_tokens, prefill_backlog, lora_key=lora_key)
         if local_only:
             decision.reason = "colocated" if self.colocated else "migration"
         if decision.wait:
@@ -145,6 +148,9 @@ class WorkerView:
                 self.metrics.routing.labels(pool, placement.worker_id, decision.reason).inc()
                 self.metrics.routing_hits.labels(pool, placement.worker_id).inc(
                     placement.cached_tokens // self.block_size)
+                if lora_key is not None:
+                    held = lora_key in self.workers[placement.worker_id].load().lora_keys
+                    self.metrics.routing_lora.labels(pool, placement.worker_id, "hit" if held else "load").inc()
         return decision
 
     def preview(self, block_hashes: Sequence[int], prompt_tokens: int, elapsed_s: float = 0.0,
@@ -296,6 +302,7 @@ class WorkerView:
 
     def _apply(self, membership: Membership) -> None:
         self.version = membership.version
+        self.adapters = membership.adapters
         current = set()
         for entry in membership.workers:
             current.add(entry.worker_id)
