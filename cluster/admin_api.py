@@ -3,6 +3,7 @@
     GET  /admin/status                          pools, workers, health, load, KV usage, prefix hit rates
     POST /admin/scale  {"pool": "decode", "replicas": 2}   or   {"prefill": 1, "decode": 2}
     POST /admin/drain  {"worker_id": "decode-1"}
+    (serving several models, scale and drain name one: {"model": "name", ...}; status and events cover all)
     GET  /admin/events?since=<unix time>        scaling decisions and worker changes
     GET  /admin/requests/{request_id}/trace     a recent request's stage timelines (`tandem trace`)
     POST /v1/load_lora_adapter   {"lora_name": "x", "lora_path": "/dir"}   vLLM's, serves a LoRA adapter
@@ -16,7 +17,7 @@ JSON bodies: 400 bad body (naming the field), 401 wrong or missing key, 403 admi
 """
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict
 from typing import Literal
 
@@ -53,6 +54,7 @@ class ScaleRequest(BaseModel):
     replicas: int | None = Field(None, ge=0, le=256)
     prefill: int | None = Field(None, ge=0, le=256)
     decode: int | None = Field(None, ge=0, le=256)
+    model: str | None = Field(None, min_length=1, max_length=256)  # whose pools, when several models are served
 
     @model_validator(mode="after")
     def _one_form(self) -> ScaleRequest:
@@ -75,6 +77,7 @@ class LoadLoRARequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1, max_length=128)
     lora_path: str = Field(min_length=1, max_length=4096)
+    base_model: str | None = Field(None, min_length=1, max_length=256)  # tandem's: which model, with several
 
 
 class UnloadLoRARequest(BaseModel):
@@ -87,6 +90,7 @@ class UnloadLoRARequest(BaseModel):
 class DrainRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     worker_id: str = Field(min_length=1, max_length=128)
+    model: str | None = Field(None, min_length=1, max_length=256)  # whose worker, when several models are served
 
 
 def _authorize(request: Request, admin_key: str | None) -> None:
@@ -122,20 +126,33 @@ def _admin_route_class(admin_key: str | None) -> type[APIRoute]:
     return AdminRoute
 
 
-def build_admin_router(get_controller: Callable[[], object], admin_key: str | None,
-                       find_trace: Callable[[str], Awaitable[dict | None]] | None = None,
+def build_admin_router(get_controller: Callable[[], object] | Mapping[str, Callable[[], object]],
+                       admin_key: str | None, find_trace: Callable[[str], Awaitable[dict | None]] | None = None,
                        flow_status: Callable[[], dict] | None = None) -> APIRouter:
     """The /admin routes. `get_controller` returns the controller actor handle (looked up per call, so a
-    restarted controller is found again); without an `admin_key` every route answers 403. `find_trace`
-    looks up a recent request's stage timelines (the ingress's TraceStore); `flow_status` gives the answering
-    ingress replica's queue by tenant (router/api/flow_control.py)."""
+    restarted controller is found again), or with several models maps each model's name to its own (requests
+    that act on pools or adapters then name the model); without an `admin_key` every route answers 403.
+    `find_trace` looks up a recent request's stage timelines (the ingress's TraceStore); `flow_status` gives the
+    answering ingress replica's queue by tenant (router/api/flow_control.py)."""
 
     router = APIRouter(prefix="/admin", route_class=_admin_route_class(admin_key), tags=["admin"])
     lora = APIRouter(route_class=_admin_route_class(admin_key), tags=["admin"])
+    controllers = get_controller if isinstance(get_controller, Mapping) else None
 
-    async def call(method: str, *args):
+    def pick(model: str | None, param: str = "model") -> Callable[[], object]:
+        if controllers is None:
+            return get_controller
+        if len(controllers) == 1 and model is None:
+            return next(iter(controllers.values()))
+        if model not in controllers:
+            served = ", ".join(controllers)
+            raise AdminError(400 if model is None else 404, f"name the model ({served}) with `{param}`"
+                             if model is None else f"no model {model!r}; this server serves {served}", param)
+        return controllers[model]
+
+    async def call(method: str, *args, model: str | None = None, param: str = "model"):
         try:
-            controller = get_controller()
+            controller = pick(model, param)()
             return await getattr(controller, method).remote(*args)
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause
@@ -147,25 +164,35 @@ def build_admin_router(get_controller: Callable[[], object], admin_key: str | No
         except (ray.exceptions.RayError, ValueError) as exc:  # ValueError: no such named actor
             raise AdminError(503, f"cluster controller unavailable: {exc}") from None
 
+    several = controllers is not None and len(controllers) > 1
+
     @router.get("/status")
     async def status() -> dict:
-        status = await call("status")
+        if several:
+            status = {"models": {name: await call("status", model=name) for name in controllers}}
+        else:
+            status = await call("status")
         if flow_status is not None:
             status["flow"] = flow_status()
         return status
 
     @router.post("/scale")
     async def scale(body: ScaleRequest) -> dict:
-        results = await call("scale_pools", body.targets(), "operator")
-        return {"pools": {r.pool: asdict(r) for r in results}}
+        results = await call("scale_pools", body.targets(), "operator", model=body.model)
+        return {"pools": {r.pool: asdict(r) for r in results}, **({"model": body.model} if body.model else {})}
 
     @router.post("/drain")
     async def drain(body: DrainRequest) -> dict:
-        pool = await call("drain", body.worker_id, "operator")
-        return {"worker_id": body.worker_id, "pool": pool, "removed": True}
+        pool = await call("drain", body.worker_id, "operator", model=body.model)
+        return {"worker_id": body.worker_id, "pool": pool, "removed": True,
+                **({"model": body.model} if body.model else {})}
 
     @router.get("/events")
     async def events(since: float = 0.0) -> dict:
+        if several:
+            merged = [{**asdict(e), "model": name} for name in controllers
+                      for e in await call("scaling_events", since, model=name)]
+            return {"events": sorted(merged, key=lambda e: e["time"])}
         return {"events": [asdict(e) for e in await call("scaling_events", since)]}
 
     @router.get("/requests/{request_id:path}/trace")
@@ -182,12 +209,24 @@ def build_admin_router(get_controller: Callable[[], object], admin_key: str | No
     @lora.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRARequest) -> PlainTextResponse:
         """Serve a PEFT adapter as model `lora_name` (vLLM's endpoint and answers; the admin key guards it)."""
-        await call("load_lora_adapter", body.lora_name, body.lora_path)
+        await call("load_lora_adapter", body.lora_name, body.lora_path, model=body.base_model, param="base_model")
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @lora.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRARequest) -> PlainTextResponse:
-        await call("unload_lora_adapter", body.lora_name)
+        if several:  # the model serving the adapter
+            for name in controllers:
+                try:
+                    await call("unload_lora_adapter", body.lora_name, model=name)
+                except AdminError as exc:
+                    if exc.status != 404:
+                        raise
+                    continue
+                break
+            else:
+                raise AdminError(404, f"The lora adapter '{body.lora_name}' cannot be found.")
+        else:
+            await call("unload_lora_adapter", body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     both = APIRouter()

@@ -23,11 +23,11 @@ class AdminClient:
     def status(self) -> dict:
         return self.call("GET", "/admin/status")
 
-    def scale(self, targets: dict[str, int]) -> dict:
-        return self.call("POST", "/admin/scale", targets)
+    def scale(self, targets: dict[str, int], model: str | None = None) -> dict:
+        return self.call("POST", "/admin/scale", {**targets, **({"model": model} if model else {})})
 
-    def drain(self, worker_id: str) -> dict:
-        return self.call("POST", "/admin/drain", {"worker_id": worker_id})
+    def drain(self, worker_id: str, model: str | None = None) -> dict:
+        return self.call("POST", "/admin/drain", {"worker_id": worker_id, **({"model": model} if model else {})})
 
     def trace(self, request_id: str) -> dict:
         return self.call("GET", f"/admin/requests/{urllib.parse.quote(request_id, safe='')}/trace")

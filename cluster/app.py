@@ -38,7 +38,8 @@ WORKER_FIELDS = ("model", "dtype", "device", "mode", "seed", "engine", "transfer
 
 
 def build_app(args: ClusterConfig) -> Application:
-    """The tandem application: OpenAI ingress replicas over the pools of one cluster controller.
+    """The tandem application: OpenAI ingress replicas over the pools of one cluster controller (one per model
+    when the config lists several `models`).
 
     `args` is a ClusterConfig or a dict of its fields (Serve validates `serve run` and serveConfigV2 args
     against the annotation). API keys missing from it are read from TANDEM_API_KEYS / TANDEM_ADMIN_KEY
@@ -46,19 +47,23 @@ def build_app(args: ClusterConfig) -> Application:
     workers (another model or KV layout)."""
     config = args if isinstance(args, ClusterConfig) else ClusterConfig.model_validate(args)
     config = config.with_env()
-    controller = start_or_adopt_controller(config)
-    _apply_autoscaler(config)
+    models = config.model_configs()  # one cluster per model, each with its controller, pools and autoscaler
+    controllers = [start_or_adopt_controller(sub) for sub in models]
+    for sub in models:
+        _apply_autoscaler(sub)
     hub = ray.remote(MetricsHub).options(name=f"{config.name}-metrics", namespace=config.namespace,
                                          get_if_exists=True, lifetime="detached", num_cpus=0, **ON_HEAD).remote(
         recent_requests=config.tracing.recent_requests)
-    admin = functools.partial(build_admin_router, functools.partial(get_controller, config.name, config.namespace),
-                              config.admin_key)
+    admin = functools.partial(build_admin_router, {
+        sub.model_name: functools.partial(get_controller, sub.name, sub.namespace) for sub in models},
+        config.admin_key)
     # Serve's own limits sit above the ingress's admission bound, so overload is answered with the
     # ingress's 429 and Retry-After; Serve's queue (which a burst passes through on its way to the
     # replica) stays bounded too.
-    limit = config.router.max_queued_requests + CONTROL_HEADROOM
+    limit = sum(sub.router.max_queued_requests for sub in models) + CONTROL_HEADROOM
     return Ingress.options(num_replicas=config.ingress_replicas, max_ongoing_requests=limit,
-                           max_queued_requests=limit).bind(ingress_config(config), controller, hub, admin)
+                           max_queued_requests=limit).bind([ingress_config(sub) for sub in models], controllers,
+                                                            hub, admin)
 
 
 def ingress_config(config: ClusterConfig) -> IngressConfig:
@@ -136,7 +141,18 @@ def _apply_autoscaler(config: ClusterConfig) -> None:
 
 def shutdown_cluster(name: str = "tandem", namespace: str = "tandem") -> None:
     """Stop what `build_app` started beside the ingress: the autoscaler, the pools and the controller, and
-    the metrics hub. They outlive the Serve app on purpose."""
+    the metrics hub (with several models, every model's: the clusters named `<name>--<key>`). They outlive the
+    Serve app on purpose."""
+    prefix = f"{name}--"
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        sub = actor["name"].removesuffix(f"-{CONTROLLER_NAME}")
+        if actor["namespace"] == namespace and sub != actor["name"] and sub.startswith(prefix):
+            _shutdown_one(sub, namespace)
+    _shutdown_one(name, namespace)
+    _kill(f"{name}-metrics", namespace)
+
+
+def _shutdown_one(name: str, namespace: str) -> None:
     _kill(f"{name}-autoscaler", namespace)
     try:
         controller = ray.get_actor(f"{name}-{CONTROLLER_NAME}", namespace=namespace)
@@ -149,7 +165,6 @@ def shutdown_cluster(name: str = "tandem", namespace: str = "tandem") -> None:
             logger.warning("the controller did not stop its pools (%s); stopping the workers by name", exc)
         ray.kill(controller, no_restart=True)
     stop_named_workers(name, namespace)  # detached: any the controller did not stop (it was dead, say)
-    _kill(f"{name}-metrics", namespace)
 
 
 def _kill(actor_name: str, namespace: str) -> None:

@@ -64,11 +64,19 @@ def serve_command(args, parser) -> int:
         config = load_config(args.config, **overrides)
     except ConfigError as exc:
         raise CLIError(f"{exc}; fix the flag or the config file") from None
-    for name, pool in (("prefill", config.prefill), ("decode", config.decode)):
-        if pool.replicas > pool.max_replicas:
-            raise CLIError(f"{name}: {pool.replicas} replicas is above its max_replicas={pool.max_replicas}; "
-                           f"lower --{name} or raise {name}.max_replicas in the config file")
-    if config.decode.replicas < 1:
+    if config.models and (flagged := [flag for flag, value in (
+            ("--model", args.model), ("--served-model-name", args.served_model_name), ("--prefill", args.prefill),
+            ("--decode", args.decode), ("--colocated", args.colocated or None), ("--lora-modules", args.lora_modules),
+            ("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)) if value is not None]):
+        raise CLIError(f"the config serves several models (`models:`); {', '.join(flagged)} would apply to none "
+                       f"of them: set them in each model's entry")
+    for sub in config.model_configs():
+        for name in ("prefill", "decode"):
+            pool, where = getattr(sub, name), f"{sub.model_name} {name}" if config.models else name
+            if pool.replicas > pool.max_replicas:
+                raise CLIError(f"{where}: {pool.replicas} replicas is above its max_replicas={pool.max_replicas}; "
+                               f"lower --{name} or raise {name}.max_replicas in the config file")
+    if any(sub.decode.replicas < 1 for sub in config.model_configs()):
         raise CLIError("the decode pool needs at least one worker: --decode 1 or more")
     warning = open_host_warning(config.host, config.port, config.api_keys)
     if warning:
@@ -102,7 +110,7 @@ def scale_command(args, parser) -> int:
     if args.decode == 0:
         parser.error("--decode must be at least 1: the decode pool serves every request")
     targets = {pool: n for pool, n in (("prefill", args.prefill), ("decode", args.decode)) if n is not None}
-    result = _client(args).scale(targets)
+    result = _client(args).scale(targets, args.model)
     for pool, r in result["pools"].items():
         change = f"added {', '.join(r['added'])}" if r["added"] else \
             f"drained and removed {', '.join(r['drained'])}" if r["drained"] else "unchanged"
@@ -111,7 +119,7 @@ def scale_command(args, parser) -> int:
 
 
 def drain_command(args, parser) -> int:
-    result = _client(args).drain(args.worker)
+    result = _client(args).drain(args.worker, args.model)
     print(f"{result['worker_id']} drained: its requests finished and it left the {result['pool']} pool")
     return 0
 
@@ -150,7 +158,14 @@ def _client(args) -> AdminClient:
 
 
 def format_status(status: dict, url: str) -> str:
-    """The readable form of GET /admin/status: a pools table and a workers table."""
+    """The readable form of GET /admin/status: a pools table and a workers table (per model, with several)."""
+    if "models" in status:
+        parts = [format_status({**one, "flow": None}, url) for one in status["models"].values()]
+        return "\n\n".join(parts) + _flow_lines(status.get("flow"))
+    return _format_one(status, url) + _flow_lines(status.get("flow"))
+
+
+def _format_one(status: dict, url: str) -> str:
     lines = [f"tandem at {url}: model {status['model']}, {status['mode']}, membership version {status['version']}",
              ""]
     pools = [["POOL", "WORKERS", "DESIRED", "MIN..MAX"]]
@@ -168,17 +183,24 @@ def format_status(status: dict, url: str) -> str:
             ranks = str(size) if w.get("tp_ranks_alive", size) == size else f"{w['tp_ranks_alive']}/{size} up"
             workers.append([w["worker_id"], name, w["state"], ranks, str(w["running"]), str(w["waiting"]),
                             str(w["queued_prefill_tokens"]), f"{w['kv_usage']:.1%}", hits, _kv_failures(w)])
-    out = lines + _table(pools) + [""] + _table(workers)
-    if flow := status.get("flow"):
-        limit = flow["max_in_flight"] if flow["max_in_flight"] is not None else "no cap"
-        placing = f", {flow['placing']} of them being placed" if flow.get("placing") else ""
-        out += ["", f"ingress queue (replica {flow['replica']}): {flow['in_flight']} let on ({limit}){placing}, "
-                    f"{'saturated' if flow['saturated'] else 'not saturated'}, shedding {flow['shed']}"]
-        if flow["tenants"]:
-            out += _table([["TENANT", "WEIGHT", "RUNNING", "QUEUED"]]
-                          + [[t, f"{v['weight']:g}", str(v["running"]), str(v["queued"])]
-                             for t, v in flow["tenants"].items()])
-    return "\n".join(out)
+    return "\n".join(lines + _table(pools) + [""] + _table(workers))
+
+
+def _flow_lines(flow: dict | None) -> str:
+    """The ingress queue by tenant (per model, with several)."""
+    if not flow:
+        return ""
+    if "models" in flow:
+        return "".join(_flow_lines({"replica": flow["replica"], **one}).replace(
+            "ingress queue", f"ingress queue of {model}", 1) for model, one in flow["models"].items())
+    limit = flow["max_in_flight"] if flow["max_in_flight"] is not None else "no cap"
+    placing = f", {flow['placing']} of them being placed" if flow.get("placing") else ""
+    out = ["", f"ingress queue (replica {flow['replica']}): {flow['in_flight']} let on ({limit}){placing}, "
+               f"{'saturated' if flow['saturated'] else 'not saturated'}, shedding {flow['shed']}"]
+    if flow["tenants"]:
+        out += _table([["TENANT", "WEIGHT", "RUNNING", "QUEUED"]]
+                      + [[t, f"{v['weight']:g}", str(v["running"]), str(v["queued"])] for t, v in flow["tenants"].items()])
+    return "\n" + "\n".join(out)
 
 
 def _kv_failures(worker: dict) -> str:
@@ -265,9 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
                           scale_command)
     scale.add_argument("--prefill", type=_count, metavar="N", help="prefill workers wanted")
     scale.add_argument("--decode", type=_count, metavar="M", help="decode workers wanted")
-    admin_command("drain", "stop routing to a worker, let its requests finish, then remove it",
-                  drain_command).add_argument("worker", type=_worker_id, metavar="WORKER",
-                                              help="worker id, e.g. decode-1 (see `tandem status`)")
+    scale.add_argument("--model", type=_non_empty, metavar="NAME", help="whose pools, when several models are served")
+    drain = admin_command("drain", "stop routing to a worker, let its requests finish, then remove it",
+                          drain_command)
+    drain.add_argument("worker", type=_worker_id, metavar="WORKER", help="worker id, e.g. decode-1 (see `tandem status`)")
+    drain.add_argument("--model", type=_non_empty, metavar="NAME", help="whose worker, when several models are served")
     trace = admin_command("trace", "show where a recent request's time went, stage by stage", trace_command)
     trace.add_argument("request_id", type=_request_id, metavar="REQUEST_ID",
                        help="its id: the X-Request-Id the client sent or the response header carried")

@@ -384,6 +384,25 @@ class CpuOptions(_Strict):
                           lend_busy_ms=self.lend_busy_ms if self.borrow else 0.0)
 
 
+class ModelEntry(_Strict):
+    """One model of a cluster serving several (`models:`): its own prefill and decode pools, engine, adapters and
+    autoscaling. Fields it leaves out are the top level's. `key` names its workers (cluster `<name>--<key>`)."""
+    key: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,15}$")
+    model: str | None = None
+    served_model_name: str | list[str] | None = None
+    chat_template: str | None = None
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    prefill: PoolConfig = Field(default_factory=PoolConfig)
+    decode: PoolConfig = Field(default_factory=PoolConfig)
+    engine: EngineOptions = Field(default_factory=EngineOptions)
+    kv_tiers: KVTiersOptions = Field(default_factory=KVTiersOptions)
+    lora: LoRAOptions = Field(default_factory=LoRAOptions)
+    speculative_config: SpeculativeOptions | None = None
+    reasoning: ReasoningOptions | None = None
+    autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
+
+
 class ClusterConfig(_Strict):
     """Everything `tandem serve` needs; every field has a working default for a laptop."""
     model: str | None = None
@@ -401,6 +420,9 @@ class ClusterConfig(_Strict):
     engine: EngineOptions = Field(default_factory=EngineOptions)
     kv_tiers: KVTiersOptions = Field(default_factory=KVTiersOptions)  # below each worker's cache; off by default
     lora: LoRAOptions = Field(default_factory=LoRAOptions)  # adapters on the base model; off by default
+    # Several models in one cluster, each with its own pools (ModelEntry); empty: the one model above. The
+    # fields above are then every model's defaults, and requests go to the model their `model` names.
+    models: list[ModelEntry] = Field(default_factory=list, max_length=16)
     speculative_config: SpeculativeOptions | None = None  # the decode pool's default; None: requests opt in
     transfer: TransferOptions = Field(default_factory=TransferOptions)
     router: RouterOptions = Field(default_factory=RouterOptions)
@@ -446,6 +468,38 @@ class ClusterConfig(_Strict):
         if names is not None and (not listed or not all(n.strip() for n in listed) or len(set(listed)) < len(listed)):
             raise ValueError("served model names must be non-empty and distinct")
         return names
+
+    @model_validator(mode="after")
+    def _models_apart(self) -> ClusterConfig:
+        if not self.models:
+            return self
+        keys = [m.key for m in self.models]
+        if len(set(keys)) < len(keys):
+            raise ValueError("models: every model needs a key of its own")
+        if len(self.name) + 2 + max(map(len, keys)) > 41:
+            raise ValueError(f"models: name {self.name!r} plus `--<key>` must fit 41 characters (the clusters of "
+                             f"the models are named so); shorten the name or the keys")
+        served: dict[str, str] = {}
+        for sub in self.model_configs():
+            for name in [*sub.model_names, *sub.lora.modules]:
+                if name in served:
+                    raise ValueError(f"models: {name!r} names both {served[name]} and {sub.name}; every model "
+                                     f"and adapter name must be distinct")
+                served[name] = sub.name
+        return self
+
+    def model_configs(self) -> list[ClusterConfig]:
+        """One config per model: this one when it serves one model, else each entry of `models` over the top
+        level's fields, as a cluster of its own named `<name>--<key>` (its controller, pools and autoscaler)."""
+        if not self.models:
+            return [self]
+        base = self.model_dump(exclude={"models"}, exclude_unset=True)
+        configs = []
+        for entry in self.models:
+            data = {**base, **entry.model_dump(exclude={"key"}, exclude_unset=True),
+                    "name": f"{self.name}--{entry.key}"}
+            configs.append(ClusterConfig.model_validate(data))
+        return configs
 
     @model_validator(mode="after")
     def _adapters_fit(self) -> ClusterConfig:

@@ -116,9 +116,10 @@ def _run_app(config: ClusterConfig, say: Callable[[str], None]) -> None:
 
     from cluster.app import build_app
 
-    pools = f"{config.decode.replicas} decode" if config.mode == "colocated" else \
-        f"{config.prefill.replicas} prefill + {config.decode.replicas} decode"
-    say(f"starting the API and {pools} worker(s) on {config.model_name} (device {config.device})")
+    for sub in config.model_configs():
+        pools = f"{sub.decode.replicas} decode" if sub.mode == "colocated" else \
+            f"{sub.prefill.replicas} prefill + {sub.decode.replicas} decode"
+        say(f"starting the API and {pools} worker(s) on {sub.model_name} (device {sub.device})")
     with _Ticker("still starting: loading the model in the workers", say):
         # The cluster controller (and with it the workers, which take longest) starts first; Serve's
         # controller and proxy start while the workers load.
@@ -127,9 +128,10 @@ def _run_app(config: ClusterConfig, say: Callable[[str], None]) -> None:
                     logging_config={"log_level": "WARNING"})
         serve.run(app, name=config.name, route_prefix="/",
                   logging_config={"log_level": "WARNING", "enable_access_log": False})
-    if config.autoscaler.enabled:
-        say(f"autoscaler on: prefill {config.prefill.min_replicas}..{config.prefill.max_replicas}, "
-            f"decode {max(config.decode.min_replicas, 1)}..{config.decode.max_replicas} workers")
+    for sub in config.model_configs():
+        if sub.autoscaler.enabled:
+            say(f"autoscaler on for {sub.model_name}: prefill {sub.prefill.min_replicas}..{sub.prefill.max_replicas}, "
+                f"decode {max(sub.decode.min_replicas, 1)}..{sub.decode.max_replicas} workers")
 
 
 def _stop(config: ClusterConfig, say: Callable[[str], None]) -> None:
@@ -148,7 +150,11 @@ def _stop(config: ClusterConfig, say: Callable[[str], None]) -> None:
 def prepare_model(config: ClusterConfig, say: Callable[[str], None]) -> None:
     """Convert the default model once (before any worker starts, so they do not all convert it), or check
     that a model directory exists and that its attention is one the engine runs exactly; also that CUDA is
-    there when asked for."""
+    there when asked for. Every model's, with several."""
+    if config.models:
+        for sub in config.model_configs():
+            prepare_model(sub, say)
+        return
     from engine.config import DEFAULT_MODEL
     from engine.model_loader import cache_dir, resolve_model_dir
     from engine.model_support import UnsupportedModelError, check_model_dir
@@ -196,7 +202,9 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def local_cpus(config: ClusterConfig) -> int:
-    """Logical CPUs a local Ray needs so that both pools can grow to max_replicas."""
+    """Logical CPUs a local Ray needs so that both pools (of every model) can grow to max_replicas."""
+    if config.models:
+        return sum(local_cpus(sub) - SERVE_CPUS for sub in config.model_configs()) + SERVE_CPUS
     pools = [config.decode] if config.mode == "colocated" else [config.prefill, config.decode]
     return int(sum(p.max_replicas * p.num_cpus for p in pools)) + SERVE_CPUS
 
@@ -209,6 +217,8 @@ def fit_pools_to_node(config: ClusterConfig, say: Callable[[str], None]) -> Clus
 
     if resolve_device(config.device).type != "cpu":
         return config
+    if config.models:
+        return fit_models_to_cores(config, len(node_cores()), say)
     fitted = fit_pools_to_cores(config, len(node_cores()))
     if fitted is not config:
         pools = [("prefill", fitted.prefill)] if fitted.mode == "disaggregated" else []
@@ -245,6 +255,24 @@ def fit_pools_to_cores(config: ClusterConfig, cores: int) -> ClusterConfig:
     return config.model_copy(update=update) if update else config
 
 
+def fit_models_to_cores(config: ClusterConfig, cores: int, say: Callable[[str], None]) -> ClusterConfig:
+    """Several models: each gets a share of `cores` by its starting workers, split among them as for one
+    model (fit_pools_to_cores); the shares go into the models' entries."""
+    subs = config.model_configs()
+    workers = [s.decode.replicas + (s.prefill.replicas if s.mode == "disaggregated" else 0) for s in subs]
+    usable = cores - (1 if cores >= 8 else 0)
+    entries = []
+    for entry, sub, n in zip(config.models, subs, workers):
+        fitted = fit_pools_to_cores(sub, max(n, usable * n // max(sum(workers), 1)) + (1 if cores >= 8 else 0))
+        update = {pool: getattr(fitted, pool) for pool in ("prefill", "decode")
+                  if getattr(fitted, pool) is not getattr(sub, pool)}
+        if update:
+            say(f"cores per worker of {sub.model_name}: " + ", ".join(
+                f"{pool} {int(p.num_cpus)}" for pool, p in update.items()))
+        entries.append(entry.model_copy(update=update) if update else entry)
+    return config.model_copy(update={"models": entries})
+
+
 def isolate_prefill(config: ClusterConfig, say: Callable[[str], None]) -> set[int]:
     """The CPUs a local Ray's own processes are to run on once it serves (`confine_local_ray`): those the
     starting prefill workers will not take (they take the lowest cores, decode workers the highest:
@@ -254,6 +282,8 @@ def isolate_prefill(config: ClusterConfig, say: Callable[[str], None]) -> set[in
     from engine.config import resolve_device
     from worker_runtime.cpu_cores import NODE_CPUS_ENV, cpu_quota, format_cpu_list, node_cores, node_cpus, pinning_is_safe
 
+    if config.models:
+        return set()  # each model's workers take their cores; Ray's own processes are not confined
     cores = node_cores()
     serving = serving_cores(config, cores)
     if resolve_device(config.device).type != "cpu" or not serving or not pinning_is_safe(cores, cpu_quota()):

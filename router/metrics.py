@@ -136,25 +136,31 @@ class Metrics:
     def exposition(self, replicas: dict[str, bytes]) -> bytes:
         """The scrape: every replica's own series (`replicas`: replica id -> `own_series()`) labelled
         with its replica, then the shared series."""
-        merged = CollectorRegistry()
-        merged.register(_ReplicaSeries(replicas))
-        return generate_latest(merged) + generate_latest(self.shared)
+        return labelled_series(replicas, "replica") + generate_latest(self.shared)
 
 
-class _ReplicaSeries:
-    """A collector of several replicas' published series, each sample labelled with its replica."""
+def labelled_series(texts: dict[str, bytes], label: str) -> bytes:
+    """Series in the text format from several sources (replicas, models), merged by family, each sample
+    labelled `label` = its source."""
+    merged = CollectorRegistry()
+    merged.register(_LabelledSeries(texts, label))
+    return generate_latest(merged)
 
-    def __init__(self, replicas: dict[str, bytes]):
-        self.replicas = replicas
+
+class _LabelledSeries:
+    """A collector of several sources' series, each sample labelled with its source."""
+
+    def __init__(self, texts: dict[str, bytes], label: str):
+        self.texts, self.label = texts, label
 
     def collect(self) -> Iterable[Metric]:
         families: dict[str, Metric] = {}
-        for replica, text in sorted(self.replicas.items()):
+        for source, text in sorted(self.texts.items()):
             for family in text_string_to_metric_families(text.decode()):
                 if family.name.endswith("_created"):
                     continue  # creation times are per replica and mean nothing summed
                 merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
-                merged.samples += [s._replace(labels={**s.labels, "replica": replica}) for s in family.samples
+                merged.samples += [s._replace(labels={**s.labels, self.label: source}) for s in family.samples
                                    if not s.name.endswith("_created")]
         return families.values()
 

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
 # Vendored from KubeRay (source, commit and licence in tests/k8s_schemas/README.md).
 KUBERAY_CRD = REPO / "tests" / "k8s_schemas" / "ray.io_rayservices.yaml"
-KUSTOMIZATIONS = ["base", "monitoring", "overlays/cpu", "overlays/tensor-parallel"]
+KUSTOMIZATIONS = ["base", "monitoring", "overlays/cpu", "overlays/tensor-parallel", "overlays/two-models"]
 DEPLOYABLE = ["base", "overlays/cpu", "overlays/tensor-parallel"]
 # Oldest and newest Kubernetes versions whose schemas kubernetes-validate bundles.
 KUBERNETES_VERSIONS = [all_versions()[0], all_versions()[-1]]
@@ -162,7 +162,8 @@ def test_every_kustomization_renders_with_kubectl_kustomize(name):
     kinds = {"base": {"RayService", "Secret", "ConfigMap", "PodMonitor", "NetworkPolicy"},
              "monitoring": {"ConfigMap", "PodMonitor", "NetworkPolicy"},
              "overlays/cpu": {"RayService", "Secret", "ConfigMap", "NetworkPolicy"},
-             "overlays/tensor-parallel": {"RayService", "Secret", "ConfigMap", "PodMonitor", "NetworkPolicy"}}[name]
+             "overlays/tensor-parallel": {"RayService", "Secret", "ConfigMap", "PodMonitor", "NetworkPolicy"},
+             "overlays/two-models": {"RayService", "Secret", "ConfigMap", "PodMonitor", "NetworkPolicy"}}[name]
     assert {doc["kind"] for doc in rendered(name)} == kinds
 
 
@@ -323,6 +324,33 @@ def test_tensor_parallel_overlay_gives_each_worker_a_gpu_per_rank_and_the_model_
     config = ClusterConfig(**args)
     assert config.prefill.tensor_parallel_size == config.decode.tensor_parallel_size == 4
     assert config.engine_config(config.decode).tensor_parallel_size == 4
+
+
+def test_two_models_overlay_gives_each_model_its_pools_within_the_shared_worker_groups():
+    """Both models' workers run on the base's prefill and decode groups, whose bounds hold every model's; each
+    worker fits only its own pool's group; every pod mounts the models' volume."""
+    rayservice = the(rendered("overlays/two-models"), "RayService")
+    assert [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in rayservice_validator(rayservice["apiVersion"]).iter_errors(rayservice)] == []
+    config = ClusterConfig.model_validate(serve_app(rayservice)["args"])
+    models = config.model_configs()
+    assert [m.model_name for m in models] == ["llama-3.1-8b-instruct", "qwen2.5-7b-instruct"]
+    assert all(m.autoscaler.enabled and m.transfer.bind_host == "0.0.0.0" for m in models)
+    groups = {g["groupName"]: g for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    node_types = ray_node_types(rayservice)
+    for pool in ("prefill", "decode"):
+        options = [getattr(m, pool) for m in models]
+        assert sum(o.max_replicas for o in options) <= groups[pool]["maxReplicas"]
+        assert sum(o.min_replicas for o in options) <= groups[pool]["minReplicas"] <= groups[pool]["replicas"]
+        for o in options:
+            demand = {"CPU": o.num_cpus, "GPU": o.num_gpus, **o.resources}
+            fits = {group for group, node in node_types.items()
+                    if all(node["resources"].get(r, 0) >= amount for r, amount in demand.items() if amount)}
+            assert fits == {pool}
+    for template in pod_templates(rayservice):
+        [container] = [c for c in template["spec"]["containers"] if c["name"].startswith("ray-")]
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+    assert all(m.model.startswith("/models/") for m in models)
 
 
 def test_cpu_overlay_drops_every_gpu_and_runs_one_pod_per_pool():

@@ -10,14 +10,14 @@ import asyncio
 import importlib.metadata
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import ray
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from starlette.exceptions import HTTPException
 from transformers import AutoConfig
@@ -33,7 +33,7 @@ from router.api.chat_output import ChatParsing
 from router.api.flow_control import FlowConfig, FlowControl
 from router.placement.index import PrefixIndex
 from router.placement.latency_report import LatencyReporter
-from router.metrics import Metrics
+from router.metrics import Metrics, labelled_series
 from router.api.openai_api import APIError, ChatCompletionRequest, CompletionRequest, request_body_schema
 from router.placement.cost_model import DisaggConfig
 from router.placement.routing import Router
@@ -44,6 +44,7 @@ from router.placement.request_router import RequestRouter
 from router.api.request_trace import REQUEST_ID_HEADER, Trace
 from router.trace_store import TraceStore, timeline_body
 from router.api.service import ModelInfo, OpenAIService, to_api_error
+from router.api.served_models import ServedModels
 from router.placement.worker_view import WorkerView
 
 logger = logging.getLogger(__name__)
@@ -105,73 +106,104 @@ def load_model_info(config: IngressConfig):
 DRAIN_POLL_S = 0.1
 
 
+@dataclass(slots=True)
+class ModelStack:
+    """One model's part of an ingress replica: its controller, metrics, worker view and OpenAI service."""
+    name: str
+    controller: object
+    metrics: Metrics
+    view: WorkerView
+    service: OpenAIService
+    tasks: list
+
+
 @serve.deployment(name="ingress", graceful_shutdown_wait_loop_s=DRAIN_POLL_S)
 @serve.ingress()
 class Ingress:
     """One ingress replica: an exact prefix index of its own, fed by every worker's KV events.
 
-    `controller`: the cluster controller's actor handle (membership, latency reports, scaling report);
+    `controllers`: the cluster controller's actor handle (membership, latency reports, scaling report), or with
+    several models (`configs`, one each) a list of their controllers;
     `metrics_hub`: a `router.metrics.MetricsHub` actor shared by the replicas; `extra_routes`: makes the
     routes mounted beside the API (the admin API), given `find_trace` (recent requests' timelines)."""
 
-    async def __init__(self, config: IngressConfig, controller, metrics_hub,
+    async def __init__(self, configs: IngressConfig | list[IngressConfig], controllers, metrics_hub,
                        extra_routes: Callable[..., APIRouter] | None = None):
-        self.config = config
-        self.controller = controller
+        configs = configs if isinstance(configs, list) else [configs]
+        controllers = controllers if isinstance(controllers, list) else [controllers]
+        self.config = config = configs[0]
         self.metrics_hub = metrics_hub
         self.extra_routes = extra_routes
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         install_request_log_records()
         configure_tracing(config.otlp_endpoint, config.service_name, "ingress")
+        self.stacks = [await self._stack(c, controller) for c, controller in zip(configs, controllers)]
+        first = self.stacks[0]
+        # The first model's, for what serves one model (and this replica's operator views below).
+        self.controller, self.metrics, self.view = first.controller, first.metrics, first.view
+        self.service = first.service if len(self.stacks) == 1 else ServedModels([m.service for m in self.stacks])
+        self._tasks = [task for m in self.stacks for task in m.tasks] + [
+            asyncio.create_task(self._publish_metrics()), asyncio.create_task(self._share_traces())]
+
+    @staticmethod
+    async def _stack(config: IngressConfig, controller) -> ModelStack:
+        """One model's ingress: its tokenizer, metrics, worker view and index, router and OpenAI service."""
         tokenizer, model = await asyncio.to_thread(load_model_info, config)
-        self.metrics = Metrics()
+        metrics = Metrics()
         router = Router(PrefixIndex(), config.block_size, config.disagg, routing=config.routing)
-        self.view = WorkerView(controller, router, self.metrics, colocated=config.colocated)
-        await self.view.start()
+        view = WorkerView(controller, router, metrics, colocated=config.colocated)
+        await view.start()
         latencies = LatencyReporter(controller)
-        self._tasks = [asyncio.create_task(latencies.run()), asyncio.create_task(self._publish_metrics()),
-                       asyncio.create_task(self._share_traces())]
         writer = None if config.audit.sink is None else AuditWriter(
-            config.audit.sink, config.audit.max_queue, self.metrics.audit_records, self.metrics.audit_dropped)
-        requests = RequestRouter(self.view, self.metrics, latencies, migration_limit=config.migration_limit,
+            config.audit.sink, config.audit.max_queue, metrics.audit_records, metrics.audit_dropped)
+        requests = RequestRouter(view, metrics, latencies, migration_limit=config.migration_limit,
                                  decode_wait_s=config.decode_wait_s, layerwise=config.layerwise)
-        flow = FlowControl(config.flow, saturated=requests.saturated, metrics=self.metrics.flow,
-                           wait_for_loads=self.view.wait_for_loads)
-        self.service = OpenAIService(model, tokenizer, Authenticator(config.api_keys),
-                                     Admission(config.max_queued_requests,
-                                               self.metrics.rejected.labels("admission_full")),
-                                     requests, config.block_size, config.limits,
-                                     ChatParsing(tokenizer, config.reasoning, config.tool_call_parser),
-                                     TraceStore(config.recent_requests),
-                                     Audit(config.audit, model.name, model.revision, writer), flow,
-                                     adapters=lambda: self.view.adapters)
+        flow = FlowControl(config.flow, saturated=requests.saturated, metrics=metrics.flow,
+                           wait_for_loads=view.wait_for_loads)
+        service = OpenAIService(model, tokenizer, Authenticator(config.api_keys),
+                                Admission(config.max_queued_requests, metrics.rejected.labels("admission_full")),
+                                requests, config.block_size, config.limits,
+                                ChatParsing(tokenizer, config.reasoning, config.tool_call_parser),
+                                TraceStore(config.recent_requests),
+                                Audit(config.audit, model.name, model.revision, writer), flow,
+                                adapters=lambda: view.adapters)
+        return ModelStack(model.name, controller, metrics, view, service, [asyncio.create_task(latencies.run())])
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Serve's proxy makes the request id when the client sends none (so the replica always sees one in
         # X-Request-Id) and echoes it in the response itself.
-        app = build_api(self.service, self.view, self.scrape, self.config.limits, echo_request_id=False)
+        views = {m.name: m.view for m in self.stacks}
+        app = build_api(self.service, self.view if len(views) == 1 else views, self.scrape, self.config.limits,
+                        echo_request_id=False)
         if self.extra_routes is not None:
             app.include_router(self.extra_routes(find_trace=self.request_trace, flow_status=self.flow_status))
         return app
 
+    def own_series(self) -> bytes:
+        """This replica's own series, every sample labelled with its model (vLLM's model_name)."""
+        return labelled_series({m.name: m.metrics.own_series() for m in self.stacks}, "model_name")
+
     async def scrape(self) -> bytes:
-        """/metrics: every live replica's own series (through the hub) and the shared series."""
-        own = self.metrics.own_series()
+        """/metrics: every live replica's own series (through the hub) and the shared series, each labelled with
+        its model."""
+        own = self.own_series()
         try:
             replicas = await asyncio.wait_for(self.metrics_hub.publish.remote(self.replica_id, own), timeout=5.0)
         except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
             logger.warning("the metrics hub did not answer (%s): this scrape holds only this replica's series", exc)
             replicas = {self.replica_id: own}
-        try:  # scaling series come from the controller, which owns the pools
-            self.metrics.observe_scaling(await asyncio.wait_for(self.controller.scaling_report.remote(), 2.0))
-        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
-            logger.warning("scaling metrics are stale: the controller did not answer (%s)", exc)
-        return self.metrics.exposition(replicas)
+        for m in self.stacks:
+            try:  # scaling series come from the controller, which owns the pools
+                m.metrics.observe_scaling(await asyncio.wait_for(m.controller.scaling_report.remote(), 2.0))
+            except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+                logger.warning("scaling metrics of %s are stale: the controller did not answer (%s)", m.name, exc)
+        return labelled_series(replicas, "replica") + labelled_series(
+            {m.name: generate_latest(m.metrics.shared) for m in self.stacks}, "model_name")
 
     async def _publish_metrics(self) -> None:
         while True:
             try:
-                await self.metrics_hub.publish.remote(self.replica_id, self.metrics.own_series())
+                await self.metrics_hub.publish.remote(self.replica_id, self.own_series())
             except ray.exceptions.RayError as exc:
                 logger.warning("cannot publish metrics to the hub: %s", exc)
             await asyncio.sleep(METRICS_PUBLISH_S)
@@ -199,15 +231,18 @@ class Ingress:
                             for w in self.view.workers}}
 
     def flow_status(self) -> dict:
-        """This replica's ingress queue, by tenant."""
-        return {"replica": self.replica_id, **self.service.flow.snapshot()}
+        """This replica's ingress queue, by tenant (and by model, with several)."""
+        if len(self.stacks) == 1:
+            return {"replica": self.replica_id, **self.stacks[0].service.flow.snapshot()}
+        return {"replica": self.replica_id, "models": {m.name: m.service.flow.snapshot() for m in self.stacks}}
 
     async def request_trace(self, request_id: str) -> dict | None:
         """The stage timelines of a recent request, served by this replica or (shared through the hub
         within TRACE_SHARE_S) another; None when none has it."""
-        timelines = self.service.traces.get(request_id)
-        if timelines is not None:
-            return timeline_body(request_id, timelines)
+        for m in self.stacks:
+            timelines = m.service.traces.get(request_id)
+            if timelines is not None:
+                return timeline_body(request_id, timelines)
         try:
             return await asyncio.wait_for(self.metrics_hub.find_trace.remote(request_id), timeout=5.0)
         except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
@@ -217,7 +252,7 @@ class Ingress:
     async def _share_traces(self) -> None:
         while True:
             await asyncio.sleep(TRACE_SHARE_S)
-            if finished := self.service.traces.take_unshared():
+            if finished := [t for m in self.stacks for t in m.service.traces.take_unshared()]:
                 try:
                     await self.metrics_hub.add_traces.remote([timeline_body(rid, t) for rid, t in finished])
                 except ray.exceptions.RayError as exc:
@@ -226,16 +261,18 @@ class Ingress:
     async def __del__(self):
         for task in self._tasks:
             task.cancel()
-        self.service.tokenizers.close()
-        await asyncio.to_thread(self.service.audit.close)  # what is queued is written first
+        for m in self.stacks:
+            m.service.tokenizers.close()
+            await asyncio.to_thread(m.service.audit.close)  # what is queued is written first
         try:
             await self.metrics_hub.forget.remote(self.replica_id)
         except ray.exceptions.RayError:
             pass  # the hub drops a silent replica's series after its ttl anyway
-        await self.view.close()
+        for m in self.stacks:
+            await m.view.close()
 
 
-def build_api(service: OpenAIService, view: WorkerView, scrape: Callable[[], Awaitable[bytes]],
+def build_api(service: OpenAIService | ServedModels, view: WorkerView | Mapping[str, WorkerView], scrape: Callable[[], Awaitable[bytes]],
               limits: RequestLimits, echo_request_id: bool = True) -> FastAPI:
     """The HTTP surface: the OpenAI API, /health and /metrics (`scrape` makes its body), and the API's own
     description. Every error, including unknown routes, has OpenAI's error shape; bodies beyond `limits` are
@@ -294,14 +331,25 @@ def _add_model_routes(app: FastAPI, service: OpenAIService) -> None:
         return JSONResponse({"version": tandem_version()})
 
 
-def _add_operator_routes(app: FastAPI, view: WorkerView, scrape: Callable[[], Awaitable[bytes]]) -> None:
-    """/health for load balancers and /metrics for Prometheus (`scrape` makes its body)."""
+def _add_operator_routes(app: FastAPI, view: WorkerView | Mapping[str, WorkerView],
+                         scrape: Callable[[], Awaitable[bytes]]) -> None:
+    """/health for load balancers and /metrics for Prometheus (`scrape` makes its body). `view`: the model's
+    worker view, or each model's by name."""
     @app.get("/health")
     async def health() -> Response:
-        """200 while at least one decode worker takes requests (what a load balancer needs to know)."""
-        ready = view.num_schedulable("decode")
-        body = {"status": "ok" if ready else "unavailable", "decode_workers": ready,
-                "prefill_workers": view.num_schedulable("prefill")}
+        """200 while at least one decode worker takes requests, of every model (what a load balancer needs to
+        know); with several models, each one's counts too."""
+        if not isinstance(view, Mapping):
+            ready = view.num_schedulable("decode")
+            body = {"status": "ok" if ready else "unavailable", "decode_workers": ready,
+                    "prefill_workers": view.num_schedulable("prefill")}
+            return JSONResponse(body, status_code=200 if ready else 503)
+        models = {name: {"decode_workers": v.num_schedulable("decode"), "prefill_workers": v.num_schedulable("prefill")}
+                  for name, v in view.items()}
+        ready = all(m["decode_workers"] for m in models.values())
+        body = {"status": "ok" if ready else "unavailable", "models": models,
+                "decode_workers": sum(m["decode_workers"] for m in models.values()),
+                "prefill_workers": sum(m["prefill_workers"] for m in models.values())}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
@@ -329,11 +377,13 @@ async def _generation(request: Request, endpoint, limits: RequestLimits, echo_re
     return response
 
 
-def _utility_route(service: OpenAIService, run, limits: RequestLimits):
+def _utility_route(service: OpenAIService | ServedModels, run, limits: RequestLimits):
     async def endpoint(request: Request) -> Response:
         try:
             body = await read_body(request, limits.max_body_bytes)
-            return JSONResponse((await run(service, body, request.headers.get("authorization"))).model_dump())
+            authorization = request.headers.get("authorization")
+            service.auth.tenant(authorization)
+            return JSONResponse((await run(service.pick_body(body), body, authorization)).model_dump())
         except Exception as exc:
             return error_response(to_api_error(exc))
     return endpoint

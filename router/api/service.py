@@ -100,6 +100,10 @@ class OpenAIService:
         self.audit = audit or Audit(AuditConfig(), model.name, model.revision, None)
         self.flow = flow or FlowControl()  # priorities, tenants' shares and quotas (router/api/flow_control.py)
 
+    def pick_body(self, body: bytes) -> OpenAIService:
+        """The service a body is for: this one (router/api/served_models.py picks among several)."""
+        return self
+
     def models(self, authorization: str | None) -> ModelList:
         self.auth.tenant(authorization)
         return ModelList(data=[self.model.card(name) for name in self.model.names]
