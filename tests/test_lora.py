@@ -203,3 +203,23 @@ def test_the_fused_and_hf_paths_compute_the_same_delta(lora_models):
     for i, slot in enumerate(rows):
         manager.set_rows([slot])
         torch.testing.assert_close(wrapper(x[i:i + 1]), mixed[i:i + 1], rtol=1e-5, atol=1e-6, msg=f"row {i}")
+
+
+def test_decode_refuses_kv_computed_under_another_adapter():
+    """The KV layout check on transfer covers the adapter: a handle names the adapter its KV was computed
+    with, and a decode worker whose request runs another refuses it (a layout mismatch; it computes instead)."""
+    from types import SimpleNamespace
+
+    from decode_workers.worker import DecodeWorker
+    from kv_transfer.handle import KVHandle, KVTransferError
+    from kv_transfer.failures import failure_reason
+
+    pulled = []
+    worker = SimpleNamespace(kv_client=SimpleNamespace(pull=lambda *a: pulled.append(a) or "stats"))
+    handle = KVHandle("grpc", "127.0.0.1:1", "r", 32, (), None, lora_key="sql@abc")
+    assert DecodeWorker._pull_checked(worker, handle, [1, 2], [0, 1], "sql@abc") == "stats"
+    for other in ("chat@def", None):
+        with pytest.raises(KVTransferError, match="LoRA adapter mismatch") as e:
+            DecodeWorker._pull_checked(worker, handle, [1, 2], [0, 1], other)
+        assert failure_reason(e.value) == "layout_mismatch"
+    assert len(pulled) == 1

@@ -36,7 +36,8 @@ def adapters(tiny_llama_dir, tmp_path_factory):
 def served(ray_cluster, tiny_llama_dir, adapters):
     config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", name="lora", namespace="tandem-tests",
                            admin_key=ADMIN, lora={"modules": {"alpha": adapters["alpha"][0]}, "max_loras": 2},
-                           engine={"num_kv_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5})
+                           engine={"num_kv_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
+                           router={"max_local_prefill_length": 16})  # prompts go to the prefill worker
     with serve_tandem(config) as url:
         yield url
 
@@ -65,7 +66,8 @@ def prompt(seed: int, n: int = 40) -> list[int]:
 
 def hf_text(model_dir: str, ids: list[int], max_tokens: int = 10) -> str:
     from engine.model_loader import load_tokenizer
-    return load_tokenizer(model_dir).decode(hf_greedy(model_dir, ids, max_tokens), skip_special_tokens=True)
+    # a stream holds back an incomplete UTF-8 character at its end; a whole decode shows it as U+FFFD
+    return load_tokenizer(model_dir).decode(hf_greedy(model_dir, ids, max_tokens), skip_special_tokens=True).rstrip("\ufffd")
 
 
 def test_models_lists_the_adapters_with_their_base(served, adapters):
@@ -83,9 +85,9 @@ def test_an_adapter_named_as_model_generates_what_the_merged_model_does(served, 
     lora = {s.labels["outcome"] for s in families["tandem:routing_lora"] if s.value > 0}
     assert "hit" in lora  # the second request for alpha went where a slot held it
     assert sum(s.value for s in families["tandem:lora_loads"] if s.name.endswith("_total")) >= 1
-    failures = [s for s in families["tandem:kv_transfer_failures"] if s.value > 0] \
-        if "tandem:kv_transfer_failures" in families else []
-    assert failures == []
+    # the prompts' KV moved from the prefill worker to the decode worker (computed there under the adapter)
+    assert sum(s.value for s in families["tandem:prefills"] if s.labels["where"] == "remote") >= 4
+    assert [s for s in families["tandem:kv_transfer_failures"] if s.value > 0] == []
 
 
 def test_an_unknown_model_is_a_404_naming_what_is_served(served):

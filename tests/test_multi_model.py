@@ -53,6 +53,7 @@ def test_requests_route_by_model_to_their_own_pools(served, tiny_llama_dir, tiny
                                              extra_body={"ignore_eos": True})
         assert out.model == ("llama" if model == "l" else model)
         expected = load_tokenizer(model_dir).decode(hf_greedy(model_dir, ids, 8), skip_special_tokens=True)
+        expected = expected.rstrip("\ufffd")  # a stream holds back an incomplete UTF-8 character at its end
         assert out.choices[0].text == expected, model
     chat = client(url).chat.completions.create(model="qwen", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=4)
