@@ -26,11 +26,13 @@ class OneDNNLinear(torch.nn.Module):
     slower than this (bench/HISTORY.md, "Offline engine"); in bf16 on AMX cores the packed weights made a
     256-token SmolLM2 prefill 1.4-1.8x and a lone decode step 1.5x faster than torch's own bf16 linear."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, keep_weight: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # `keep_weight`: the weight unpacked too, for a LoRA wrapper to pack its adapters' A beside (engine/lora.py)
+        self.weight = linear.weight.detach() if keep_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -67,9 +69,11 @@ class BlockLinear(torch.nn.Module):
 BLOCK_ROWS = 32
 
 
-def _linear(linear: torch.nn.Linear, blocks: bool) -> torch.nn.Module:
+def _linear(linear: torch.nn.Linear, blocks: bool, keep_weight: bool = False) -> torch.nn.Module:
     """A BlockLinear where `blocks` is asked for, the kernel runs here and the weight is blocks; else a
-    OneDNNLinear."""
+    OneDNNLinear (keeping its weight unpacked too with `keep_weight`)."""
+    if keep_weight:
+        return OneDNNLinear(linear, keep_weight=True)
     if blocks and cpu_kernels.blocks_available():
         packed = weight_blocks.pack(linear.weight)
         if packed is not None:
@@ -77,16 +81,18 @@ def _linear(linear: torch.nn.Linear, blocks: bool) -> torch.nn.Module:
     return OneDNNLinear(linear)
 
 
-def use_onednn_linears(model: torch.nn.Module, blocks: bool = False) -> None:
+def use_onednn_linears(model: torch.nn.Module, blocks: bool = False, keep_weights: bool = False) -> None:
     """Swap every nn.Linear of a CPU fp32 or bf16 model for a OneDNNLinear holding the same weights (with
-    `blocks`, a BlockLinear where the weight is 4- or 8-bit blocks)."""
+    `blocks`, a BlockLinear where the weight is 4- or 8-bit blocks; with `keep_weights`, decoder layers' linears
+    keep their weights unpacked too, for LoRA)."""
     linears = [(name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear]
     for name, linear in linears:
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, _linear(linear, blocks))
+        keep = keep_weights and ".layers." in f".{name}"
+        setattr(model.get_submodule(parent_name), attr, _linear(linear, blocks, keep))
 
 
-def _packed(*linears: torch.nn.Linear, blocks: bool = False) -> torch.nn.Module:
+def _packed(*linears: torch.nn.Linear, blocks: bool = False, keep_weight: bool = False) -> torch.nn.Module:
     """One OneDNNLinear computing the given linears side by side (their outputs concatenated)."""
     weight = torch.cat([lin.weight.detach() for lin in linears])
     biases = [lin.bias for lin in linears]
@@ -96,7 +102,7 @@ def _packed(*linears: torch.nn.Linear, blocks: bool = False) -> torch.nn.Module:
         fused.weight.copy_(weight)
         if biases[0] is not None:
             fused.bias.copy_(torch.cat([b.detach() for b in biases]))
-    return _linear(fused, blocks)
+    return _linear(fused, blocks, keep_weight)
 
 
 def _fusable(layer: torch.nn.Module) -> bool:
@@ -118,7 +124,7 @@ def _fusable(layer: torch.nn.Module) -> bool:
 class FusedDecoderLayer(torch.nn.Module):
     """A Llama-family decoder layer on the fused CPU kernels (see the module docstring)."""
 
-    def __init__(self, layer: torch.nn.Module, blocks: bool = False):
+    def __init__(self, layer: torch.nn.Module, blocks: bool = False, keep_weights: bool = False):
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.layer_idx = attn.layer_idx  # what paged_attention reads from its module
@@ -128,10 +134,11 @@ class FusedDecoderLayer(torch.nn.Module):
         self.scaling = attn.scaling
         # HF's layer holds its window (Qwen2: None on full-attention layers) or reads the config's (Mistral)
         self.sliding_window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
-        self.qkv_proj = _packed(attn.q_proj, attn.k_proj, attn.v_proj, blocks=blocks)
-        self.o_proj = _linear(attn.o_proj, blocks)
-        self.gate_up_proj = _packed(mlp.gate_proj, mlp.up_proj, blocks=blocks)
-        self.down_proj = _linear(mlp.down_proj, blocks)
+        keep = keep_weights
+        self.qkv_proj = _packed(attn.q_proj, attn.k_proj, attn.v_proj, blocks=blocks, keep_weight=keep)
+        self.o_proj = _linear(attn.o_proj, blocks, keep)
+        self.gate_up_proj = _packed(mlp.gate_proj, mlp.up_proj, blocks=blocks, keep_weight=keep)
+        self.down_proj = _linear(mlp.down_proj, blocks, keep)
         self.intermediate_size = mlp.gate_proj.out_features
         self.input_norm_weight = layer.input_layernorm.weight.detach()
         self.input_norm_eps = layer.input_layernorm.variance_epsilon
@@ -162,16 +169,17 @@ class FusedDecoderLayer(torch.nn.Module):
         return residual.view(hidden_states.shape)
 
 
-def fuse_decoder_layers(model: torch.nn.Module, blocks: bool = False) -> int:
+def fuse_decoder_layers(model: torch.nn.Module, blocks: bool = False, keep_weights: bool = False) -> int:
     """Swap each fusable decoder layer of a CPU fp32/bf16 model for a FusedDecoderLayer; returns how many
     were. Without the C kernels (no compiler, or TANDEM_CPU_KERNELS=0) none is: the layers stay HF's.
-    Runs before anything hooks the layers (engine/layer_progress.py hooks whatever `layers` holds)."""
+    Runs before anything hooks the layers (engine/layer_progress.py hooks whatever `layers` holds).
+    `keep_weights`: the projections keep their weights unpacked too (for LoRA, engine/lora.py)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not cpu_kernels.fused_available():
         return 0
     fused = 0
     for i, layer in enumerate(layers):
         if _fusable(layer):
-            layers[i] = FusedDecoderLayer(layer, blocks)
+            layers[i] = FusedDecoderLayer(layer, blocks, keep_weights)
             fused += 1
     return fused

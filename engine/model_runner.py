@@ -66,8 +66,9 @@ class ModelRunner:
         self.fused_layers = 0  # decoder layers running on engine/cpu_layers.py's fused path
         if self.device.type == "cpu" and config.torch_dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
             blocks = config.weight_blocks and config.torch_dtype == torch.float32
-            self.fused_layers = fuse_decoder_layers(self.model, blocks)
-            use_onednn_linears(self.model, blocks)
+            # LoRA packs its adapters' A beside each projection's weight (engine/lora.py): those keep theirs
+            self.fused_layers = fuse_decoder_layers(self.model, blocks, keep_weights=config.enable_lora)
+            use_onednn_linears(self.model, blocks, keep_weights=config.enable_lora)
         self.lora = None  # the adapters' slots and wrappers (engine/lora.py), with enable_lora
         if config.enable_lora:
             from engine.lora import LoRAManager
