@@ -6,7 +6,7 @@ Per architecture, a small random-weight model built from its HF config class (en
 `build_random_model`, hidden 256, 4 layers; the windowed ones with a 64-token window, so prompts run past it),
 fp32 on both sides: the engine's `generate` on --batch prompts of --prompt-len random tokens (greedy, --output-len
 tokens each, ignore_eos) against HF `generate` on the same batch (one padded-free batch: the prompts have one
-length; sdpa attention, its KV cache). Both sides run twice, the first run a warm-up; tokens/s counts generated
+length; sdpa attention, eager where HF has no other (Gemma 2); its KV cache). Both sides run twice, the first run a warm-up; tokens/s counts generated
 tokens over the whole call. The engine's outputs are checked against HF's (equal, or the first mismatch is
 printed: random models have near-ties).
 """
@@ -57,7 +57,11 @@ def engine_rate(model_dir: str, prompts: list[list[int]], output_len: int) -> tu
 
 @torch.inference_mode()
 def hf_rate(model_dir: str, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    except ValueError:  # Gemma 2 (soft-capping): HF has eager attention only
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
     ids = torch.tensor(prompts)
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=output_len, min_new_tokens=output_len,
                   do_sample=False, pad_token_id=0)
