@@ -151,7 +151,7 @@ def prepare_model(config: ClusterConfig, say: Callable[[str], None]) -> None:
     """Convert the default model once (before any worker starts, so they do not all convert it), or check
     that a model directory exists and that its attention is one the engine runs exactly; also that CUDA is
     there when asked for. Every model's, with several."""
-    if config.models:
+    if getattr(config, "models", None):
         for sub in config.model_configs():
             prepare_model(sub, say)
         return

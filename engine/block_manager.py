@@ -42,6 +42,7 @@ class BlockManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.tiers: KVTiers | None = None
+        self.window_released = 0  # blocks given back out of every layer's sliding window (release_outside_window)
 
     @property
     def num_blocks(self) -> int:
@@ -220,10 +221,11 @@ class BlockManager:
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the blocks of `parent` (one more reference each) and its cache bookkeeping."""
-        self.add_references(parent.block_table)
+        self.add_references(parent.block_table[parent.num_released_blocks:])
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
+        child.num_released_blocks = parent.num_released_blocks
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies copy-on-write decided since the last call."""
@@ -253,7 +255,7 @@ class BlockManager:
         bs = self.block_size
         num_full = min(req.num_computed_tokens // bs, len(req.block_hashes), len(req.block_table))
         run: KVEvent | None = None
-        for i in range(req.num_cached_blocks, num_full):
+        for i in range(max(req.num_cached_blocks, req.num_released_blocks), num_full):
             block = self.blocks[req.block_table[i]]
             h = req.block_hashes[i]
             if block.block_hash is not None or h in self.cached:
@@ -285,9 +287,26 @@ class BlockManager:
             del req.block_table[keep:]
 
     def free(self, req: Request) -> None:
-        self.free_block_ids(reversed(req.block_table))
+        self.free_block_ids(reversed(req.block_table[req.num_released_blocks:]))
         req.block_table = []
-        req.num_cached_blocks = 0
+        req.num_cached_blocks = req.num_released_blocks = 0
+
+    def release_outside_window(self, req: Request, window: int) -> int:
+        """Give back the leading blocks of `req` that no later query attends: every layer attends only the last
+        `window` positions, and the next query is at `num_computed_tokens`, so tokens before
+        num_computed_tokens - window + 1 are out of reach (vLLM's sliding-window manager does the same). Cached
+        blocks stay in the prefix cache (another request's prompt may still hit them). Their table entries stay
+        (masked, never read into a result); returns how many blocks were given back now."""
+        reach = (req.num_computed_tokens - window + 1) // self.block_size
+        if self.enable_prefix_caching:
+            reach = min(reach, req.num_cached_blocks)  # offered to the cache first: it reads them once
+        reach = min(reach, len(req.block_table))
+        if reach <= req.num_released_blocks:
+            return 0
+        self.free_block_ids(req.block_table[req.num_released_blocks:reach])
+        released, req.num_released_blocks = reach - req.num_released_blocks, reach
+        self.window_released += released
+        return released
 
     def free_block_ids(self, block_ids) -> None:
         """Drop one reference from each block; tail blocks first so they are evicted first. Cached blocks

@@ -311,10 +311,13 @@ class Engine:
     def _sample(self, batch: StepBatch) -> list[RequestOutput]:
         """Advance each request past the tokens the forward computed (a drafted request advances by what
         its verification keeps), then sample the rows."""
+        window = self.runner.release_window
         for req, n in batch.scheduled:
             if not req.spec_token_ids:
                 req.num_computed_tokens += n
                 self.block_manager.cache_full_blocks(req)
+            if window is not None and not req.do_remote_decode:  # a prompt leased to decode keeps every block
+                self.block_manager.release_outside_window(req, window)
         if self.speculator is not None:
             return self.speculator.sample(batch.sampled, batch.logits)
         return self.forking.sample(batch.sampled, force_reasoning_end(batch.logits, batch.sampled))

@@ -16,7 +16,7 @@ from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeGroup
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVLayout
 from engine.model_loader import load_model
-from engine.model_support import check_model_dir
+from engine.model_support import check_model_dir, every_layer_window
 from engine.parallel.group import TPGroup
 from engine.request import Request
 
@@ -90,6 +90,8 @@ class ModelRunner:
                                head_dim=head_dim)
         self.kv_cache = self._kv_cache(config, shard)
         self.vocab_size = hf.vocab_size
+        # every layer's sliding window, when all have one: blocks out of it are given back as requests advance
+        self.release_window = every_layer_window(hf)
         self.max_position_embeddings = getattr(hf, "max_position_embeddings", 2048)
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         # On CPU fp32 and bf16 decodes are attended in place by the C kernel; elsewhere by gather + SDPA.

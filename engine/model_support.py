@@ -25,6 +25,19 @@ def unsupported_features(hf_config) -> list[str]:
     return features
 
 
+def every_layer_window(hf_config) -> int | None:
+    """The sliding window when every layer has one (Mistral; Qwen2 with all layers windowed): tokens that fall
+    out of it are never attended again, so their blocks can be given back. None when some layer attends
+    everything (Llama; Gemma's and Qwen2's global layers)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None:
+        return window if all(t == "sliding_attention" for t in types) else None
+    return None if getattr(hf_config, "use_sliding_window", True) is False else window
+
+
 def check_supported(hf_config, name: str) -> None:
     """Raise UnsupportedModelError naming every feature of `hf_config` the engine cannot run exactly."""
     features = unsupported_features(hf_config)

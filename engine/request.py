@@ -37,6 +37,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
+    # leading blocks given back because no layer's sliding window reaches them any more (BlockManager
+    # .release_outside_window); their block_table entries stay, read by no query
+    num_released_blocks: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

@@ -110,3 +110,49 @@ def test_more_architectures_match_hf(tmp_path, name):
     engine = Engine(EngineConfig(model=model_dir, num_kv_blocks=128, max_num_batched_tokens=48))  # chunks the longest
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert_matches_hf(engine, model_dir, mixed_prompts(engine.runner.vocab_size, seed=8), params)
+
+
+@pytest.mark.parametrize("arch, overrides, expected", [
+    ("mistral", {"sliding_window": 16}, 16),
+    ("mistral", {"sliding_window": None}, None),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, 16),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, None),  # a global layer
+    ("qwen2", {}, None),
+    ("gemma2", {"sliding_window": 16}, None),  # alternating local and global layers
+    ("gemma3_text", {"sliding_window": 16, "num_hidden_layers": 6}, None),
+    ("llama", {}, None),
+])
+def test_blocks_are_given_back_only_when_every_layer_has_a_window(arch, overrides, expected):
+    from engine.model_support import every_layer_window
+    config = AutoConfig.for_model(arch, **{**SMALL, **overrides})
+    assert every_layer_window(config) == expected
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "sdpa"])
+def test_blocks_out_of_every_layers_window_are_given_back_and_outputs_stay_exact(windowed_dirs, kernels):
+    """A Mistral-style model (window 16) decoding past its window holds ~3 blocks per sequence instead of all of
+    them: a pool that preempts without it runs the batch without preempting, and every output equals HF's.
+    Forked candidates (n=2) share the kept blocks; at the end every block is free."""
+    model_dir = windowed_dirs["mistral"]
+
+    def run(release: bool):
+        engine = Engine(EngineConfig(model=model_dir, num_kv_blocks=28, max_num_batched_tokens=32))
+        if not kernels:
+            engine.runner.paged_kernel = engine.runner.prefill_kernel = False
+        if not release:
+            engine.runner.release_window = None
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        prompts = mixed_prompts(engine.runner.vocab_size, seed=9)[1:7]  # 5..70 tokens, each past the window
+        assert_matches_hf(engine, model_dir, prompts, params)
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        return engine
+
+    kept, released = run(False), run(True)
+    assert kept.block_manager.window_released == 0 and released.block_manager.window_released >= 12
+    assert kept.scheduler.num_preemptions > 0 and released.scheduler.num_preemptions < kept.scheduler.num_preemptions
+    # n = 2 candidates fork from a prompt whose first blocks are given back already
+    forks = Engine(EngineConfig(model=model_dir, num_kv_blocks=28))
+    out = forks.generate([list(range(100, 160))], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=30))
+    assert len(out) == 1 and forks.block_manager.window_released > 0
+    assert forks.block_manager.num_free_blocks == forks.block_manager.num_blocks
