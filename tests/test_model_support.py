@@ -72,11 +72,12 @@ def windowed_dirs(tmp_path_factory):
 @pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "sdpa"])
 def test_sliding_window_models_match_hf(windowed_dirs, arch, kernels):
     model_dir = windowed_dirs[arch]
-    engine = Engine(EngineConfig(model=model_dir, num_kv_blocks=128))
+    engine = Engine(EngineConfig(model=model_dir, num_kv_blocks=20))  # the batch needs 33 blocks: it preempts
     if not kernels:
         engine.runner.paged_kernel = engine.runner.prefill_kernel = False
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # decodes run past the window too
     assert_matches_hf(engine, model_dir, mixed_prompts(engine.runner.vocab_size), params)
+    assert engine.scheduler.num_preemptions > 0 or engine.block_manager.window_released > 0
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "sdpa"])
@@ -107,9 +108,15 @@ ARCHITECTURES = {  # HF model type and config: each differs from Llama where the
 def test_more_architectures_match_hf(tmp_path, name):
     arch, overrides = ARCHITECTURES[name]
     model_dir = str(build_random_model(tmp_path / name, arch, seed=7, **overrides))
-    engine = Engine(EngineConfig(model=model_dir, num_kv_blocks=128, max_num_batched_tokens=48))  # chunks the longest
+    # 48-token steps chunk the longer prompts; 20 blocks cannot hold the batch's 8 sequences at once: it preempts
+    engine = Engine(EngineConfig(model=model_dir, num_kv_blocks=20, max_num_batched_tokens=48))
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    assert_matches_hf(engine, model_dir, mixed_prompts(engine.runner.vocab_size, seed=8), params)
+    prompts = mixed_prompts(engine.runner.vocab_size, seed=8)
+    assert_matches_hf(engine, model_dir, prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    hits = engine.block_manager.prefix_cache_hits
+    assert_matches_hf(engine, model_dir, [prompts[-1] + [7, 8, 9]], params)  # the 100-token prompt's blocks hit
+    assert engine.block_manager.prefix_cache_hits - hits >= 96
 
 
 @pytest.mark.parametrize("arch, overrides, expected", [
