@@ -80,7 +80,7 @@ def test_engine_gives_hf_layers_tokens_on_the_fused_layers(arch, dtype, tiny_lla
     fused = Engine(EngineConfig(model=model_dir, num_kv_blocks=128, dtype=dtype))
     layers = fused.runner.model.model.layers
     assert fused.runner.fused_layers == len(layers) and all(isinstance(m, FusedDecoderLayer) for m in layers)
-    monkeypatch.setattr(model_runner, "fuse_decoder_layers", lambda model, blocks=False: 0)
+    monkeypatch.setattr(model_runner, "fuse_decoder_layers", lambda model, blocks=False, keep_weights=False: 0)
     plain = Engine(EngineConfig(model=model_dir, num_kv_blocks=128, dtype=dtype))
     assert plain.runner.fused_layers == 0
     assert ([o.token_ids for o in fused.generate(prompts, params)]
