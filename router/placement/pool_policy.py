@@ -70,9 +70,15 @@ class PoolPolicy:
         w_prefill, w_decode, w_running = self.weights.prefill, self.weights.decode * block_size, self.weights.running
         # Hashes cover the prompt's full blocks only, so cached never exceeds prompt_tokens.
         costs = [w_prefill * (prompt_tokens - overlaps[load.worker_id] * block_size + load.queued_prefill_tokens
-                              + load.lora_miss_s(lora_key) * load.step_costs.prefill_speed(prompt_tokens))
+                              + self._lora_tokens(load, lora_key, prompt_tokens))
                  + w_decode * load.num_active_blocks + w_running * load.num_running for load in candidates]
         best = min(costs)
         tied = [i for i, cost in enumerate(costs) if cost == best]
         chosen = candidates[tied[0] if len(tied) == 1 else self.rng.choice(tied)]
         return Placement(chosen.worker_id, overlaps[chosen.worker_id] * block_size, best)
+
+    @staticmethod
+    def _lora_tokens(load: WorkerLoad, lora_key: str | None, prompt_tokens: int) -> float:
+        """Loading the request's LoRA adapter where no slot holds it, as prompt tokens of that worker's time."""
+        miss_s = load.lora_miss_s(lora_key)
+        return miss_s * load.step_costs.prefill_speed(prompt_tokens) if miss_s else 0.0

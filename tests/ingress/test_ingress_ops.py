@@ -28,8 +28,10 @@ def test_metrics_count_requests_tokens_routing_and_pool_sizes(main_app):
     assert grown("vllm:inter_token_latency_seconds_count") == 4
     assert grown("vllm:request_success_total") == 1
     assert grown("tandem:routing_decisions_total") >= 1
-    assert after[("tandem:pool_replicas", (("pool", "decode"),))] == 2
-    assert after[("tandem:pool_replicas", (("pool", "prefill"),))] == 1
+    # every series names its model (vLLM's model_name)
+    assert after[("tandem:pool_replicas", (("model_name", MODEL), ("pool", "decode")))] == 2
+    assert after[("tandem:pool_replicas", (("model_name", MODEL), ("pool", "prefill")))] == 1
+    assert all(dict(labels).get("model_name") == MODEL for _, labels in after)
     usage = {k: v for k, v in after.items() if k[0] == "vllm:kv_cache_usage_perc"}
     assert len(usage) == 3 and all(0.0 <= v <= 1.0 for v in usage.values())
 
