@@ -282,10 +282,6 @@ class LoRAManager:
         return sum(w.lora_a.numel() * w.lora_a.element_size() + w.lora_b.numel() * w.lora_b.element_size()
                    for w in self.wrappers)
 
-    def loaded(self) -> list[str]:
-        """Names of the adapters in device slots."""
-        return sorted(key.rpartition("@")[0] for key in self.slots if key is not None)
-
     def prepare(self, request: LoRARequest) -> LoRAWeights:
         """The adapter in host memory, read and checked against this model (LoRAError otherwise)."""
         with self._host_lock:

@@ -149,7 +149,7 @@ class WorkerView:
                 self.metrics.routing_hits.labels(pool, placement.worker_id).inc(
                     placement.cached_tokens // self.block_size)
                 if lora_key is not None:
-                    held = lora_key in self.workers[placement.worker_id].load().lora_keys
+                    held = any(lora_key in load.lora_keys for load in loads[pool] if load.worker_id == placement.worker_id)
                     self.metrics.routing_lora.labels(pool, placement.worker_id, "hit" if held else "load").inc()
         return decision
 
