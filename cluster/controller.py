@@ -253,11 +253,11 @@ class ClusterController:
     HANDOFF_PREFIXES = 64  # per drained worker, its most used
 
     def _hand_off(self, pool: WorkerPool, infos: list[WorkerInfo]) -> None:
-        """Before drained decode workers leave: the decode workers that stay pull their most used prefixes
-        (DecodeWorker.pull_prefix), spread over them in turn, within transfer.handoff_budget_s; what did not
+        """Before drained workers leave: the workers of their pool that stay pull their most used prefixes
+        (EngineServer.pull_prefix), spread over them in turn, within transfer.handoff_budget_s; what did not
         make it in time stays behind. Recorded as a `handoff` event with the blocks moved (none when it held none)."""
         budget = self.config.transfer.handoff_budget_s
-        if pool.pool != "decode" or not self.config.transfer.peer_prefix_pulls or not budget:
+        if not self.config.transfer.peer_prefix_pulls or not budget:
             return
         leaving = {info.worker_id for info in infos}
         stayers = [info for info in pool.workers.values()

@@ -5,13 +5,12 @@ import asyncio
 import logging
 from contextlib import aclosing
 
-import ray
-
 from engine.config import EngineConfig
-from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult, WorkerStats
+from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult
 from engine.request import Request
 from worker_runtime.request_log import set_request_id
-from kv_transfer.worker_server import start_kv_server
+from kv_transfer.prefix_pulls import PrefixPuller
+from kv_transfer.worker_server import make_kv_client, start_kv_server
 from worker_runtime.serving import EngineServer, WorkerDraining
 from worker_runtime.tracing import emit_spans
 from engine.step_costs import TransferSpeed
@@ -21,15 +20,6 @@ from kv_transfer.failures import TransferFailures, failure_reason
 from kv_transfer.handle import KVHandle, KVTransferError
 
 logger = logging.getLogger(__name__)
-
-
-def make_kv_client(transfer: TransferConfig, cache):
-    if transfer.backend == "torch_dist":
-        from kv_transfer.dist_client import DistKVClient
-        return DistKVClient(cache, transfer.token, timeout_s=transfer.timeout_s, tls=transfer.tls)
-    from kv_transfer.grpc_client import GrpcKVClient
-    return GrpcKVClient(cache, transfer.token, timeout_s=transfer.timeout_s, tls=transfer.tls,
-                        shared_memory=transfer.shared_memory)
 
 
 class DecodeWorker(EngineServer):
@@ -49,16 +39,12 @@ class DecodeWorker(EngineServer):
                          "bytes_pulled": 0, "transfer_seconds": 0.0, "layerwise_pulls": 0, "shm_pulls": 0}
         self.failures = TransferFailures(worker_id)
         self.pull_speed = TransferSpeed()
-        self._releases: set[asyncio.Task] = set()
         self.feeds = FeedServer(worker_id, self.generate)
         # Prefix blocks pulled from peers (issue 41): served to them from here, pulled from them on the router's
         # word; a failed peer pull falls back to computing, counted per reason like a failed import.
         self.pulls_prefixes = transfer.peer_prefix_pulls
         self.kv_server = start_kv_server(self.engine.kv_cache, transfer) if transfer.peer_prefix_pulls else None
-        self.peer_counters = {"peer_pulls": 0, "peer_blocks_pulled": 0, "peer_bytes_pulled": 0,
-                              "peer_pull_seconds": 0.0, "peer_blocks_had": 0}
-        self.peer_failures = TransferFailures(worker_id)
-        self._handoff_lock = asyncio.Lock()
+        self.prefixes = PrefixPuller(worker_id, self.engine, self.loop, self.kv_client, self.pull_speed)
 
     async def generate(self, request: GenerateRequest, prefill: PrefillResult | None = None,
                        pending: list | None = None):
@@ -98,7 +84,7 @@ class DecodeWorker(EngineServer):
             else:
                 self.counters["local_prefills"] += 1
             if request.prefix_source is not None and add == self.engine.add:
-                await self._pull_prefix(engine_req, request)
+                await self.prefixes.pull_for(engine_req, request)
             request.stamp("decode_admitted")
             local = add != self.engine.add_imported  # no KV pulled: the prompt is computed here
             if local:
@@ -151,7 +137,7 @@ class DecodeWorker(EngineServer):
         if not prefill.first.finished or req.pending_forks:
             return prefill, None
         if prefill.kv_handle is not None:
-            await self._release_lease(prefill.kv_handle)
+            await self.prefixes.release(prefill.kv_handle)
         return None, None
 
     async def _reserve(self, req: Request) -> list[int] | None:
@@ -171,7 +157,7 @@ class DecodeWorker(EngineServer):
             indices = await self._reserve(req)
         if indices is None:
             self.failures.record("no_free_blocks", handle.address, f"no free KV blocks for {req.request_id}")
-            await self._release_lease(handle)
+            await self.prefixes.release(handle)
             if not await self._first_token(req, prefill):
                 return None
             self.counters["local_prefills"] += 1
@@ -189,7 +175,7 @@ class DecodeWorker(EngineServer):
         except KVTransferError as exc:
             self.failures.record(failure_reason(exc), handle.address, str(exc))
             await self.loop.run(self.engine.release_import, req)
-            await self._release_lease(handle)
+            await self.prefixes.release(handle)
             self.counters["local_prefills"] += 1
             return self.engine.add
         except BaseException:  # cancelled, or the prefill worker failed before its first token
@@ -202,9 +188,7 @@ class DecodeWorker(EngineServer):
         if stats.path == "shm":  # copied from the prefill worker's shared cache; the copy released the lease
             self.counters["shm_pulls"] += 1
         else:  # the blocks are ours now: telling the prefill worker is off the second token's path
-            release = asyncio.ensure_future(self._release_lease(handle))
-            self._releases.add(release)
-            release.add_done_callback(self._releases.discard)
+            self.prefixes.release_later(handle)
         self.counters["remote_prefills"] += 1
         self.counters["blocks_pulled"] += len(indices)
         self.counters["blocks_reused"] += handle.num_blocks - len(indices)
@@ -212,79 +196,6 @@ class DecodeWorker(EngineServer):
         self.counters["transfer_seconds"] += stats.seconds
         self.pull_speed.observe(stats.num_bytes, stats.seconds)
         return self.engine.add_imported
-
-    async def _pull_prefix(self, req: Request, request: GenerateRequest) -> None:
-        """Pull the prompt's first blocks from the peer the router named (`request.prefix_source`) into the prefix
-        cache, where the local prefill then finds them."""
-        source = request.prefix_source
-        bs = self.engine.config.block_size
-        num_blocks = min(source.num_blocks, (req.num_prompt_tokens - 1) // bs)
-        await self.loop.run(self.engine.block_manager.update_block_hashes, req)
-        request.stamp("peer_pull_started")
-        await self._pull_chain(source.worker_id, source.actor, req.block_hashes[:num_blocks],
-                               req.all_token_ids[:num_blocks * bs])
-        request.stamp("peer_pull_done")
-
-    async def pull_prefix(self, source_id: str, source, block_hashes: list[int], token_ids: list[int]) -> int:
-        """Pull the prefix chain `block_hashes` (of `token_ids`) from the worker `source` (its actor) into this
-        worker's prefix cache; returns the blocks pulled (a drained worker's prefixes handed over: the
-        controller calls it)."""
-        self.check_chain("pull_prefix", block_hashes, token_ids)
-        async with self._handoff_lock:  # one at a time: a handover's prefixes together may exceed the cache
-            return await self._pull_chain(source_id, source, block_hashes, token_ids)
-
-    async def _pull_chain(self, source_id: str, source, block_hashes: list[int], token_ids: list[int]) -> int:
-        """Pull what this worker lacks of the chain from `source`; what it has already (tiers included) is not
-        pulled. A failure leaves it to compute, counted per reason (tandem:kv_peer_pull_failures). Returns the
-        blocks pulled."""
-        bm = self.engine.block_manager
-        reserved = await self.loop.run(bm.reserve_prefix, block_hashes, token_ids)
-        if reserved is None:
-            self.peer_failures.record("no_free_blocks", source_id, "no free KV blocks to pull a prefix into")
-            return 0
-        have, dst = reserved
-        self.peer_counters["peer_blocks_had"] += have
-        if not dst:
-            return 0
-        wanted = have + len(dst)
-        bs = self.engine.config.block_size
-        handle = None
-        try:
-            handle = await asyncio.wait_for(source.lease_prefix.remote(block_hashes[:wanted], token_ids[:wanted * bs]),
-                                            self.kv_client.timeout_s)
-            if handle is None or len(handle.block_hashes) <= have:
-                raise KVTransferError(f"{source_id} no longer holds the prefix", reason="lease_expired")
-            used = dst[:len(handle.block_hashes) - have]
-            stats = await asyncio.to_thread(self.kv_client.pull, handle, used, list(range(have, have + len(used))))
-        except (KVTransferError, asyncio.TimeoutError, ray.exceptions.RayError) as exc:
-            reason = failure_reason(exc) if isinstance(exc, KVTransferError) else (
-                "timeout" if isinstance(exc, asyncio.TimeoutError) else "unreachable")
-            self.peer_failures.record(reason, source_id, str(exc) or type(exc).__name__)
-            await self._give_back(dst, handle)
-            return 0
-        except BaseException:
-            await self._give_back(dst, handle)
-            raise
-        await self.loop.run(self._adopt_prefix, block_hashes, token_ids, used, have, dst[len(used):])
-        if stats.path != "shm":
-            release = asyncio.ensure_future(self._release_lease(handle))
-            self._releases.add(release)
-            release.add_done_callback(self._releases.discard)
-        self.peer_counters["peer_pulls"] += 1
-        self.peer_counters["peer_blocks_pulled"] += len(used)
-        self.peer_counters["peer_bytes_pulled"] += stats.num_bytes
-        self.peer_counters["peer_pull_seconds"] += stats.seconds
-        self.pull_speed.observe(stats.num_bytes, stats.seconds)
-        return len(used)
-
-    async def _give_back(self, dst: list[int], handle: KVHandle | None) -> None:
-        self.loop.submit(self.engine.block_manager.free_block_ids, list(reversed(dst)))
-        if handle is not None:
-            await self._release_lease(handle)
-
-    def _adopt_prefix(self, block_hashes, token_ids, used: list[int], have: int, unused: list[int]) -> None:
-        self.engine.block_manager.adopt_prefix(block_hashes, token_ids, used, have)
-        self.engine.block_manager.free_block_ids(unused)
 
     async def _first_token(self, req: Request, prefill: PrefillResult) -> bool:
         """Layer-wise: wait for the prefill worker's first token and append it; False if it finished the request."""
@@ -299,17 +210,11 @@ class DecodeWorker(EngineServer):
     async def _abandon(self, pull: asyncio.Future, req: Request, handle: KVHandle) -> None:
         """Stop a pull and free what it reserved. Releasing the lease first ends a pull still waiting
         for layers; the pull thread writes into the reserved blocks until it ends, so wait for that."""
-        await self._release_lease(handle)
+        await self.prefixes.release(handle)
         await asyncio.wait([pull])
         if not pull.cancelled():
             pull.exception()  # retrieved: its failure is expected here
         await self.loop.run(self.engine.release_import, req)
-
-    async def _release_lease(self, handle: KVHandle) -> None:
-        try:
-            await asyncio.to_thread(self.kv_client.release, handle)
-        except KVTransferError as exc:  # the lease expires on its own; nothing leaks
-            logger.debug("%s: releasing lease %s failed: %s", self.worker_id, handle.request_id, exc)
 
     def _pull_checked(self, handle: KVHandle, dst: list[int], indices: list[int], lora_key: str | None):
         """Pull a prompt's KV, refusing KV computed with another LoRA adapter than the request runs (counted as a
@@ -320,19 +225,13 @@ class DecodeWorker(EngineServer):
                                   f"{lora_key or 'the base model'}", "layout_mismatch")
         return self.kv_client.pull(handle, dst, indices)
 
-    async def stats(self) -> WorkerStats:
-        stats = await super().stats()
-        stats.kv_pull_gbps, stats.kv_pull_latency_s = self.pull_speed.gbps, self.pull_speed.latency_s
-        return stats
-
     def transfer_stats(self) -> dict:
         """Transfer counters since start; `transfer_failures_by_reason` counts pulls that fell back to local
         recompute (every reason of kv_transfer.failures.FAILURE_REASONS, zeros included)."""
         failures = self.failures.snapshot()
         return {**self.counters, "shm_unavailable": getattr(self.kv_client, "shm_unavailable", 0),
                 "transfer_failures": sum(failures.values()),
-                "transfer_failures_by_reason": failures, **self.peer_counters,
-                "peer_pull_failures_by_reason": self.peer_failures.snapshot(),
+                "transfer_failures_by_reason": failures, **self.prefixes.stats(),
                 "bytes_served": 0 if self.kv_server is None else self.kv_server.stats.bytes_sent}
 
     def shutdown(self) -> None:

@@ -40,3 +40,12 @@ def node_kv_addresses(transfer: TransferConfig) -> KVAddresses:
                            "TANDEM_KV_ADVERTISE_HOST or transfer.advertise_host to this node's routable IP",
                            addresses.advertise_host, ", ".join(others))
     return addresses
+
+
+def make_kv_client(transfer: TransferConfig, cache):
+    if transfer.backend == "torch_dist":
+        from kv_transfer.dist_client import DistKVClient
+        return DistKVClient(cache, transfer.token, timeout_s=transfer.timeout_s, tls=transfer.tls)
+    from kv_transfer.grpc_client import GrpcKVClient
+    return GrpcKVClient(cache, transfer.token, timeout_s=transfer.timeout_s, tls=transfer.tls,
+                        shared_memory=transfer.shared_memory)

@@ -17,7 +17,9 @@ from engine.outputs import RequestOutput
 from worker_runtime.protocol import DispatchPath, GenerateRequest, PrefillResult
 from engine.request import Request
 from worker_runtime.request_log import set_request_id
-from kv_transfer.worker_server import start_kv_server
+from engine.step_costs import TransferSpeed
+from kv_transfer.prefix_pulls import PrefixPuller
+from kv_transfer.worker_server import make_kv_client, start_kv_server
 from worker_runtime.serving import EngineServer, WorkerDraining
 from worker_runtime.tracing import emit_spans
 from kv_transfer.config import TransferConfig
@@ -36,6 +38,12 @@ class PrefillWorker(EngineServer):
         super().__init__(worker_id, engine_config)
         from engine.layer_progress import LayerProgress  # here, with the model (see EngineServer.__init__)
         self.kv_server = start_kv_server(self.engine.kv_cache, transfer)
+        # Prefix blocks another worker holds are pulled from it, on the router's word, instead of computed
+        # (issue 41); without a prefix source nothing is pulled.
+        self.pulls_prefixes = transfer.peer_prefix_pulls
+        self.kv_client = make_kv_client(transfer, self.engine.kv_cache) if self.pulls_prefixes else None
+        if self.pulls_prefixes:
+            self.prefixes = PrefixPuller(worker_id, self.engine, self.loop, self.kv_client, TransferSpeed())
         self.lease_ttl_s = transfer.lease_ttl_s
         self.counters = {"layerwise_leases": 0, "forwards_ended_with_pull_open": 0}
         # Layer-wise requests waiting for their last chunk to be scheduled (read and written on the loop thread).
@@ -62,6 +70,8 @@ class PrefillWorker(EngineServer):
         request.stamp("prefill_queued")
         engine_req = self.build_request(request)
         engine_req.do_remote_decode = True
+        if request.prefix_source is not None and self.prefixes is not None:
+            await self.prefixes.pull_for(engine_req, request)
         if request.dispatch is not DispatchPath.LAYERWISE:
             return PrefillResult(*await self._run_to_first_token(request, engine_req))
         return await self._prefill_layerwise(request, engine_req)
@@ -103,7 +113,7 @@ class PrefillWorker(EngineServer):
 
     def transfer_stats(self) -> dict:
         return {"bytes_sent": self.kv_server.stats.bytes_sent, "chunks_sent": self.kv_server.stats.chunks_sent,
-                **self.counters}
+                **self.counters, **(self.prefixes.stats() if self.prefixes is not None else {})}
 
     def num_in_flight(self) -> int:
         return len(self.in_flight) + self.num_leases()
@@ -112,6 +122,8 @@ class PrefillWorker(EngineServer):
         if self.layer_progress is not None:
             self.layer_progress.close()
         self.kv_server.stop(grace=1.0)
+        if self.kv_client is not None:
+            self.kv_client.close()
         self.loop.stop()
         self.close_engine()
 

@@ -69,8 +69,9 @@ class Metrics:
                                registry=r)
         self.routing_hits = Counter("tandem:routing_prefix_hit_blocks", "Prompt blocks cached on the chosen worker.",
                                     ["pool", "worker"], registry=r)
-        self.peer_prefix = Counter("tandem:routing_peer_prefix", "Prompts whose decode worker was told to pull the "
-                                   "prefix from a peer holding it (issue 41), by holder and puller.",
+        self.peer_prefix = Counter("tandem:routing_peer_prefix", "Prompts whose worker (prefill, or decode computing "
+                                   "it) was told to pull the prefix from a peer holding it (issue 41), by holder and "
+                                   "puller.",
                                    ["holder", "worker"], registry=r)
         self.routing_lora = Counter("tandem:routing_lora", "Placements of requests that run a LoRA adapter, by pool, "
                                     "worker and whether a slot there held it already (hit) or it loads (load).",

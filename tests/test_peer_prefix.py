@@ -1,6 +1,7 @@
-"""Peer prefix pulls between real decode workers (issue 41): a prefix cached only on worker A, in its cache or in
+"""Peer prefix pulls between real workers (issue 41): a prefix cached only on worker A, in its cache or in
 its host tier, is pulled by worker B instead of computed (bytes counted, no prompt token of it computed again,
-the same output), through A's lease, which B releases; a holder that is gone leaves B to compute, counted."""
+the same output), through A's lease, which B releases; a holder that is gone leaves B to compute, counted; a
+prefill worker pulls what a decode worker holds, and the decode worker imports the rest."""
 import random
 
 import pytest
@@ -83,3 +84,37 @@ def test_a_holder_that_is_gone_leaves_the_puller_to_compute_counted(pair):
     after = ray.get(b.transfer_stats.remote())["peer_pull_failures_by_reason"]
     assert after["unreachable"] == failures["unreachable"] + 1
     assert wait_for(lambda: ray.get(b.stats.remote()).num_active_blocks == 0)  # nothing reserved leaks
+
+
+@pytest.fixture(scope="module")
+def disaggregated(ray_cluster, tiny_llama_dir):
+    config = ClusterConfig(model=tiny_llama_dir, name="peers-pd", engine={"num_kv_blocks": 40},
+                           prefill={"replicas": 1, "num_cpus": 0.5}, decode={"replicas": 1, "num_cpus": 0.5})
+    pools = Pools(config)
+    pools.start()
+    (p_id, p), = ((w, info.actor) for w, info in pools.prefill.workers.items())
+    (d_id, d), = ((w, info.actor) for w, info in pools.decode.workers.items())
+    yield (p_id, p), (d_id, d)
+    pools.shutdown()
+
+
+def test_a_prefill_worker_pulls_the_prefix_a_decode_worker_holds_and_decode_imports_the_rest(disaggregated):
+    """The prompt computed on the decode worker first (a local prefill); the same prompt placed on the prefill worker
+    with the decode worker named as the holder: the prefill worker pulls the 12 prefix blocks instead of computing
+    them, computes the rest, and the decode worker imports only what it lacks. Same tokens as the local run."""
+    (p_id, p), (d_id, d) = disaggregated
+    tokens = prompt(4)
+    [(want, _)] = run_all([GenerateRequest("pd-local", tokens, GREEDY)], d)
+    hits_before = ray.get(p.stats.remote()).prefix_cache_hits
+    request = GenerateRequest("pd-remote", tokens, GREEDY)
+    request.prefix_source = PrefixSource(d_id, d, (len(tokens) - 1) // BS)
+    [(got, _)] = run_all([request], d, p)
+    assert got == want
+    transfer, stats = ray.get(p.transfer_stats.remote()), ray.get(p.stats.remote())
+    assert transfer["peer_pulls"] == 1 and transfer["peer_blocks_pulled"] == 12
+    assert transfer["peer_bytes_pulled"] == 12 * BS * stats.kv_bytes_per_token
+    assert not any(transfer["peer_pull_failures_by_reason"].values())
+    assert stats.prefix_cache_hits - hits_before == 12 * BS  # the pulled tokens were not computed
+    assert stats.pulls_prefixes
+    assert wait_for(lambda: ray.get(d.stats.remote()).num_active_blocks == 0)  # the prefill worker released its lease
+    assert wait_for(lambda: ray.get(p.num_leases.remote()) == 0)

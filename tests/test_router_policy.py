@@ -836,3 +836,40 @@ def test_a_worker_holding_the_prefix_in_a_lower_tier_is_preferred_and_charged_it
     assert decision.decode.worker_id == "d1" and decision.decode.cached_tokens == 512
     index.apply(KVEventBatch("d0", 0, [KVEvent("stored", hashes)]))  # d0: the same blocks in its device cache
     assert router.route(hashes, 512, [], loads).decode.worker_id == "d0"
+
+
+# ---- peer prefix pulls priced in placement (issue 41) ----
+
+def puller(load: WorkerLoad, pulls: bool = True) -> WorkerLoad:
+    return dataclasses.replace(load, serves_prefixes=True, pulls_prefixes=pulls, kv_bytes_per_token=KV_BYTES)
+
+
+def test_a_worker_that_would_compute_the_prompt_is_priced_pulling_what_a_busy_peer_holds():
+    """d0 holds a 1,024-token prefix and runs 8 streams; d1 runs none. Computed on d1, the prefix costs ~2 s, so
+    it goes to d0 and adds to its streams' steps; pulled to d1 (~25 ms of KV) it costs least there: "pull it here"
+    against "go where it is", decided in placement, not after it."""
+    index = index_with({"d0": DOC[:1024]})
+    tokens = prompt(1, prefix=DOC[:1024])
+    hashes = block_hashes(tokens, BLOCK)
+    chosen = {}
+    for pulls in (False, True):
+        loads = [puller(colocated("d0", num_running=8), pulls), puller(colocated("d1"), pulls)]
+        route = Router(index, BLOCK, rng=random.Random(0)).route(hashes, len(tokens), [], loads, output_tokens=16)
+        chosen[pulls] = route.decode.worker_id, route.decode.cached_tokens, route.prefill
+    assert chosen == {False: ("d0", 1024, None), True: ("d1", 0, None)}
+
+
+def test_a_prefill_worker_is_priced_pulling_a_prefix_a_decode_worker_holds():
+    """The remote path's predicted TTFT counts the prefill worker pulling the 1,024 prefix tokens the decode worker
+    holds (a fraction of computing them), when it can pull; the decode worker, busy, still leaves the prompt to it."""
+    index = index_with({"d0": DOC[:1024]})
+    tokens = prompt(2, prefix=DOC[:1024], suffix_blocks=32)  # 512 new tokens after the prefix
+    hashes = block_hashes(tokens, BLOCK)
+    predicted = {}
+    for pulls in (False, True):
+        loads = [puller(colocated("d0", num_running=8), pulls)]
+        pf = [puller(prefill_worker(step_costs=measured(500.0)), pulls)]
+        route = Router(index, BLOCK, rng=random.Random(0)).route(hashes, len(tokens), pf, loads, output_tokens=16)
+        assert route.prefill is not None and route.prefill.worker_id == pf[0].worker_id
+        predicted[pulls] = route.predicted_ttft_s
+    assert predicted[True] < 0.5 * predicted[False]

@@ -36,7 +36,8 @@ class EngineServer:
 
     pool = "engine"
     kv_server = None  # its KV export server (kv_transfer/worker_server.py), when it has one
-    pulls_prefixes = False  # whether it pulls prefix blocks from peers (DecodeWorker)
+    pulls_prefixes = False  # whether it pulls prefix blocks from peers when the router names one
+    prefixes = None  # what pulls them: a kv_transfer.prefix_pulls.PrefixPuller
 
     def __init__(self, worker_id: str, engine_config: EngineConfig):
         self.worker_id = worker_id
@@ -116,8 +117,11 @@ class EngineServer:
 
     async def stats(self) -> WorkerStats:
         counters = await self.loop.run(self._counters)
-        return WorkerStats(self.worker_id, self.pool, draining=self.draining, serves_prefixes=self.kv_server is not None,
-                           pulls_prefixes=self.pulls_prefixes, **counters)
+        stats = WorkerStats(self.worker_id, self.pool, draining=self.draining, serves_prefixes=self.kv_server is not None,
+                            pulls_prefixes=self.pulls_prefixes, **counters)
+        if self.prefixes is not None:  # its KV pulls, measured: the router prices the next one by them
+            stats.kv_pull_gbps, stats.kv_pull_latency_s = self.prefixes.speed.gbps, self.prefixes.speed.latency_s
+        return stats
 
     # ---- prefix blocks for peers --------------------------------------------------------------------
 
@@ -141,6 +145,15 @@ class EngineServer:
         except BaseException:
             self._free_leased(block_ids)
             raise
+
+    async def pull_prefix(self, source_id: str, source, block_hashes: list[int], token_ids: list[int]) -> int:
+        """Pull the prefix chain `block_hashes` (of `token_ids`) from the worker `source` (its actor) into this
+        worker's prefix cache; returns the blocks pulled (a drained worker's prefixes handed over: the
+        controller calls it)."""
+        self.check_chain("pull_prefix", block_hashes, token_ids)
+        if self.prefixes is None:
+            return 0
+        return await self.prefixes.hand_over(source_id, source, block_hashes, token_ids)
 
     async def hot_prefixes(self, limit: int = 64) -> list[tuple[list[int], list[int]]]:
         """This worker's most used prompt prefixes (hash chain, tokens) whose first block it still holds, most

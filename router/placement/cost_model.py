@@ -137,7 +137,8 @@ def _local_prefill(prompt_tokens: int, decode_cached_tokens: int, decode: Worker
 
 def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefill_cached_tokens: int,
                            decode: WorkerLoad, prefill: WorkerLoad | None, config: DisaggConfig,
-                           elapsed_s: float = 0.0, min_chunk: int = MIN_CHUNK_TOKENS) -> PrefillDecision:
+                           elapsed_s: float = 0.0, min_chunk: int = MIN_CHUNK_TOKENS, *, remote_pull_s: float = 0.0,
+                           local_pull_s: float = 0.0) -> PrefillDecision:
     """Remote prefill unless the remote path would miss the TTFT SLO where a local one would not, or a
     local one costs the decode worker's running streams nothing material: it has none and the remote
     path is no faster, or the whole prompt fits in one step within the ITL SLO and local is faster; or
@@ -146,14 +147,17 @@ def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefil
 
     A full prefill queue means waiting for a slot while the remote path still meets the TTFT SLO,
     counted from arrival (`elapsed_s` ago), then a local prefill if that meets it or comes sooner (under
-    overload both paths then share the prompts, each at its predicted wait); otherwise it waits on."""
+    overload both paths then share the prompts, each at its predicted wait); otherwise it waits on.
+
+    `remote_pull_s`, `local_pull_s`: the time the worker computing the prompt on each path first spends
+    pulling prefix blocks from a peer (their tokens counted in its cached tokens; `peer_pull_pays`)."""
     if prefill is None or not prefill.schedulable:
         return PrefillDecision(False, "no_prefill_worker")
-    remote = elapsed_s + remote_prefill_ttft(prompt_tokens, prefill_cached_tokens, decode_cached_tokens,
-                                             prefill, decode)
+    remote = elapsed_s + remote_pull_s + remote_prefill_ttft(prompt_tokens, prefill_cached_tokens,
+                                                             decode_cached_tokens, prefill, decode)
     local, stall = local_prefill_cost(prompt_tokens, decode_cached_tokens, decode, config.itl_slo_s, min_chunk,
                                       config.stall_ratio)
-    local += elapsed_s
+    local += elapsed_s + local_pull_s
     if lent_to_busy_prefill(decode, prefill):
         # Its core is in a borrowed prefill forward right now: a local prefill shares it (and slows that
         # forward) until the forward ends, within about one borrowed slice (cpu.borrow_slice_ms, by default

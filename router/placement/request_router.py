@@ -165,8 +165,9 @@ class RequestRouter:
         prefill = decision.prefill.worker_id if decision.prefill else None
         state.next = _Next.END
         request.prefix_source = None
-        if prefill is None and not request.output_token_ids:
-            request.prefix_source = self.view.peer_prefix(decode, state.block_hashes, len(request.prompt_token_ids))
+        if not request.output_token_ids:  # the worker computing the prompt pulls what a peer holds of it, if that pays
+            request.prefix_source = self.view.peer_prefix(prefill or decode, state.block_hashes,
+                                                          len(request.prompt_token_ids))
         try:
             actors = self.view.actor(decode), prefill and self.view.actor(prefill)
             async with aclosing(run_request(request, *actors)) as deltas:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from router.placement.cost_model import (DisaggConfig, PrefillDecision, decide_prefill, decide_prefill_by_cost,
-                                         decode_seconds, displaced_seconds)
+                                         decode_seconds, displaced_seconds, peer_pull_pays)
 from router.placement.cpu_lending import lent_threads
 from router.placement.index import PrefixIndex
 from router.placement.pool_policy import CostWeights, Placement, PoolPolicy
@@ -162,8 +162,14 @@ class Router:
         prefill_load = None if prefill is None else lent_threads(_load_of(prefill, prefill_loads), decode_loads)
         prefill_cached = prefill.cached_tokens if prefill else 0
         if self.disagg.placement == "slo" and not self.decode_policy.round_robin:
+            peers = PeerHolders(self.index, block_hashes, prompt_tokens, [*prefill_loads, *decode_loads],
+                                self.block_size)
+            prefill_pull_s = 0.0
+            if prefill_load is not None:
+                prefill_cached, prefill_pull_s = peers.pull(prefill_load, prefill_cached // self.block_size)
             decode, decision = self._place_decode_by_cost(block_hashes, prompt_tokens, prefill_cached, prefill_load,
-                                                          decode_loads, elapsed_s, output_tokens, lora_key)
+                                                          decode_loads, elapsed_s, output_tokens, lora_key, peers,
+                                                          prefill_pull_s)
         else:
             decode = self.decode_policy.place(block_hashes, prompt_tokens, decode_loads, lora_key)
             if decode is None:
@@ -188,10 +194,14 @@ class Router:
 
     def _place_decode_by_cost(self, block_hashes: Sequence[int], prompt_tokens: int, prefill_cached: int,
                               prefill: WorkerLoad | None, decode_loads: Sequence[WorkerLoad], elapsed_s: float,
-                              output_tokens: int, lora_key: str | None = None) -> tuple[Placement, PrefillDecision]:
+                              output_tokens: int, lora_key: str | None = None, peers: PeerHolders | None = None,
+                              prefill_pull_s: float = 0.0) -> tuple[Placement, PrefillDecision]:
         """The decode worker where the request costs least in seconds (`decode_seconds`), each with the
         prefill decision it would get there; among costs within TIE_TOLERANCE_S, the worker with the fewest
-        sequences, then a random one."""
+        sequences, then a random one. With `peers`, a worker that would compute the prompt itself is also priced
+        pulling what a peer holds beyond its own blocks, where that pays (`PeerHolders.pull`): "pull it here"
+        against "go where it is". `prefill_pull_s`: the prefill worker's own such pull (its tokens are in
+        `prefill_cached`)."""
         candidates = [load for load in decode_loads if load.schedulable]
         if not candidates:
             raise NoDecodeWorker("no decode worker is healthy and accepting requests")
@@ -200,21 +210,68 @@ class Router:
         for load in candidates:
             on_device, anywhere = overlaps[load.worker_id]
             cached = anywhere * self.block_size  # blocks in a tier below its cache come back before its prefill
-            decision = decide_prefill_by_cost(prompt_tokens, cached, prefill_cached, load, prefill, self.disagg,
-                                              elapsed_s)
-            displaced = displaced_seconds(prompt_tokens, cached, output_tokens, load,
-                                          self.index.num_blocks(load.worker_id),
-                                          self.hit_share.get(load.worker_id, 0.0), self.block_size)
-            seconds = decode_seconds(prompt_tokens, cached, load, decision, output_tokens, self.disagg,
-                                     self.block_size, elapsed_s, displaced)
-            seconds += (anywhere - on_device) * load.promote_s_per_block + load.lora_miss_s(lora_key)
-            options.append((seconds, load.num_running + load.num_waiting, load.worker_id, cached, decision))
+            extra_s = (anywhere - on_device) * load.promote_s_per_block + load.lora_miss_s(lora_key)
+            seconds, decision = self._decode_option(prompt_tokens, cached, prefill_cached, load, prefill, elapsed_s,
+                                                    output_tokens, prefill_pull_s=prefill_pull_s)
+            pulled, pull_s = peers.pull(load, anywhere) if peers is not None else (cached, 0.0)
+            if pulled > cached:  # computed here after pulling a peer's blocks: priced when it is the local path
+                with_pull, local = self._decode_option(prompt_tokens, pulled, prefill_cached, load, prefill,
+                                                       elapsed_s, output_tokens, prefill_pull_s, pull_s)
+                if not local.remote and with_pull < seconds:
+                    seconds, decision = with_pull, local
+            options.append((seconds + extra_s, load.num_running + load.num_waiting, load.worker_id, cached,
+                            decision))
         best = min(option[0] for option in options)
         near = [option for option in options if option[0] <= best + TIE_TOLERANCE_S]
         fewest = min(option[1] for option in near)
         tied = [option for option in near if option[1] == fewest]
         seconds, _, worker_id, cached, decision = tied[0] if len(tied) == 1 else self.rng.choice(tied)
         return Placement(worker_id, cached, seconds), decision
+
+    def _decode_option(self, prompt_tokens: int, cached: int, prefill_cached: int, load: WorkerLoad,
+                       prefill: WorkerLoad | None, elapsed_s: float, output_tokens: int, prefill_pull_s: float = 0.0,
+                       local_pull_s: float = 0.0) -> tuple[float, PrefillDecision]:
+        """(seconds, decision) of placing the request on decode worker `load`, which holds `cached` of its
+        prompt tokens (`local_pull_s` of them pulled from a peer first, on the local path)."""
+        decision = decide_prefill_by_cost(prompt_tokens, cached, prefill_cached, load, prefill, self.disagg, elapsed_s,
+                                          remote_pull_s=prefill_pull_s, local_pull_s=local_pull_s)
+        displaced = displaced_seconds(prompt_tokens, cached, output_tokens, load, self.index.num_blocks(load.worker_id),
+                                      self.hit_share.get(load.worker_id, 0.0), self.block_size)
+        seconds = decode_seconds(prompt_tokens, cached, load, decision, output_tokens, self.disagg, self.block_size,
+                                 elapsed_s, displaced)
+        return seconds + (0.0 if decision.remote else local_pull_s), decision
+
+
+class PeerHolders:
+    """Which workers hold how much of one prompt's leading blocks (cache or tiers), to price a worker pulling the
+    rest of the deepest holder's run instead of computing it (cost_model.peer_pull_pays, as
+    WorkerView.peer_prefix then decides for the worker that computes the prompt)."""
+
+    def __init__(self, index: PrefixIndex, block_hashes: Sequence[int], prompt_tokens: int,
+                 loads: Sequence[WorkerLoad], block_size: int):
+        self.prompt_tokens, self.block_size = prompt_tokens, block_size
+        usable = block_hashes[:max(0, (prompt_tokens - 1) // block_size)]
+        holders = {load.worker_id: load for load in loads if load.serves_prefixes}
+        overlaps = index.tier_overlap(usable, list(holders)) if usable and holders else {}
+        self.depths = sorted(((overlaps[w][1], overlaps[w][0], holders[w]) for w in overlaps if overlaps[w][1]),
+                             key=lambda depth: -depth[0])
+
+    def pull(self, puller: WorkerLoad, have_blocks: int) -> tuple[int, float]:
+        """(cached tokens, pull seconds) for `puller`, which holds `have_blocks` of the prompt: the deepest other
+        holder's run when pulling what it lacks of it pays, else its own blocks and no pull."""
+        bs = self.block_size
+        if puller.pulls_prefixes:
+            for anywhere, on_device, holder in self.depths:
+                if holder.worker_id == puller.worker_id:
+                    continue
+                if anywhere <= have_blocks:
+                    break
+                pays, pull_s, _ = peer_pull_pays(anywhere - have_blocks, have_blocks * bs, self.prompt_tokens,
+                                                 puller, holder, anywhere - max(on_device, have_blocks), bs)
+                if pays:
+                    return anywhere * bs, pull_s
+                break
+        return have_blocks * bs, 0.0
 
 
 def with_backlog(prefill: WorkerLoad, backlog: tuple[int, int] | None) -> WorkerLoad:

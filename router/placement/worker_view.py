@@ -246,12 +246,12 @@ class WorkerView:
     def actor(self, worker_id: str):
         return self.workers[worker_id].entry.actor
 
-    def peer_prefix(self, decode_id: str, block_hashes: Sequence[int], prompt_tokens: int) -> PrefixSource | None:
-        """The peer a decode worker that computes the prompt itself should pull its prefix from: the live worker
-        (either pool) holding the longest run of the prompt's leading blocks beyond what `decode_id` holds, in
-        its cache or a tier below, when pulling them is predicted faster than computing them
-        (cost_model.peer_pull_pays); None otherwise."""
-        target = self.workers.get(decode_id)
+    def peer_prefix(self, worker_id: str, block_hashes: Sequence[int], prompt_tokens: int) -> PrefixSource | None:
+        """The peer the worker computing the prompt (`worker_id`: its prefill worker, or its decode worker
+        prefilling locally) should pull its prefix from: the live worker (either pool) holding the longest run of
+        the prompt's leading blocks beyond what `worker_id` holds, in its cache or a tier below, when pulling them
+        is predicted faster than computing them (cost_model.peer_pull_pays); None otherwise."""
+        target = self.workers.get(worker_id)
         if target is None:
             return None
         puller = target.load()
@@ -259,12 +259,12 @@ class WorkerView:
         if not puller.pulls_prefixes or not usable:
             return None
         peers = {w.worker_id: w for w in self.workers.values()
-                 if w.worker_id != decode_id and w.entry.healthy and w.reachable and w.stats is not None
+                 if w.worker_id != worker_id and w.entry.healthy and w.reachable and w.stats is not None
                  and w.stats.serves_prefixes}
         if not peers:
             return None
-        overlaps = self.index.tier_overlap(usable, [decode_id, *peers])
-        have = overlaps[decode_id][1]
+        overlaps = self.index.tier_overlap(usable, [worker_id, *peers])
+        have = overlaps[worker_id][1]
         best = max(peers, key=lambda worker_id: overlaps[worker_id][1])
         on_device, anywhere = overlaps[best]
         pays, pull_s, compute_s = peer_pull_pays(anywhere - have, have * self.block_size, prompt_tokens, puller,
@@ -272,7 +272,7 @@ class WorkerView:
                                                  self.block_size)
         if not pays:
             return None
-        self.metrics.peer_prefix.labels(best, decode_id).inc()
+        self.metrics.peer_prefix.labels(best, worker_id).inc()
         return PrefixSource(best, peers[best].entry.actor, anywhere)
 
     def lost(self, worker_id: str, reason: object = "") -> None:
