@@ -87,6 +87,28 @@ def prefix_repetition_sessions(space: TokenSpace, num_prompts: int, num_prefixes
     return sessions
 
 
+def prefix_zipf_sessions(space: TokenSpace, num_prompts: int, num_prefixes: int, prefix_len: tuple[int, int],
+                         question_len: int, output_len: int, zipf: float, seed: int,
+                         warm_up: bool = False) -> list[Session]:
+    """System prompts shared with Zipf popularity (issue 41): `num_prefixes` prefixes of lengths uniform in
+    `prefix_len`, drawn from `seed` alone; `num_prompts` requests, each a prefix picked with weight 1 / rank**zipf
+    and a fresh `question_len`-token question. `warm_up`: instead, each prefix once (least popular first, so the
+    popular ones are the most recent in an LRU cache), as a deployment's steady state has seen them all."""
+    rng = random.Random(seed)
+    prefixes = [space.sample(rng, rng.randint(*prefix_len)) for _ in range(num_prefixes)]
+    questions = random.Random(seed + 1 if not warm_up else seed - 1)
+    if warm_up:
+        picks = list(reversed(range(num_prefixes)))
+    else:
+        weights = [1 / (rank + 1) ** zipf for rank in range(num_prefixes)]
+        picks = questions.choices(range(num_prefixes), weights, k=num_prompts)
+    sessions = []
+    for p in picks:
+        ids = prefixes[p] + space.sample(questions, question_len)
+        sessions.append(Session([Turn(output_len, ids, prompt_len=len(ids))], kind=f"prefix-{p}"))
+    return sessions
+
+
 def multi_turn_sessions(space: TokenSpace, num_prompts: int, turns: int, user_len: int, output_len: int,
                         seed: int) -> list[Session]:
     """Conversations of `turns` user messages; each turn is sent with the whole conversation so far.

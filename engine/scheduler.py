@@ -186,8 +186,6 @@ class Scheduler:
                 if not pinned:  # every slot serves other adapters' running requests
                     passed += 1
                     continue
-            if not imported:
-                self.block_manager.count_lookup(req, computed)
             num_cached = req.num_computed_tokens or len(computed) * self.block_manager.block_size
             num_new = min(req.num_tokens - num_cached, budget.tokens)
             if num_new > 1:
@@ -198,6 +196,8 @@ class Scheduler:
             if not self.block_manager.allocate_slots(req, num_new, computed):
                 self._release_lora(req)
                 break
+            if not imported:  # counted once it is admitted, not at every step it waited for blocks
+                self.block_manager.count_lookup(req, computed)
             del self.waiting[passed]
             self._admit(req, num_cached, imported)
             scheduled.append((req, num_new))

@@ -83,6 +83,23 @@ def test_a_cached_prefix_is_not_computed_again():
     assert again.num_cached_tokens == 8
 
 
+def test_a_prompt_waiting_for_free_blocks_is_counted_in_the_prefix_cache_queries_once_when_admitted():
+    """vllm:prefix_cache_queries counts prompt tokens looked up: a prompt that waits several steps for blocks is
+    looked up at each, but counted once, when admitted (it counted at every step, several times its length)."""
+    sched = scheduler(num_blocks=8)
+    first = request("first", 12)
+    sched.add(first)
+    step(sched)
+    second = request("second", 20, first_token=100)  # 5 blocks: waits until the first frees its 4
+    sched.add(second)
+    for _ in range(3):
+        assert step(sched) == [("first", 1)]
+    assert sched.block_manager.prefix_cache_queries == 12
+    sched.finish(first)
+    assert step(sched) == [("second", 20)]
+    assert sched.block_manager.prefix_cache_queries == 12 + 20
+
+
 def test_a_prefix_cached_under_another_cache_salt_is_not_reused():
     sched = scheduler()
     first = request("first", 12, cache_salt="tenant-a")
