@@ -81,6 +81,36 @@ def specs(args, out: Path) -> dict[str, ServerSpec]:
 
 TIER_HITS = re.compile(r'^tandem:kv_tier_hits(?:_total)?\{([^}]*)\} ([0-9.eE+-]+)$')
 PEER_BLOCKS = re.compile(r'^tandem:kv_peer_pull_blocks(?:_total)?\{[^}]*\} ([0-9.eE+-]+)$')
+# Where the first token's time goes: tandem's stage histogram (engine/timeline.py's PHASES) and the two
+# request-level histograms both servers export (vLLM's names).
+TIMES = re.compile(r'^(tandem:request_stage_seconds|vllm:request_queue_time_seconds|'
+                   r'vllm:request_prefill_time_seconds|vllm:time_to_first_token_seconds)_(sum|count)'
+                   r'\{([^}]*)\} ([0-9.eE+-]+)$')
+
+
+async def time_sums(base_url: str) -> dict[str, list[float]]:
+    """Seconds and counts per histogram (per stage for tandem's stage histogram), summed over workers."""
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{base_url}/metrics") as response:
+            text = await response.text()
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        m = TIMES.match(line)
+        if m:
+            stage = re.search(r'stage="([^"]+)"', m.group(3))
+            key = m.group(1).split(":")[1] + (f".{stage.group(1)}" if stage else "")
+            out.setdefault(key, [0.0, 0.0])[0 if m.group(2) == "sum" else 1] += float(m.group(4))
+    return out
+
+
+def mean_ms(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float]:
+    """Mean milliseconds per observation in the measured window, per histogram."""
+    out = {}
+    for key, (total, count) in after.items():
+        total0, count0 = before.get(key, [0.0, 0.0])
+        if count > count0:
+            out[key] = round(1000 * (total - total0) / (count - count0), 1)
+    return out
 
 
 async def tandem_counters(base_url: str) -> dict:
@@ -116,11 +146,13 @@ async def measure(args, base_url: str, is_tandem: bool) -> dict:
     await asyncio.sleep(3.0)  # the warm-up's counts reach /metrics with the workers' next stats
     before = await serve_client.scrape_counters(base_url)
     tiers_before = await tandem_counters(base_url) if is_tandem else None
+    times_before = await time_sums(base_url)
     results, duration = await serve_client.run_workload(target, sessions, show_progress=False)
     await asyncio.sleep(3.0)  # workers report their stats periodically
     counters = serve_client.counter_deltas(before, await serve_client.scrape_counters(base_url))
+    stage_ms = mean_ms(times_before, await time_sums(base_url))
     run = {"summary": summarize(results, duration, parse_slos(SLOS)), "server_counters": counters,
-           "prompt_tokens": sum(r.prompt_len for r in results if r.success)}
+           "prompt_tokens": sum(r.prompt_len for r in results if r.success), "stage_ms": stage_ms}
     totals = counters.get("totals", {})
     queries, hits = totals.get("vllm:prefix_cache_queries", 0.0), totals.get("vllm:prefix_cache_hits", 0.0)
     run["computed_per_request"] = (queries - hits) / max(1, len(results))
@@ -171,6 +203,9 @@ def report(runs: dict) -> None:
                   f"{ratio(ts['ttft_ms']['median'], bs['ttft_ms']['median'])}, p99 "
                   f"{ratio(ts['ttft_ms']['p99'], bs['ttft_ms']['p99'])}, ITL p50 "
                   f"{ratio(ts['itl_ms']['median'], bs['itl_ms']['median'])}")
+    print("\nmean ms per stage in the measured window (tandem: engine/timeline.py's phases; both: vLLM's histograms)")
+    for arm, run in runs.items():
+        print(f"  {arm}: " + ", ".join(f"{k} {v}" for k, v in sorted(run.get("stage_ms", {}).items())))
 
 
 if __name__ == "__main__":

@@ -259,3 +259,44 @@ def test_a_host_whose_link_comes_back_serves_decode_again(serve, link_down_mid_s
     assert re.search(r"^decode\s+2\s+2\s", server.tandem("status"), re.M)
     prompt = prompts(1, seed=31)[0]
     assert complete(server, prompt, GREEDY.max_tokens) == reference(tiny_engine, prompt, GREEDY.max_tokens)
+
+
+def traced(server: Server, prompt: list[int], max_tokens: int) -> tuple[str, dict]:
+    """(text, timeline) of one greedy completion (X-Tandem-Trace): where it ran and what its KV pull skipped."""
+    response = server.http.post(f"{server.url}/v1/completions", headers={"X-Tandem-Trace": "1"}, timeout=120,
+                                json={"model": server.config["model"], "prompt": prompt, "max_tokens": max_tokens,
+                                      "temperature": 0.0, "ignore_eos": True})
+    response.raise_for_status()
+    body = response.json()
+    return body["choices"][0]["text"], body["tandem"]["timelines"][0]
+
+
+def test_a_drained_decode_hosts_prefixes_are_pulled_over_the_network_by_the_host_that_stays(serve, tiny_engine):
+    """Issue 41 across hosts: the decode worker (host c or d) that ran a prompt is drained; before it leaves, the
+    one on the other host pulls its prefixes from it through the KV server it advertises on its own host (each
+    host's loopback is its own). Sent again, the prompt's KV import on the worker that stays skips every full
+    block: it holds them already."""
+    server = serve("grpc")
+    deadline = time.monotonic() + 90
+    while sum(w["state"] == "healthy" for w in server.status()["pools"]["decode"]["workers"]) < 2:
+        assert time.monotonic() < deadline, "two healthy decode workers are needed"
+        time.sleep(1)
+    prompt = prompts(1, seed=41)[0]
+    text, timeline = traced(server, prompt, GREEDY.max_tokens)
+    assert text == reference(tiny_engine, prompt, GREEDY.max_tokens)
+    drained = timeline["decode_worker"]
+    pulled_before = total(server.metrics().get("tandem:kv_peer_pull_blocks_total", {}))
+    server.tandem("drain", drained)
+    events = server.http.get(f"{server.url}/admin/events", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                             timeout=30).json()["events"]
+    [handoff] = [e for e in events if e["action"] == "handoff" and e["worker_id"] == drained]
+    assert not handoff["reason"].startswith("0 prefix blocks"), handoff
+    again, timeline = traced(server, prompt, GREEDY.max_tokens)
+    assert again == text and timeline["decode_worker"] != drained
+    assert timeline["blocks_skipped"] == PROMPT_LEN // 16 and timeline["blocks_pulled"] <= 1
+    deadline = time.monotonic() + 30
+    while total((metrics := server.metrics()).get("tandem:kv_peer_pull_blocks_total", {})) - pulled_before \
+            < PROMPT_LEN // 16 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert total(metrics["tandem:kv_peer_pull_blocks_total"]) - pulled_before >= PROMPT_LEN // 16
+    assert total(metrics.get("tandem:kv_peer_pull_failures_total", {})) == 0
