@@ -27,6 +27,7 @@ import asyncio
 import json
 import math
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,7 +39,7 @@ if __package__ in (None, ""):
 
 from bench import serve, serve_client, serve_data  # noqa: E402
 from bench.compare import ROOT, ServerSpec, running, tandem  # noqa: E402
-from bench.serve_metrics import parse_slos, summarize  # noqa: E402
+from bench.serve_metrics import parse_slos, slowest_ttfts, summarize, format_slowest, stage_gaps  # noqa: E402
 
 SLOS = ["ttft:2000", "tpot:250"]
 
@@ -57,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-mem-gb", type=float, default=0.5, help="KV cache per tandem worker (GiB); vLLM gets 2x")
     p.add_argument("--host-gb", type=float, default=2.5, help="host tier per tandem worker (GiB)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", action="store_true", help="tandem arms: each request's stage timeline "
+                   "(X-Tandem-Trace: 1); reports the median milliseconds between stages and the slowest requests")
     p.add_argument("--out", type=Path, default=None, help="result directory (default bench/results/<time>)")
     return p.parse_args(argv)
 
@@ -103,6 +106,17 @@ async def time_sums(base_url: str) -> dict[str, list[float]]:
     return out
 
 
+def median_gaps(results) -> dict[str, float]:
+    """Per stage up to the first token, the median milliseconds since the stage before it, over the requests
+    that passed it (X-Tandem-Trace timelines), with how many passed."""
+    gaps: dict[str, list[float]] = {}
+    for r in results:
+        if r.success and r.timeline:
+            for stage, ms in stage_gaps(r.timeline).items():
+                gaps.setdefault(stage, []).append(ms)
+    return {stage: {"median_ms": round(statistics.median(v), 1), "requests": len(v)} for stage, v in gaps.items()}
+
+
 def mean_ms(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float]:
     """Mean milliseconds per observation in the measured window, per histogram."""
     out = {}
@@ -133,7 +147,8 @@ async def tandem_counters(base_url: str) -> dict:
 
 async def measure(args, base_url: str, is_tandem: bool) -> dict:
     model = (await serve_client.fetch_models(base_url))[0]
-    target = serve_client.Target(base_url, model, "/v1/completions", timeout_s=600.0)
+    target = serve_client.Target(base_url, model, "/v1/completions", timeout_s=600.0,
+                                 extra_headers={"X-Tandem-Trace": "1"} if is_tandem and args.trace else {})
     space = serve.load_token_space(None)
     common = (space, args.requests, args.prefixes, tuple(args.prefix_len), args.question_len, args.output_len,
               args.zipf, args.seed)
@@ -156,6 +171,9 @@ async def measure(args, base_url: str, is_tandem: bool) -> dict:
     totals = counters.get("totals", {})
     queries, hits = totals.get("vllm:prefix_cache_queries", 0.0), totals.get("vllm:prefix_cache_hits", 0.0)
     run["computed_per_request"] = (queries - hits) / max(1, len(results))
+    if is_tandem and args.trace:
+        run["stage_gaps_ms"] = median_gaps(results)
+        run["slowest"] = slowest_ttfts(results)
     if is_tandem:
         after = await tandem_counters(base_url)
         run["tier_hit_blocks"] = {t: n - tiers_before["tier_hits"].get(t, 0.0) for t, n in after["tier_hits"].items()}
@@ -206,6 +224,11 @@ def report(runs: dict) -> None:
     print("\nmean ms per stage in the measured window (tandem: engine/timeline.py's phases; both: vLLM's histograms)")
     for arm, run in runs.items():
         print(f"  {arm}: " + ", ".join(f"{k} {v}" for k, v in sorted(run.get("stage_ms", {}).items())))
+    for arm, run in runs.items():
+        if "stage_gaps_ms" in run:
+            print(f"\n{arm}: median ms from the stage before, per stage up to the first token (requests passing it): "
+                  + ", ".join(f"{k} {v['median_ms']} ({v['requests']})" for k, v in run["stage_gaps_ms"].items()))
+            print(format_slowest(run["slowest"]))
 
 
 if __name__ == "__main__":

@@ -159,8 +159,15 @@ def format_summary(summary: dict, title: str) -> str:
 
 
 # tandem's stages up to the first token, in order (engine/timeline.py STAGES).
-TTFT_STAGES = ("arrival", "validated", "tokenized", "routed", "prefill_queued", "prefill_started", "prefill_done",
+TTFT_STAGES = ("arrival", "validated", "tokenized", "routed", "peer_pull_started", "peer_pull_done", "prefill_queued", "prefill_started", "prefill_done",
                "transfer_started", "transfer_done", "decode_admitted", "decode_started", "first_token")
+
+
+def stage_gaps(timeline: dict) -> dict[str, float]:
+    """Milliseconds between consecutive stages of a timeline up to its first token, keyed by the later stage."""
+    times = timeline.get("times", {})
+    passed = sorted(((stage, times[stage]) for stage in TTFT_STAGES if stage in times), key=lambda item: item[1])
+    return {stage: round((at - before) * 1000, 1) for (_, before), (stage, at) in zip(passed, passed[1:])}
 
 
 def slowest_ttfts(results: list[RequestResult], count: int = 5) -> list[dict]:
@@ -170,10 +177,7 @@ def slowest_ttfts(results: list[RequestResult], count: int = 5) -> list[dict]:
     traced = sorted((r for r in results if r.success and r.timeline), key=lambda r: r.ttft, reverse=True)
     out = []
     for r in traced[:count]:
-        times = r.timeline.get("times", {})
-        passed = [(stage, times[stage]) for stage in TTFT_STAGES if stage in times]
-        passed.sort(key=lambda item: item[1])
-        gaps = {stage: round((at - before) * 1000, 1) for (_, before), (stage, at) in zip(passed, passed[1:])}
+        gaps = stage_gaps(r.timeline)
         out.append({"ttft_ms": round(r.ttft * 1000, 1), "arrival_s": round(r.arrival, 2),
                     "path": r.timeline.get("prefill_path"), "reason": r.timeline.get("routing_reason"),
                     "predicted_ttft_ms": None if r.timeline.get("predicted_ttft_s") is None

@@ -189,6 +189,26 @@ def available() -> bool:
     return _library() is not None
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return frozenset()
+
+
+def prefill_kernel_wins(dtype: torch.dtype) -> bool:
+    """Whether `paged_prefill_attention` beats torch's fused SDPA (on gathered blocks) for prompt chunks of
+    `dtype` on this CPU (bench/prefill_attention.py): in fp32 it does (0.6-0.9x SDPA's time). In bf16 it does
+    on CPUs without AMX (0.4-0.5x), but not on those with AMX-BF16, whose tiles run SDPA's bf16 GEMMs in
+    oneDNN 2.3-2.5x faster than the kernel's AVX512-BF16 dot products. TANDEM_PREFILL_KERNEL=1 or 0 decides."""
+    forced = os.environ.get("TANDEM_PREFILL_KERNEL")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return dtype != torch.bfloat16 or "amx_bf16" not in cpu_flags()
+
+
 def fused_available() -> bool:
     return _fused() is not None
 

@@ -97,8 +97,10 @@ class ModelRunner:
         # On CPU fp32 and bf16 decodes are attended in place by the C kernel; elsewhere by gather + SDPA.
         self.paged_kernel = (self.device.type == "cpu" and config.torch_dtype in (torch.float32, torch.bfloat16)
                              and cpu_kernels.available())
-        # and prompt chunks by its prefill kernel (several times torch's fused CPU attention in bf16)
-        self.prefill_kernel = self.paged_kernel and cpu_kernels.prefill_available(head_dim)
+        # and prompt chunks by its prefill kernel where it beats torch's fused SDPA (not in bf16 on CPUs with AMX),
+        # or where SDPA cannot do the model's attention (soft-capped scores: HF's eager math in fp32 instead)
+        self.prefill_kernel = self.paged_kernel and cpu_kernels.prefill_available(head_dim) and (
+            cpu_kernels.prefill_kernel_wins(config.torch_dtype) or getattr(hf, "attn_logit_softcapping", None) is not None)
         # On CUDA, SDPA may pick cuDNN, which plans each new shape on the host (2-2.5 ms per call on an H200,
         # 30 calls a step; a decode's context grows every step, so it never reuses a plan): 60% of a step's
         # host time. Flash and memory-efficient attention launch in microseconds.

@@ -205,7 +205,7 @@ def test_prefill_kernel_logprobs_stay_within_bf16_rounding_of_sdpa(tiny_llama_di
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=5)
     config = dict(model=tiny_llama_dir, num_kv_blocks=128, dtype="bfloat16", max_num_batched_tokens=32)
     with_kernel, fallback = Engine(EngineConfig(**config)), Engine(EngineConfig(**config))
-    assert with_kernel.runner.prefill_kernel
+    with_kernel.runner.prefill_kernel = True  # the default on CPUs without AMX (cpu_kernels.prefill_kernel_wins)
     fallback.runner.prefill_kernel = False
     for ours, theirs in zip(_run(with_kernel, batches, params), _run(fallback, batches, params), strict=True):
         top, expected = ours.logprobs[0]["top_logprobs"], theirs.logprobs[0]["top_logprobs"]
@@ -309,3 +309,19 @@ def test_a_kernel_that_cannot_be_built_is_a_counted_fallback(tiny_llama_dir, tmp
     failed, count, paged, n = done.stdout.strip().rsplit(" ", 3)
     assert "'paged_attention'" in failed and "'fused_ops'" in failed
     assert int(count) == failed.count("'") // 2 and paged == "False" and n == "3"
+
+
+def test_the_prefill_kernel_is_chosen_where_it_beats_sdpa(tiny_llama_dir, monkeypatch):
+    """fp32 always; bf16 only on CPUs without AMX-BF16, whose oneDNN SDPA is 2.3-2.5x faster than the kernel
+    there; TANDEM_PREFILL_KERNEL decides when set."""
+    monkeypatch.delenv("TANDEM_PREFILL_KERNEL", raising=False)
+    for flags, bf16 in ((frozenset({"avx512f", "avx512_bf16"}), True), (frozenset({"avx512_bf16", "amx_bf16"}), False)):
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: flags)
+        assert cpu_kernels.prefill_kernel_wins(torch.float32)
+        assert cpu_kernels.prefill_kernel_wins(torch.bfloat16) is bf16
+        engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=16, dtype="bfloat16"))
+        assert engine.runner.prefill_kernel is (bf16 and cpu_kernels.prefill_available(16))
+    monkeypatch.setenv("TANDEM_PREFILL_KERNEL", "1")
+    assert cpu_kernels.prefill_kernel_wins(torch.bfloat16)
+    monkeypatch.setenv("TANDEM_PREFILL_KERNEL", "0")
+    assert not cpu_kernels.prefill_kernel_wins(torch.float32)
