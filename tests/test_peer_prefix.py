@@ -1,8 +1,9 @@
 """Peer prefix pulls between real workers (issue 41): a prefix cached only on worker A, in its cache or in
 its host tier, is pulled by worker B instead of computed (bytes counted, no prompt token of it computed again,
-the same output), through A's lease, which B releases; a holder that is gone leaves B to compute, counted; a
-prefill worker pulls what a decode worker holds, and the decode worker imports the rest."""
+the same output), through A's lease, which B releases; a holder that is gone, or killed mid-pull, leaves B to
+compute, counted; a prefill worker pulls what a decode worker holds, and the decode worker imports the rest."""
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -13,6 +14,7 @@ from engine import SamplingParams
 from worker_runtime.protocol import GenerateRequest, PrefixSource
 from tests.helpers import wait_for
 from tests.pool_helpers import run_all
+from tests.worker_kills import freeze_kv_export, kill_when_frozen
 
 pytestmark = pytest.mark.ray
 
@@ -72,6 +74,35 @@ def test_a_prefix_in_the_holders_host_tier_is_brought_back_and_pulled(pair):
     assert pulled(b, "tier-b", tokens, PrefixSource(a_id, a, (len(tokens) - 1) // BS)) == want
     assert ray.get(b.transfer_stats.remote())["peer_blocks_pulled"] - before == 12
     assert ray.get(a.stats.remote()).kv_tiers["tiers"]["host"]["hits"] > hits_before
+
+
+def test_a_holder_killed_while_its_blocks_are_pulled_leaves_the_puller_to_compute_counted(pair):
+    """A freezes while B pulls from it (its KV export, and the lease release that confirms a shared-memory copy,
+    never answer) and its process is killed there: B computes the prompt instead (the same tokens), one failed
+    pull counted, nothing B reserved for the pull leaks; Ray starts A again in place."""
+    (a_id, a), (_, b) = pair
+    tokens = prompt(5)
+    [(want, _)] = run_all([GenerateRequest("mid-a", tokens, GREEDY)], a)
+    ray.get(a.__ray_call__.remote(freeze_kv_export))
+    before = ray.get(b.transfer_stats.remote())
+    with ThreadPoolExecutor(1) as pool:
+        got = pool.submit(pulled, b, "mid-b", tokens, PrefixSource(a_id, a, (len(tokens) - 1) // BS))
+        kill_when_frozen(a)
+        assert got.result(timeout=180) == want
+    after = ray.get(b.transfer_stats.remote())
+    failed = {r: n - before["peer_pull_failures_by_reason"].get(r, 0)
+              for r, n in after["peer_pull_failures_by_reason"].items()}
+    assert sum(failed.values()) == 1, failed
+    assert after["peer_blocks_pulled"] == before["peer_blocks_pulled"]  # nothing of the pull was kept
+    assert wait_for(lambda: ray.get(b.stats.remote()).num_active_blocks == 0)
+    assert wait_for(lambda: back(a), timeout_s=120)  # Ray started A again
+
+
+def back(actor) -> bool:
+    try:
+        return ray.get(actor.stats.remote(), timeout=30).num_active_blocks == 0
+    except ray.exceptions.RayError:  # still restarting
+        return False
 
 
 def test_a_holder_that_is_gone_leaves_the_puller_to_compute_counted(pair):

@@ -18,9 +18,6 @@ satisfies a condition, or its KV export): the test waits for the worker to say i
 from __future__ import annotations
 
 import asyncio
-import functools
-import os
-import signal
 import threading
 
 import openai
@@ -41,9 +38,9 @@ from router.placement.cost_model import DisaggConfig
 from router.placement.routing import Router
 from router.placement.request_router import RequestRouter
 from router.placement.worker_view import WorkerView
-from tests import helpers
 from tests.cluster_load import serve_tandem
 from tests.helpers import metric, token_prompt
+from tests.worker_kills import freeze_kv_export, kill_when_frozen, pid_of, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -82,14 +79,6 @@ def params(prompt: list[int], max_tokens: int) -> dict:
 def actor(worker_id: str):
     membership = ray.get(get_controller(NAME, "tandem-tests").membership.remote())
     return next(w.actor for w in membership.workers if w.worker_id == worker_id)
-
-
-def pid_of(handle) -> int:
-    return ray.get(handle.__ray_call__.remote(lambda worker: os.getpid()), timeout=120)
-
-
-# Workers here restart after kills: a state takes far longer to come about than in other tests.
-wait_for = functools.partial(helpers.wait_for, timeout_s=180.0, interval_s=0.1)
 
 
 def ready(worker_id: str) -> bool:
@@ -131,34 +120,12 @@ def _freeze_loop_when(worker, condition) -> None:
     worker.loop.on_step = on_step
 
 
-def _freeze_kv_export(worker) -> None:
-    """In a prefill worker: the first KV chunk a decode worker pulls is never sent, and (a decode worker on
-    this host copies from the shared cache) the lease release that confirms a copy never answers; either
-    way the pull stays open."""
-    worker.frozen = threading.Event()
-
-    def freeze(*args, **kwargs):
-        worker.frozen.set()
-        threading.Event().wait()
-
-    worker.kv_server.export.export_chunk = freeze
-    worker.kv_server.leases.release = freeze
-
-
 def prefilling(engine) -> bool:
     return any(0 < r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
 
 
 def decoded_8_tokens(engine) -> bool:
     return any(r.num_output_tokens >= 8 for r in engine.scheduler.running)
-
-
-def kill_when_frozen(handle) -> None:
-    """SIGKILL the worker's process once it froze (it answers calls while its engine loop is blocked)."""
-    pid = pid_of(handle)
-    frozen = wait_for(lambda: ray.get(handle.__ray_call__.remote(lambda worker: worker.frozen.is_set()), timeout=30))
-    os.kill(pid, signal.SIGKILL)  # frozen or not: a worker left with its freeze hook would hang the tests after it
-    assert frozen, "the worker's engine loop never reached the freeze point"
 
 
 def text_of(chunks) -> str:
@@ -190,7 +157,7 @@ def test_a_prefill_worker_killed_mid_prefill_leaves_the_request_to_its_decode_wo
 def test_a_prefill_worker_killed_while_its_kv_is_pulled_leaves_the_request_to_recompute(app):
     assert ready("prefill-0")
     prefill = actor("prefill-0")
-    ray.get(prefill.__ray_call__.remote(_freeze_kv_export))
+    ray.get(prefill.__ray_call__.remote(freeze_kv_export))
     prompt = token_prompt(80, seed=32)
     reroutes = metric(app, "tandem:request_reroutes_total")
     recomputed = metric(app, "tandem:kv_transfer_failures_total", worker="decode-0", reason="peer_gone")
