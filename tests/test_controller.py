@@ -149,7 +149,10 @@ def test_draining_a_busy_worker_mid_load_lets_its_requests_finish(app, controlle
     assert ray.get(controller.membership.remote()).version > before
     assert_actor_gone(steps["actor"])
     events = [(e.action, e.worker_id) for e in ray.get(controller.scaling_events.remote())]
-    assert events[-3:] == [("drain", victim), ("handoff", victim), ("remove", victim)]
+    # A handoff event comes only when the victim held a prefix of two full blocks or more: the load's prompts are
+    # 5-60 tokens, and which of them the victim served depends on timing.
+    assert [a for a, w in events if w == victim] in (["add", "drain", "handoff", "remove"], ["add", "drain", "remove"])
+    assert events[-1] == ("remove", victim)
 
 
 def test_surviving_workers_hold_no_blocks_once_the_load_is_over(controller):
