@@ -91,11 +91,15 @@ TIMES = re.compile(r'^(tandem:request_stage_seconds|vllm:request_queue_time_seco
                    r'\{([^}]*)\} ([0-9.eE+-]+)$')
 
 
-async def time_sums(base_url: str) -> dict[str, list[float]]:
-    """Seconds and counts per histogram (per stage for tandem's stage histogram), summed over workers."""
+async def metrics_text(base_url: str) -> str:
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{base_url}/metrics") as response:
-            text = await response.text()
+            return await response.text()
+
+
+async def time_sums(base_url: str) -> dict[str, list[float]]:
+    """Seconds and counts per histogram (per stage for tandem's stage histogram), summed over workers."""
+    text = await metrics_text(base_url)
     out: dict[str, list[float]] = {}
     for line in text.splitlines():
         m = TIMES.match(line)
@@ -106,7 +110,7 @@ async def time_sums(base_url: str) -> dict[str, list[float]]:
     return out
 
 
-def median_gaps(results) -> dict[str, float]:
+def median_gaps(results) -> dict[str, dict]:
     """Per stage up to the first token, the median milliseconds since the stage before it, over the requests
     that passed it (X-Tandem-Trace timelines), with how many passed."""
     gaps: dict[str, list[float]] = {}
@@ -129,9 +133,7 @@ def mean_ms(before: dict[str, list[float]], after: dict[str, list[float]]) -> di
 
 async def tandem_counters(base_url: str) -> dict:
     """Hits per tier (blocks promoted back) and blocks pulled from peers, from tandem's /metrics."""
-    async with aiohttp.ClientSession() as http:
-        async with http.get(f"{base_url}/metrics") as response:
-            text = await response.text()
+    text = await metrics_text(base_url)
     out = {"tier_hits": {}, "peer_blocks": 0.0}
     for line in text.splitlines():
         m = TIER_HITS.match(line)

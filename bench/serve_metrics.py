@@ -159,8 +159,8 @@ def format_summary(summary: dict, title: str) -> str:
 
 
 # tandem's stages up to the first token, in order (engine/timeline.py STAGES).
-TTFT_STAGES = ("arrival", "validated", "tokenized", "routed", "peer_pull_started", "peer_pull_done", "prefill_queued", "prefill_started", "prefill_done",
-               "transfer_started", "transfer_done", "decode_admitted", "decode_started", "first_token")
+TTFT_STAGES = ("arrival", "validated", "tokenized", "routed", "peer_pull_started", "peer_pull_done", "prefill_queued",
+               "prefill_started", "prefill_done", "transfer_started", "transfer_done", "decode_admitted", "decode_started", "first_token")
 
 
 def stage_gaps(timeline: dict) -> dict[str, float]:

@@ -49,16 +49,13 @@ def _arch_flags(bf16_dot: bool = False) -> list[str]:
     With `bf16_dot`, also AVX512-BF16 where the CPU has it (bf16 pair dot products)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
-    try:
-        cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return []
-    if not {"avx2", "fma"} <= cpu_flags:
+    flags = cpu_flags()
+    if not {"avx2", "fma"} <= flags:
         return []
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-    if not avx512 <= cpu_flags:
+    if not avx512 <= flags:
         return ["-mavx2", "-mfma"]
-    bf16 = ["-mavx512bf16"] if bf16_dot and "avx512_bf16" in cpu_flags else []
+    bf16 = ["-mavx512bf16"] if bf16_dot and "avx512_bf16" in flags else []
     return ["-mavx2", "-mfma"] + [f"-m{flag}" for flag in sorted(avx512)] + bf16
 
 
@@ -189,7 +186,6 @@ def available() -> bool:
     return _library() is not None
 
 
-@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
     try:
