@@ -23,6 +23,7 @@ from cluster.config import ClusterConfig, ConfigError
 from cluster.controller import CONTROLLER_NAME, ON_HEAD, get_controller, start_controller
 from cluster.pools import stop_named_workers
 from router.api.ingress import Ingress, IngressConfig
+from router.api.quota_ledger import QuotaLedger
 from router.metrics import MetricsHub
 from router.api.audit import AuditConfig
 from router.placement.cost_model import DisaggConfig
@@ -61,9 +62,15 @@ def build_app(args: ClusterConfig) -> Application:
     # ingress's 429 and Retry-After; Serve's queue (which a burst passes through on its way to the
     # replica) stays bounded too.
     limit = sum(sub.router.max_queued_requests for sub in models) + CONTROL_HEADROOM
+    # Several replicas count tenants' quotas in one ledger; one replica counts them itself (exact, no calls).
+    ledger = None
+    if config.ingress_replicas > 1 and any(sub.has_quotas() for sub in models):
+        ledger = ray.remote(QuotaLedger).options(name=f"{config.name}-quotas", namespace=config.namespace,
+                                                 get_if_exists=True, lifetime="detached", num_cpus=0,
+                                                 max_restarts=-1, **ON_HEAD).remote()
     return Ingress.options(num_replicas=config.ingress_replicas, max_ongoing_requests=limit,
                            max_queued_requests=limit).bind([ingress_config(sub) for sub in models], controllers,
-                                                            hub, admin)
+                                                            hub, admin, ledger, config.ingress_replicas)
 
 
 def ingress_config(config: ClusterConfig) -> IngressConfig:
@@ -150,6 +157,7 @@ def shutdown_cluster(name: str = "tandem", namespace: str = "tandem") -> None:
             _shutdown_one(sub, namespace)
     _shutdown_one(name, namespace)
     _kill(f"{name}-metrics", namespace)
+    _kill(f"{name}-quotas", namespace)
 
 
 def _shutdown_one(name: str, namespace: str) -> None:

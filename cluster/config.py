@@ -315,7 +315,9 @@ class AuditOptions(_Strict):
 
 class TenantOptions(_Strict):
     """One tenant's share of the ingress under saturation and its quotas (router/api/flow_control.py);
-    null: no limit. `max_priority`: the most urgent priority (the smallest number) its requests may ask for."""
+    null: no limit. `max_priority`: the most urgent priority (the smallest number) its requests may ask for.
+    `max_concurrent` and `tokens_per_minute` are the cluster's, whatever the ingress replicas; `max_queued` is
+    per replica."""
     weight: float = Field(1.0, gt=0, le=1e6)
     max_concurrent: int | None = Field(None, ge=1)
     max_queued: int | None = Field(None, ge=1)
@@ -454,6 +456,11 @@ class ClusterConfig(_Strict):
         for key in keys:
             refuse_placeholder(key, "api_keys")
         return keys
+
+    def has_quotas(self) -> bool:
+        """Whether any tenant (or the default one) has a quota several ingress replicas must count together."""
+        return any(t.tokens_per_minute is not None or t.max_concurrent is not None
+                   for t in [*self.tenants.values(), self.flow.default_tenant])
 
     def flow_config(self) -> FlowConfig:
         f = self.flow

@@ -212,7 +212,8 @@ class FlowMetrics:
         self.admitted = Counter("tandem:flow_admitted_requests", "Requests let through flow control (at once or "
                                 "after queueing).", ["tenant", "priority"], registry=r)
         self.refused = Counter("tandem:flow_refused_requests", "Requests refused by flow control, by reason "
-                               "(tokens_per_minute, max_queued: 429).", ["tenant", "priority", "reason"],
+                               "(tokens_per_minute, max_queued: 429; shed, ledger: 503).",
+                               ["tenant", "priority", "reason"],
                                registry=r)
         self.cancelled = Counter("tandem:flow_cancelled_requests", "Queued requests whose client left before "
                                  "their turn.", ["tenant"], registry=r)
@@ -224,6 +225,9 @@ class FlowMetrics:
         self.pump_errors = Counter("tandem:flow_pump_errors", "Times the ingress queue's watcher failed to let "
                                    "requests on (a bug; logged, and the watcher kept watching). Zero normally.",
                                    registry=r)
+        self.ledger_errors = Counter("tandem:flow_ledger_errors", "Calls to the quota ledger (tenants' quotas shared "
+                                     "by several ingress replicas) that got no answer; the requests they were for "
+                                     "got 503. Zero normally.", registry=r)
 
 
 class ScalingCollector:

@@ -86,6 +86,10 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    # The one HTTP proxy (on the head) would send every request to the ingress replica on its own node; in a
+    # real cluster each node's proxy feeds its node's replica. Here requests spread over the replicas at random,
+    # so that tests of several replicas reach them all (the variable reaches the proxy through the raylets).
+    os.environ.setdefault("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 8, "resources": {"prefill_pool": 100}, "include_dashboard": False})
     cluster.add_node(num_cpus=8, resources={"decode_pool": 100})

@@ -18,6 +18,8 @@ Quotas per tenant (`TenantPolicy`): requests in flight at once (the rest queue),
 429), and prompt + output tokens per minute (a token bucket charged with the prompt and max_tokens when the
 request is let in, refunded by what it did not generate; a request the bucket cannot cover now gets 429 with
 a Retry-After at which it can). A client that leaves while queued is removed at once (`enter` is cancelled).
+With several ingress replicas, tokens per minute and max_concurrent are counted cluster-wide: each replica
+leases them from one ledger (router/api/quota_ledger.py); max_queued and max_in_flight stay per replica.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from router.api.openai_api import APIError
+from router.api.quota_ledger import LedgerUnavailable, SharedQuotas
 
 logger = logging.getLogger(__name__)
 
@@ -263,8 +266,10 @@ class FlowControl:
 
     def __init__(self, config: FlowConfig | None = None, saturated: Callable[[], bool] = lambda: False,
                  metrics=None, clock: Callable[[], float] = time.monotonic,
-                 wait_for_loads: Callable[[float], Awaitable[None]] | None = None):
+                 wait_for_loads: Callable[[float], Awaitable[None]] | None = None,
+                 shared: SharedQuotas | None = None):
         self.config = config or FlowConfig()
+        self.shared = shared  # the cluster-wide quotas, with several ingress replicas; None: counted here
         self.saturated = saturated  # the router's word: placing more now only queues them on workers
         self.wait_for_loads = wait_for_loads
         self._watcher: asyncio.Task | None = None
@@ -316,10 +321,7 @@ class FlowControl:
                     f"the request may use {cost} tokens (prompt {prompt_tokens} + max_tokens {max_output}), more "
                     f"than tenant {tenant!r} may use in a minute ({policy.tokens_per_minute}); lower max_tokens",
                     "max_tokens")
-            bucket = self.buckets.get(tenant)
-            if bucket is None:
-                bucket = self.buckets[tenant] = TokenBucket(policy.tokens_per_minute, self.clock)
-            wait_s = bucket.take(cost)
+            wait_s = await self._take_tokens(tenant, priority, policy.tokens_per_minute, cost)
             if wait_s:
                 self._refused(tenant, priority, "tokens_per_minute")
                 retry = max(1, math.ceil(wait_s))
@@ -347,6 +349,7 @@ class FlowControl:
             entry.granted = asyncio.get_running_loop().create_future()
             self._observe_queue()
             self.pump()
+            self._lease_slots(tenant)
             self._watch()
             try:
                 grant.ahead = await entry.granted
@@ -358,6 +361,7 @@ class FlowControl:
                 else:
                     self.queue.remove(entry)
                     self._observe_queue()
+                    self._trim_slots(tenant)
                     if self.metrics is not None:
                         self.metrics.cancelled.labels(tenant).inc()
                 raise
@@ -366,6 +370,51 @@ class FlowControl:
         except BaseException:
             self._refund(grant, grant.charged)  # it never ran
             raise
+
+    async def _take_tokens(self, tenant: str, priority: int, per_minute: int, cost: int) -> float:
+        """Charge `cost` to the tenant's budget: 0, or the seconds until it can be (nothing charged)."""
+        if self.shared is None:
+            bucket = self.buckets.get(tenant)
+            if bucket is None:
+                bucket = self.buckets[tenant] = TokenBucket(per_minute, self.clock)
+            return bucket.take(cost)
+        try:
+            return await self.shared.take_tokens(tenant, per_minute, cost)
+        except LedgerUnavailable as exc:
+            self._refused(tenant, priority, "ledger")
+            raise self._ledger_error(tenant, exc) from exc
+
+    @staticmethod
+    def _ledger_error(tenant: str, exc: Exception) -> APIError:
+        return APIError(503, f"tenant {tenant!r}'s quota cannot be checked now ({exc}); retry after 1s",
+                        type="service_unavailable", code="quota_ledger_unavailable", headers={"Retry-After": "1"})
+
+    def _lease_slots(self, tenant: str) -> None:
+        """With shared quotas, lease slots for the tenant's queued requests from the ledger (each lease lets
+        the queue pump); if the ledger does not answer, its queued requests get 503."""
+        cap = self.config.policy(tenant).max_concurrent
+        if self.shared is None or cap is None:
+            return
+
+        def needed() -> int:
+            return self.running.get(tenant, 0) + self.queue.queued(tenant)
+
+        if self.shared.held.get(tenant, 0) < needed():
+            self.shared.want_slot(tenant, cap, needed, self.pump, lambda exc: self._fail_queued(tenant, exc))
+
+    def _trim_slots(self, tenant: str) -> None:
+        if self.shared is not None and self.config.policy(tenant).max_concurrent is not None:
+            self.shared.trim(tenant, self.running.get(tenant, 0) + self.queue.queued(tenant))
+
+    def _fail_queued(self, tenant: str, exc: Exception) -> None:
+        """The ledger did not answer while the tenant's requests waited for slots: they get 503 now."""
+        t = self.queue.tenants.get(tenant)
+        for entry in list(t.entries) if t is not None else []:
+            self.queue.remove(entry)
+            if entry.granted is not None and not entry.granted.done():
+                self._refused(tenant, entry.priority, "ledger")
+                entry.granted.set_exception(self._ledger_error(tenant, exc))
+        self._observe_queue()
 
     def _shed(self, tenant: str, priority: int, deadline_s: float | None, predict) -> None:
         """503 + Retry-After when shedding applies to the request and its first token is predicted after its
@@ -431,7 +480,10 @@ class FlowControl:
 
     def _tenant_has_room(self, tenant: str) -> bool:
         cap = self.config.policy(tenant).max_concurrent
-        return cap is None or self.running.get(tenant, 0) < cap
+        running = self.running.get(tenant, 0)
+        if cap is None:
+            return True
+        return running < cap and (self.shared is None or self.shared.has_slot(tenant, running))
 
     def _has_room(self, tenant: str) -> bool:
         return self._room() and self._tenant_has_room(tenant)
@@ -464,12 +516,17 @@ class FlowControl:
         if unused is not None:
             self._refund(grant, unused)
         self.pump()
+        self._trim_slots(grant.tenant)
 
     def _refund(self, grant: Grant, tokens: int) -> None:
         """Give `tokens` of the request's charge back to its tenant's budget."""
-        bucket = self.buckets.get(grant.tenant)
-        if bucket is not None and grant.charged:
-            bucket.give_back(min(tokens, grant.charged))
+        if grant.charged and tokens > 0:
+            if self.shared is not None:
+                per_minute = self.config.policy(grant.tenant).tokens_per_minute
+                if per_minute is not None:
+                    self.shared.give_back(grant.tenant, per_minute, min(tokens, grant.charged))
+            elif (bucket := self.buckets.get(grant.tenant)) is not None:
+                bucket.give_back(min(tokens, grant.charged))
         grant.charged = 0
 
     def _watch(self) -> None:

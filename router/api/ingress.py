@@ -31,6 +31,7 @@ from router.api.audit_sink import AuditWriter
 from router.api.auth import Authenticator
 from router.api.chat_output import ChatParsing
 from router.api.flow_control import FlowConfig, FlowControl
+from router.api.quota_ledger import SharedQuotas
 from router.placement.index import PrefixIndex
 from router.placement.latency_report import LatencyReporter
 from router.metrics import Metrics, labelled_series
@@ -125,10 +126,12 @@ class Ingress:
     `controllers`: the cluster controller's actor handle (membership, latency reports, scaling report), or with
     several models (`configs`, one each) a list of their controllers;
     `metrics_hub`: a `router.metrics.MetricsHub` actor shared by the replicas; `extra_routes`: makes the
-    routes mounted beside the API (the admin API), given `find_trace` (recent requests' timelines)."""
+    routes mounted beside the API (the admin API), given `find_trace` (recent requests' timelines);
+    `quota_ledger`: with several replicas (`replicas`), the `QuotaLedger` actor that counts tenants' quotas
+    for all of them (None: each replica counts its own)."""
 
     async def __init__(self, configs: IngressConfig | list[IngressConfig], controllers, metrics_hub,
-                       extra_routes: Callable[..., APIRouter] | None = None):
+                       extra_routes: Callable[..., APIRouter] | None = None, quota_ledger=None, replicas: int = 1):
         configs = configs if isinstance(configs, list) else [configs]
         controllers = controllers if isinstance(controllers, list) else [controllers]
         self.config = config = configs[0]
@@ -137,7 +140,8 @@ class Ingress:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         install_request_log_records()
         configure_tracing(config.otlp_endpoint, config.service_name, "ingress")
-        self.stacks = [await self._stack(c, controller) for c, controller in zip(configs, controllers)]
+        self.stacks = [await self._stack(c, controller, quota_ledger, self.replica_id, replicas)
+                       for c, controller in zip(configs, controllers)]
         first = self.stacks[0]
         # The first model's, for what serves one model (and this replica's operator views below).
         self.controller, self.metrics, self.view = first.controller, first.metrics, first.view
@@ -146,7 +150,8 @@ class Ingress:
             asyncio.create_task(self._publish_metrics()), asyncio.create_task(self._share_traces())]
 
     @staticmethod
-    async def _stack(config: IngressConfig, controller) -> ModelStack:
+    async def _stack(config: IngressConfig, controller, quota_ledger=None, replica_id: str = "",
+                     replicas: int = 1) -> ModelStack:
         """One model's ingress: its tokenizer, metrics, worker view and index, router and OpenAI service."""
         tokenizer, model = await asyncio.to_thread(load_model_info, config)
         metrics = Metrics()
@@ -158,8 +163,10 @@ class Ingress:
             config.audit.sink, config.audit.max_queue, metrics.audit_records, metrics.audit_dropped)
         requests = RequestRouter(view, metrics, latencies, migration_limit=config.migration_limit,
                                  decode_wait_s=config.decode_wait_s, layerwise=config.layerwise)
+        shared = None if quota_ledger is None else SharedQuotas(quota_ledger, config.model_name, replica_id, replicas,
+                                                                 metrics.flow.ledger_errors)
         flow = FlowControl(config.flow, saturated=requests.saturated, metrics=metrics.flow,
-                           wait_for_loads=view.wait_for_loads)
+                           wait_for_loads=view.wait_for_loads, shared=shared)
         service = OpenAIService(model, tokenizer, Authenticator(config.api_keys),
                                 Admission(config.max_queued_requests, metrics.rejected.labels("admission_full")),
                                 requests, config.block_size, config.limits,
@@ -167,7 +174,10 @@ class Ingress:
                                 TraceStore(config.recent_requests),
                                 Audit(config.audit, model.name, model.revision, writer), flow,
                                 adapters=lambda: view.adapters)
-        return ModelStack(model.name, controller, metrics, view, service, [asyncio.create_task(latencies.run())])
+        tasks = [asyncio.create_task(latencies.run())]
+        if shared is not None:
+            tasks.append(asyncio.create_task(shared.renew_forever()))
+        return ModelStack(model.name, controller, metrics, view, service, tasks)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Serve's proxy makes the request id when the client sends none (so the replica always sees one in
