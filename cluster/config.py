@@ -563,7 +563,7 @@ class ClusterConfig(_Strict):
                             reasoning_markers=(self.reasoning.start, self.reasoning.end) if self.reasoning else None,
                             enable_lora=self.lora.enabled, max_loras=self.lora.max_loras,
                             max_lora_rank=self.lora.max_lora_rank, max_cpu_loras=self.lora.max_cpu_loras,
-                            **self.engine.model_dump())
+                            priority_aging_s=self.flow.aging_s, **self.engine.model_dump())
 
     def transfer_config(self) -> TransferConfig:
         token = self.transfer.token or os.environ.get("TANDEM_KV_TOKEN", "")

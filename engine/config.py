@@ -114,6 +114,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # A waiting request's priority improves by one per this many seconds since it was queued (ClusterConfig's
+    # flow.aging_s), so that none waits forever behind a stream of more urgent ones; None: no aging.
+    priority_aging_s: float | None = 10.0
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -126,6 +129,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be at least 2")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be positive")
+        if self.priority_aging_s is not None and not self.priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be positive or None, got {self.priority_aging_s}")
         if self.reasoning_markers is not None and not all(self.reasoning_markers):
             raise ValueError("reasoning_markers must be two non-empty strings")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \

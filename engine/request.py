@@ -59,6 +59,10 @@ class Request:
     beam_search: object | None = None  # the BeamSearch this request is a beam of
     cumulative_logprob: float = 0.0  # of its output tokens, kept for beams
     priority: float = 0  # vLLM's meaning: lower is scheduled first and preempted last (x.5: ahead of band x+1)
+    # The priority it came with and when it was queued: while it waits, `priority` improves by one band per
+    # EngineConfig.priority_aging_s (Scheduler._age_waiting).
+    base_priority: float | None = None
+    queued_at: float = 0.0
     spec: SpecState | None = None  # its speculative decoding, when it speculates (engine/spec_decode/)
     spec_token_ids: list[int] = field(default_factory=list)  # this step's draft, verified by the forward
     lora: LoRARequest | None = None  # the adapter it runs with (engine/lora.py); None: the base model

@@ -1,6 +1,7 @@
 """Continuous batching under a token budget, with chunked prefill and preemption by recompute."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,10 +52,29 @@ class Scheduler:
         # any more waits in `lora_failed` for the engine to fail it.
         self.loras = None
         self.lora_failed: list[tuple[Request, Exception]] = []
+        self.aging_s = config.priority_aging_s
+        self.clock = time.monotonic
 
     def add(self, req: Request) -> None:
         """Queue behind every waiting request of its priority or a more urgent one (lower runs first)."""
+        if req.base_priority is None:
+            req.base_priority, req.queued_at = req.priority, self.clock()
         self._enqueue(req, front=False)
+
+    def _age_waiting(self) -> None:
+        """Bounded starvation: a waiting request's priority improves by one band per `aging_s` since it was
+        queued (a preempted one keeps its age), so a stream of more urgent requests delays it by at most
+        (its priority - theirs) x aging_s. Running requests keep the priority they had when admitted, which also
+        makes them later victims of preemption. The queue is reordered (stably) when one changed band."""
+        if self.aging_s is None or not self.waiting:
+            return
+        now, changed = self.clock(), False
+        for req in self.waiting:
+            aged = req.base_priority - int((now - req.queued_at) / self.aging_s)
+            if aged < req.priority:
+                req.priority, changed = aged, True
+        if changed:
+            self.waiting = deque(sorted(self.waiting, key=lambda r: r.priority))
 
     def _enqueue(self, req: Request, front: bool) -> None:
         """Insert into `waiting` by priority: at the front of its band (`front`: a preempted request resumes
@@ -78,6 +98,7 @@ class Scheduler:
         for this step (a forward on borrowed cores)."""
         budget = StepBudget(min(self.max_num_batched_tokens, token_cap or self.max_num_batched_tokens),
                             self._num_decodes() if self.prefill_budget is not None else 0)
+        self._age_waiting()
         scheduled: list[tuple[Request, int]] = []
         band = self._prompt_band()
         if not self._schedule_running(budget, scheduled, self._short_prompt_waits(budget), band):
@@ -255,8 +276,11 @@ class Scheduler:
 
     def add_forked(self, children: list[Request]) -> None:
         """Queue forks first: they hold their parent's blocks and join the next step."""
+        now = self.clock()
         for child in reversed(children):
             child.status = RequestStatus.WAITING
+            if child.base_priority is None:
+                child.base_priority, child.queued_at = child.priority, now
             self.waiting.appendleft(child)
 
     def replace(self, old: Request, new: Request) -> None:

@@ -311,3 +311,39 @@ def test_an_urgent_prompt_that_waits_for_its_prefix_lets_the_prompt_computing_it
     urgent.priority = -1
     sched.add(urgent)
     assert step(sched) == [("bulk", 16)]
+
+
+def test_a_waiting_request_ages_one_band_per_aging_s_so_a_stream_of_urgent_ones_delays_it_a_bounded_time():
+    """max_num_seqs=1 and a new urgent request every step: without aging, `bg` (priority 2) would wait for ever.
+    It moves up one band per aging_s of waiting and is admitted once it is as urgent as they (at 2 x aging_s),
+    ahead of the urgent ones that came after it; it keeps that priority while running."""
+    sched = Scheduler(EngineConfig(max_num_seqs=1, priority_aging_s=10.0), BlockManager(64, BLOCK, True))
+    now = [0.0]
+    sched.clock = lambda: now[0]
+    bg = request("bg", 3, first_token=500)
+    bg.priority = 2
+    sched.add(bg)
+    admitted = []
+    for i in range(30):  # one step a second
+        urgent = request(f"u{i}", 3, first_token=10 * i)
+        sched.add(urgent)
+        sched.schedule()
+        admitted += [r.request_id for r in sched.running]
+        sched.running.clear()  # each finishes within its step: the seat is free again
+        now[0] += 1.0
+    assert "bg" in admitted
+    start = admitted.index("bg")
+    assert 19 <= start <= 21, admitted  # priority 2 -> 0 after 20 s
+    assert bg.priority == 0 and bg.base_priority == 2
+    # Without aging the same stream starves it.
+    sched = Scheduler(EngineConfig(max_num_seqs=1, priority_aging_s=None), BlockManager(64, BLOCK, True))
+    sched.clock = lambda: now[0]
+    bg = request("bg", 3, first_token=500)
+    bg.priority = 2
+    sched.add(bg)
+    for i in range(30):
+        sched.add(request(f"u{i}", 3, first_token=10 * i))
+        sched.schedule()
+        assert [r.request_id for r in sched.running] != ["bg"]
+        sched.running.clear()
+        now[0] += 1.0
