@@ -11,7 +11,7 @@ from engine.kv_events import KVEvent, KVEventBatch
 from router.placement.index import PrefixIndex
 from engine.step_costs import (DECODE_WINDOW, PRIOR_BORROW_EFFICIENCY, PRIOR_DECODE_BATCH_SLOPE, PRIOR_DECODE_STEP_S,
                                PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, PRIOR_PREFILL_TOKENS_PER_S,
-                               StepCosts, TransferSpeed)
+                               MIN_CHUNK_TOKENS, StepCosts, TransferSpeed)
 from router.placement.routing import (EXPECTED_OUTPUT_TOKENS, ArrivalRate, NoDecodeWorker, Router, spread_backlog,
                                       with_arrivals,
                                       with_backlog)
@@ -523,6 +523,26 @@ def test_the_router_places_by_measured_cost_by_default_and_by_thresholds_when_to
     fixed = Router(PrefixIndex(), BLOCK, disagg=CONFIG, rng=random.Random(0)).route(hashes, len(tokens), prefill,
                                                                                      decode)
     assert fixed.prefill is None and fixed.reason == "short_uncached_prompt"
+
+
+def test_thresholds_placement_predicts_the_first_token_on_the_path_it_took():
+    """What SLO-aware shedding compares against a deadline, whichever rule placed the request: the cost model's
+    prediction for the path the thresholds chose, from arrival (`elapsed_s` ago), queues included."""
+    router = Router(PrefixIndex(), BLOCK, disagg=CONFIG, rng=random.Random(0))
+    short = prompt(1, prefix=[], suffix_blocks=16)  # 256 tokens: local
+    decode = decode_worker(num_running=4)
+    local = router.route(block_hashes(short, BLOCK), len(short), [prefill_worker()], [decode], elapsed_s=0.3,
+                         record=False)
+    assert local.prefill is None
+    assert local.predicted_ttft_s == pytest.approx(0.3 + local_prefill_cost(256, 0, decode, CONFIG.itl_slo_s,
+                                                                            MIN_CHUNK_TOKENS, CONFIG.stall_ratio)[0])
+    long = prompt(2, prefix=[], suffix_blocks=160)  # 2560 tokens: remote, behind a queued prompt
+    queued = prefill_worker(num_waiting=1, queued_prefill_tokens=1024)
+    remote = router.route(block_hashes(long, BLOCK), len(long), [queued], [decode], record=False)
+    assert remote.prefill is not None and remote.reason == "long_uncached_prompt"
+    assert remote.predicted_ttft_s == pytest.approx(remote_prefill_ttft(2560, 0, 0, queued, decode))
+    assert remote.predicted_ttft_s > router.route(block_hashes(long, BLOCK), len(long), [prefill_worker()],
+                                                  [decode], record=False).predicted_ttft_s
 
 
 def test_round_robin_takes_the_workers_in_turn_whatever_they_cache():

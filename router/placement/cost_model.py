@@ -68,6 +68,18 @@ def decide_prefill(prompt_tokens: int, decode_cached_tokens: int, prefill: Worke
     return PrefillDecision(True, "long_uncached_prompt")
 
 
+def predicted_ttft(decision: PrefillDecision, prompt_tokens: int, decode_cached_tokens: int,
+                   prefill_cached_tokens: int, decode: WorkerLoad, prefill: WorkerLoad | None, config: DisaggConfig,
+                   elapsed_s: float = 0.0, min_chunk: int = MIN_CHUNK_TOKENS) -> float:
+    """The first token's predicted seconds from arrival on the path a decision took by another rule than cost
+    (`decide_prefill`'s thresholds): what SLO-aware shedding and the request's timeline compare against."""
+    if decision.remote and prefill is not None:
+        return elapsed_s + remote_prefill_ttft(prompt_tokens, prefill_cached_tokens, decode_cached_tokens, prefill,
+                                               decode)
+    return elapsed_s + local_prefill_cost(prompt_tokens, decode_cached_tokens, decode, config.itl_slo_s, min_chunk,
+                                          config.stall_ratio)[0]
+
+
 def remote_prefill_ttft(prompt_tokens: int, prefill_cached_tokens: int, decode_cached_tokens: int,
                         prefill: WorkerLoad, decode: WorkerLoad) -> float:
     """Predicted seconds to the first token on the remote path: the prefill worker's queue (its queued

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from router.placement.cost_model import (DisaggConfig, PrefillDecision, decide_prefill, decide_prefill_by_cost,
-                                         decode_seconds, displaced_seconds, peer_pull_pays)
+                                         decode_seconds, displaced_seconds, peer_pull_pays, predicted_ttft)
 from router.placement.cpu_lending import lent_threads
 from router.placement.index import PrefixIndex
 from router.placement.pool_policy import CostWeights, Placement, PoolPolicy
@@ -176,6 +176,9 @@ class Router:
                 raise NoDecodeWorker("no decode worker is healthy and accepting requests")
             if self.disagg.placement == "thresholds":
                 decision = decide_prefill(prompt_tokens, decode.cached_tokens, prefill_load, self.disagg)
+                decision.predicted_ttft_s = predicted_ttft(decision, prompt_tokens, decode.cached_tokens, prefill_cached,
+                                                           _load_of(decode, decode_loads), prefill_load, self.disagg,
+                                                           elapsed_s)
             else:
                 decision = decide_prefill_by_cost(prompt_tokens, decode.cached_tokens, prefill_cached,
                                                   _load_of(decode, decode_loads), prefill_load, self.disagg, elapsed_s)

@@ -174,8 +174,7 @@ class WorkerView:
                      prefill_backlog: Mapping[str, tuple[int, int]] | None = None,
                      ingress_backlog: tuple[int, int] | None = None) -> float | None:
         """The first token's predicted seconds from arrival if the request were placed now (behind
-        `ingress_backlog`, see Router.route); None when no decode worker is schedulable or placement does not
-        predict (placement: thresholds)."""
+        `ingress_backlog`, see Router.route); None when no decode worker is schedulable."""
         decision = self.preview(block_hashes, prompt_tokens, elapsed_s, output_tokens, prefill_backlog,
                                 ingress_backlog)
         return None if decision is None else decision.predicted_ttft_s
