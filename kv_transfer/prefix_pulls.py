@@ -38,7 +38,7 @@ class PrefixPuller:
         source = request.prefix_source
         bs = self.engine.config.block_size
         num_blocks = min(source.num_blocks, (req.num_prompt_tokens - 1) // bs)
-        await self.loop.run(self.engine.block_manager.update_block_hashes, req)
+        await self.loop.run(self.engine.block_manager.update_block_hashes, req, between_layers=True)
         request.stamp("peer_pull_started")
         await self.pull_chain(source.worker_id, source.actor, req.block_hashes[:num_blocks],
                               req.all_token_ids[:num_blocks * bs])
@@ -53,7 +53,7 @@ class PrefixPuller:
         """Pull what this worker lacks of the chain from `source` (the peer's actor); what it has already (tiers
         included) is not pulled. A failure leaves it to compute, counted per reason. Returns the blocks pulled."""
         bm = self.engine.block_manager
-        reserved = await self.loop.run(bm.reserve_prefix, block_hashes, token_ids)
+        reserved = await self.loop.run(bm.reserve_prefix, block_hashes, token_ids, between_layers=True)
         if reserved is None:
             self.failures.record("no_free_blocks", source_id, "no free KV blocks to pull a prefix into")
             return 0
@@ -80,7 +80,7 @@ class PrefixPuller:
         except BaseException:
             await self._give_back(dst, handle)
             raise
-        await self.loop.run(self._adopt, block_hashes, token_ids, used, have, dst[len(used):])
+        await self.loop.run(self._adopt, block_hashes, token_ids, used, have, dst[len(used):], between_layers=True)
         if stats.path != "shm":  # an shm copy released the lease; telling the peer is off the prefill's path
             self.release_later(handle)
         self.counters["peer_pulls"] += 1

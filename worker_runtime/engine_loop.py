@@ -2,7 +2,9 @@
 
 Workers are async Ray actors: many request streams wait on one batch. Only the loop thread touches
 the engine. Everyone else submits commands (add, abort, stats, ...) to its inbox; the loop runs them
-between steps, so an actor's event loop never waits for a model step to finish.
+between steps, so an actor's event loop never waits for a model step to finish. A `between_layers` command
+(a peer's prefix lease: the block manager's bookkeeping, nothing the running forward reads) does not wait for
+the step either: the loop thread runs it before the forward's next decoder layer.
 """
 from __future__ import annotations
 
@@ -31,6 +33,28 @@ class EngineStopped(RuntimeError):
     """The worker is shutting down: its engine takes no more commands."""
 
 
+def run_between_layers(model, pending: deque, run: Callable[[], None]) -> bool:
+    """Before each decoder layer of a forward, `run()` the commands `pending` holds (a deque the loop thread
+    drains). False when the model's layers cannot be found: such commands then wait for the step's end."""
+    import torch  # with the model, not in the control plane
+
+    from engine.layer_progress import decoder_layers
+    try:
+        layers = decoder_layers(model)
+    except (AttributeError, ValueError) as exc:
+        logger.warning("commands between layers wait for the end of each step instead: %s", exc)
+        return False
+    capturing = torch.cuda.is_current_stream_capturing if torch.cuda.is_available() else (lambda: False)
+
+    def check(module, args) -> None:
+        if pending and not capturing():
+            run()
+
+    for layer in layers:
+        layer.register_forward_pre_hook(check)
+    return True
+
+
 def watch_lenders(model, cores: PinnedCores, context: StepContext) -> None:
     """Before each decoder layer of a forward, give back the borrowed cores whose owner turned busy and take
     those lent since (`PinnedCores.rebalance`): a forward cannot stop halfway, but it can shrink and grow.
@@ -56,6 +80,7 @@ class EngineLoop:
         self.on_step = on_step
         self.cores = cores  # told before each step and before each wait: lends or borrows idle cores
         self.inbox: deque[tuple[Callable, tuple, Future]] = deque()
+        self.between: deque[tuple[Callable, tuple, Future]] = deque()  # `between_layers` commands
         self.wakeup = threading.Event()
         self.urgent = threading.Event()  # a command that should not wait out a pause lending the cores
         self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -65,14 +90,20 @@ class EngineLoop:
         self.step_context = StepContext()  # whether the coming step runs on borrowed cores, told to each step
         if cores is not None and cores.binding.borrow and cores.owned:
             watch_lenders(engine.runner.model, cores, self.step_context)
+        model = getattr(getattr(engine, "runner", None), "model", None)
+        self.runs_between_layers = model is not None and run_between_layers(model, self.between,
+                                                                            lambda: self._drain(self.between))
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
-    def submit(self, fn: Callable[..., T], *args, urgent: bool = False) -> Future:
+    def submit(self, fn: Callable[..., T], *args, urgent: bool = False, between_layers: bool = False) -> Future:
         """Run `fn(*args)` on the loop thread before its next step; returns a future of the result. An
-        `urgent` one (a new request) also ends a pause in which the loop lends its cores."""
+        `urgent` one (a new request) also ends a pause in which the loop lends its cores. A `between_layers`
+        one runs before the running forward's next decoder layer, if one is running: only for commands that
+        touch nothing the step reads or writes until it ends (new references to cached blocks, blocks from the
+        free list)."""
         future: Future = Future()
-        self.inbox.append((fn, args, future))
+        (self.between if between_layers else self.inbox).append((fn, args, future))
         self.wakeup.set()
         if urgent:
             self.urgent.set()
@@ -80,9 +111,9 @@ class EngineLoop:
             self._fail_inbox()
         return future
 
-    async def run(self, fn: Callable[..., T], *args, urgent: bool = False) -> T:
+    async def run(self, fn: Callable[..., T], *args, urgent: bool = False, between_layers: bool = False) -> T:
         """`submit` for asyncio callers. Cancelling the caller does not cancel the command."""
-        return await asyncio.wrap_future(self.submit(fn, *args, urgent=urgent))
+        return await asyncio.wrap_future(self.submit(fn, *args, urgent=urgent, between_layers=between_layers))
 
     def subscribe(self, request_id: str, queue: asyncio.Queue | None = None) -> asyncio.Queue:
         """The queue `request_id`'s outputs go to: a new one, or `queue` (the candidates of one prompt share one)."""
@@ -140,8 +171,13 @@ class EngineLoop:
 
     def _run_commands(self) -> None:
         self.urgent.clear()
-        while self.inbox:
-            fn, args, future = self.inbox.popleft()
+        self._drain(self.between)
+        self._drain(self.inbox)
+
+    @staticmethod
+    def _drain(commands: deque) -> None:
+        while commands:
+            fn, args, future = commands.popleft()
             # A command runs even when its caller stopped waiting (an asyncio caller cancelled in `run`
             # cancels the future): it may take or free what later commands count on. Its result then goes
             # nowhere; setting it on the cancelled future would raise and end this thread.
@@ -157,13 +193,14 @@ class EngineLoop:
 
     def _fail_inbox(self) -> None:
         """Commands the stopped loop will never run fail instead of leaving their callers waiting."""
-        while True:
-            try:
-                _, _, future = self.inbox.popleft()
-            except IndexError:
-                return
-            if future.set_running_or_notify_cancel():
-                future.set_exception(EngineStopped("the engine loop has stopped"))
+        for commands in (self.between, self.inbox):
+            while True:
+                try:
+                    _, _, future = commands.popleft()
+                except IndexError:
+                    break
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(EngineStopped("the engine loop has stopped"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their consumers: one wakeup per event loop, not one per request, since

@@ -136,7 +136,8 @@ class EngineServer:
         self.check_chain("lease_prefix", block_hashes, token_ids)
         if self.kv_server is None or not block_hashes:
             return None
-        block_ids = await self.loop.run(self.engine.block_manager.hold_prefix, block_hashes, token_ids)
+        block_ids = await self.loop.run(self.engine.block_manager.hold_prefix, block_hashes, token_ids,
+                                        between_layers=True)
         if not block_ids:
             return None
         try:
