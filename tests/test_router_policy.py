@@ -858,6 +858,32 @@ def test_a_worker_holding_the_prefix_in_a_lower_tier_is_preferred_and_charged_it
     assert router.route(hashes, 512, [], loads).decode.worker_id == "d0"
 
 
+
+def test_a_prefix_on_disk_is_priced_at_the_disk_tiers_speed_and_one_in_host_memory_at_the_hosts():
+    """Both workers hold the prefix below their caches, one in host memory, one on disk, and promote at the same
+    average speed: the blocks' tier decides (a disk read costs more than a memcpy), whichever worker holds which."""
+    from engine.kv_events import KVEvent, KVEventBatch
+    from worker_runtime.protocol import promote_seconds_by_tier
+
+    hashes = block_hashes(list(range(512)), 16)
+    speeds = {"host": 0.0002, "disk": 0.02}  # per block: 6 ms against 0.64 s for the 32 blocks
+    for host_worker, disk_worker in (("d0", "d1"), ("d1", "d0")):
+        index = PrefixIndex()
+        index.apply(KVEventBatch(host_worker, 0, [KVEvent("stored", hashes, tier="host")]))
+        index.apply(KVEventBatch(disk_worker, 0, [KVEvent("stored", hashes, tier="disk")]))
+        assert index.lower_tiers(disk_worker, hashes) == {"disk": 32}
+        loads = [WorkerLoad(w, promote_s_per_block=0.01, promote_s_by_tier=speeds) for w in ("d0", "d1")]
+        for seed in range(4):
+            decision = Router(index, 16, rng=random.Random(seed)).route(hashes, 512, [], loads)
+            assert decision.decode.worker_id == host_worker and decision.decode.cached_tokens == 512
+    assert WorkerLoad("d0", promote_s_by_tier=speeds).promote_s({"host": 2, "disk": 1}) == pytest.approx(0.0204)
+    # Per tier: measured once a tier has promoted, else a prior from the block's bytes at the tier's speed.
+    stats = {"bytes_per_block": 1_000_000, "tiers": {
+        "host": {"hits": 4, "promote_seconds": 0.002}, "disk": {"hits": 0, "promote_seconds": 0.0}}}
+    by_tier = promote_seconds_by_tier(stats)
+    assert by_tier["host"] == pytest.approx(0.0005) and by_tier["disk"] == pytest.approx(0.002)  # 1 MB at 0.5 GB/s
+
+
 # ---- peer prefix pulls priced in placement (issue 41) ----
 
 def puller(load: WorkerLoad, pulls: bool = True) -> WorkerLoad:

@@ -178,6 +178,9 @@ def lora_load_seconds(lora: dict | None) -> float:
 
 
 PRIOR_PROMOTE_GBPS = 2.0  # a tier's copy back into the cache before one was measured (a memcpy; H2D on CUDA)
+# Per tier, before its first promotion: host memory is a memcpy, the disk tier a read of a memory-mapped file
+# (page cache or device), the shared store a network round trip per run of blocks.
+PRIOR_TIER_GBPS = {"host": PRIOR_PROMOTE_GBPS, "disk": 0.5, "remote": 0.1}
 
 
 def promote_seconds(tiers: dict | None) -> float:
@@ -189,6 +192,16 @@ def promote_seconds(tiers: dict | None) -> float:
     if hits:
         return sum(t["promote_seconds"] for t in tiers["tiers"].values()) / hits
     return tiers["bytes_per_block"] / (PRIOR_PROMOTE_GBPS * 1e9)
+
+
+def promote_seconds_by_tier(tiers: dict | None) -> dict[str, float]:
+    """Per tier below a worker's cache (KVTiers.stats), the seconds it spends bringing one block back from it:
+    measured over that tier's promotions so far, else a prior from the block's bytes at the tier's speed."""
+    if not tiers:
+        return {}
+    return {name: t["promote_seconds"] / t["hits"] if t["hits"]
+            else tiers["bytes_per_block"] / (PRIOR_TIER_GBPS.get(name, PRIOR_PROMOTE_GBPS) * 1e9)
+            for name, t in tiers["tiers"].items()}
 
 
 @dataclass(slots=True)
@@ -213,8 +226,10 @@ class WorkerLoad:
     # A decode worker: the streams the router expects to join it per second (its share of the recent
     # arrival rate), which a long local prefill will run beside.
     arrivals_per_s: float = 0.0
-    # What bringing one block back from a tier below its cache costs it (measured; a prior until then).
+    # What bringing one block back from a tier below its cache costs it (measured; a prior until then): on
+    # average, and per tier (host, disk, remote).
     promote_s_per_block: float = 0.0
+    promote_s_by_tier: dict[str, float] = field(default_factory=dict)
     serves_prefixes: bool = False  # WorkerStats.serves_prefixes, pulls_prefixes
     pulls_prefixes: bool = False
     lora_keys: frozenset[str] = frozenset()  # the adapters its LoRA slots hold (LoRARequest.key)
@@ -231,9 +246,14 @@ class WorkerLoad:
                    num_total_blocks=stats.num_total_blocks, healthy=healthy, step_costs=stats.step_costs,
                    kv_bytes_per_token=stats.kv_bytes_per_token, kv_pull_gbps=stats.kv_pull_gbps,
                    kv_pull_latency_s=stats.kv_pull_latency_s, promote_s_per_block=promote_seconds(stats.kv_tiers),
+                   promote_s_by_tier=promote_seconds_by_tier(stats.kv_tiers),
                    serves_prefixes=stats.serves_prefixes, pulls_prefixes=stats.pulls_prefixes,
                    lora_keys=frozenset(stats.lora["keys"]) if stats.lora else frozenset(),
                    lora_load_s=lora_load_seconds(stats.lora))
+
+    def promote_s(self, blocks_by_tier: dict[str, int]) -> float:
+        """What bringing back these blocks from its tiers costs it: each tier's at that tier's speed."""
+        return sum(n * self.promote_s_by_tier.get(tier, self.promote_s_per_block) for tier, n in blocks_by_tier.items())
 
     def lora_miss_s(self, lora_key: str | None) -> float:
         """What running adapter `lora_key` here costs before its first step: nothing when a slot holds it."""

@@ -150,6 +150,20 @@ class PrefixIndex:
         anywhere = self._overlap(block_hashes, pool, True)
         return {worker_id: (device[worker_id], anywhere[worker_id]) for worker_id in pool}
 
+    def lower_tiers(self, worker_id: str, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Of `block_hashes` (blocks the worker holds below its device cache), how many each tier holds (the
+        first tier listing a block counts it)."""
+        entry = self._workers.get(worker_id)
+        counts: dict[str, int] = {}
+        if entry is None:
+            return counts
+        for block_hash in block_hashes:
+            for tier, hashes in entry.lower.items():
+                if block_hash in hashes:
+                    counts[tier] = counts.get(tier, 0) + 1
+                    break
+        return counts
+
     def num_lower_blocks(self, worker_id: str) -> dict[str, int]:
         """Per tier below the worker's device cache, how many blocks the index holds for it."""
         entry = self._workers.get(worker_id)

@@ -213,7 +213,9 @@ class Router:
         for load in candidates:
             on_device, anywhere = overlaps[load.worker_id]
             cached = anywhere * self.block_size  # blocks in a tier below its cache come back before its prefill
-            extra_s = (anywhere - on_device) * load.promote_s_per_block + load.lora_miss_s(lora_key)
+            promote_s = load.promote_s(self.index.lower_tiers(load.worker_id, block_hashes[on_device:anywhere])) \
+                if anywhere > on_device else 0.0
+            extra_s = promote_s + load.lora_miss_s(lora_key)
             seconds, decision = self._decode_option(prompt_tokens, cached, prefill_cached, load, prefill, elapsed_s,
                                                     output_tokens, prefill_pull_s=prefill_pull_s)
             pulled, pull_s = peers.pull(load, anywhere) if peers is not None else (cached, 0.0)
