@@ -128,12 +128,14 @@ def _admin_route_class(admin_key: str | None) -> type[APIRoute]:
 
 def build_admin_router(get_controller: Callable[[], object] | Mapping[str, Callable[[], object]],
                        admin_key: str | None, find_trace: Callable[[str], Awaitable[dict | None]] | None = None,
-                       flow_status: Callable[[], dict] | None = None) -> APIRouter:
+                       flow_status: Callable[[], dict] | None = None,
+                       other_flows: Callable[[], Awaitable[list[dict]]] | None = None) -> APIRouter:
     """The /admin routes. `get_controller` returns the controller actor handle (looked up per call, so a
     restarted controller is found again), or with several models maps each model's name to its own (requests
     that act on pools or adapters then name the model); without an `admin_key` every route answers 403.
     `find_trace` looks up a recent request's stage timelines (the ingress's TraceStore); `flow_status` gives the
-    answering ingress replica's queue by tenant (router/api/flow_control.py)."""
+    answering ingress replica's queue by tenant (router/api/flow_control.py), `other_flows` the other replicas'
+    as they last published them."""
 
     router = APIRouter(prefix="/admin", route_class=_admin_route_class(admin_key), tags=["admin"])
     lora = APIRouter(route_class=_admin_route_class(admin_key), tags=["admin"])
@@ -174,6 +176,8 @@ def build_admin_router(get_controller: Callable[[], object] | Mapping[str, Calla
             status = await call("status")
         if flow_status is not None:
             status["flow"] = flow_status()
+        if other_flows is not None:
+            status["flow_replicas"] = await other_flows()
         return status
 
     @router.post("/scale")

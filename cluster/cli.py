@@ -161,8 +161,15 @@ def format_status(status: dict, url: str) -> str:
     """The readable form of GET /admin/status: a pools table and a workers table (per model, with several)."""
     if "models" in status:
         parts = [format_status({**one, "flow": None}, url) for one in status["models"].values()]
-        return "\n\n".join(parts) + _flow_lines(status.get("flow"))
-    return _format_one(status, url) + _flow_lines(status.get("flow"))
+        return "\n\n".join(parts) + _all_flow_lines(status)
+    return _format_one(status, url) + _all_flow_lines(status)
+
+
+def _all_flow_lines(status: dict) -> str:
+    """The answering replica's ingress queue, then the other replicas' (as they last published them)."""
+    return _flow_lines(status.get("flow")) + "".join(
+        _flow_lines(flow).replace(f"(replica {flow['replica']})", f"(replica {flow['replica']}, {flow['age_s']:g}s ago)",
+                                  1) for flow in status.get("flow_replicas") or [])
 
 
 def _format_one(status: dict, url: str) -> str:

@@ -173,6 +173,7 @@ class MetricsHub:
     def __init__(self, ttl_s: float = 30.0, recent_requests: int = 1000):
         self.ttl_s = ttl_s
         self.series: dict[str, tuple[float, bytes]] = {}
+        self.flows: dict[str, tuple[float, dict]] = {}  # replica -> its ingress queue (`tandem status`)
         self.lock = threading.Lock()
         # Recent requests' timelines from every replica, so `tandem trace` finds one whichever replica
         # served it and whichever the admin call lands on.
@@ -188,17 +189,28 @@ class MetricsHub:
         with self.lock:
             return self.traces.get(request_id)
 
-    def publish(self, replica: str, text: bytes) -> dict[str, bytes]:
-        """Store `replica`'s series; returns every live replica's."""
+    def publish(self, replica: str, text: bytes, flow: dict | None = None) -> dict[str, bytes]:
+        """Store `replica`'s series (and its ingress queue, `flow`); returns every live replica's series."""
         now = time.monotonic()
         with self.lock:
             self.series[replica] = (now, text)
             self.series = {r: (t, s) for r, (t, s) in self.series.items() if now - t <= self.ttl_s}
+            if flow is not None:
+                self.flows[replica] = (now, flow)
+            self.flows = {r: (t, f) for r, (t, f) in self.flows.items() if now - t <= self.ttl_s}
             return {r: s for r, (_, s) in self.series.items()}
+
+    def replica_flows(self) -> list[dict]:
+        """Every live replica's ingress queue as it last published it, with its age in seconds."""
+        now = time.monotonic()
+        with self.lock:
+            return [{**flow, "age_s": round(now - at, 1)} for _, (at, flow) in sorted(self.flows.items())
+                    if now - at <= self.ttl_s]
 
     def forget(self, replica: str) -> None:
         with self.lock:
             self.series.pop(replica, None)
+            self.flows.pop(replica, None)
 
 
 class FlowMetrics:

@@ -221,6 +221,13 @@ def test_the_status_table_lists_each_decode_workers_kv_failures_by_reason():
     assert "ingress queue (replica r1): 3 let on (no cap), 1 of them being placed, saturated, shedding on" in lines
     assert next(line for line in lines if line.startswith("batch")).split() == ["batch", "1", "1", "7"]
     assert next(line for line in lines if line.startswith("chat")).split() == ["chat", "4", "2", "0"]
+    # With several ingress replicas, the others' queues follow, as they last published them.
+    status["flow_replicas"] = [{**status["flow"], "replica": "r2", "in_flight": 1, "placing": 0, "saturated": False,
+                                "tenants": {"batch": {"running": 1, "queued": 2, "weight": 1.0}}, "age_s": 2.5}]
+    lines = format_status(status, "http://127.0.0.1:8000").splitlines()
+    assert "ingress queue (replica r2, 2.5s ago): 1 let on (no cap), not saturated, shedding on" in lines
+    assert [line.split() for line in lines if line.startswith("batch")] == [["batch", "1", "1", "7"],
+                                                                            ["batch", "1", "1", "2"]]
 
 
 def test_the_admin_key_comes_from_the_environment_and_a_wrong_one_is_refused(capsys, admin_url, monkeypatch):

@@ -1,6 +1,7 @@
 """Tenants' quotas through the real server with two ingress replicas: a tenant gets its tokens per minute and its
 max_concurrent once for the cluster, not once per replica (router/api/quota_ledger.py, a real Ray actor)."""
 import concurrent.futures
+import json
 import time
 import urllib.request
 
@@ -13,6 +14,7 @@ from tests.helpers import free_port
 
 MODEL = "tiny"
 KEYS = {"key-a": "a", "key-b": "b"}
+ADMIN_KEY = "flowrep-admin-key-0123"
 TPM = 600  # tenant a: two requests of 250 output tokens a minute, cluster-wide
 LONG = 250
 
@@ -25,7 +27,7 @@ def app_url(ray_cluster, tiny_llama_dir):
 
     config = ClusterConfig(model=tiny_llama_dir, served_model_name=MODEL, name="flowrep", namespace="tandem-tests",
                            mode="colocated", engine={"num_kv_blocks": 256}, decode={"num_cpus": 0.5},
-                           ingress_replicas=2, api_keys=KEYS,
+                           ingress_replicas=2, api_keys=KEYS, admin_key=ADMIN_KEY,
                            tenants={"a": {"tokens_per_minute": TPM}, "b": {"max_concurrent": 1}})
     port = free_port()
     try:
@@ -115,3 +117,19 @@ def test_max_concurrent_holds_across_both_replicas(app_url):
     assert sum(admitted.values()) == 4 and len([n for n in admitted.values() if n]) == 2, admitted
     errors = [s.value for s in scrape(app_url).get("tandem:flow_ledger_errors", []) if s.name.endswith("_total")]
     assert errors and not any(errors)  # the ledger answered every call
+
+
+def test_status_shows_every_replicas_queue(app_url):
+    """`tandem status` answers from one replica: its own queue live, the other's as it last published it."""
+    deadline = time.monotonic() + 30
+    while True:
+        request = urllib.request.Request(app_url + "/admin/status",
+                                         headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            status = json.loads(resp.read())
+        replicas = {status["flow"]["replica"], *(f["replica"] for f in status["flow_replicas"])}
+        if len(replicas) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert len(replicas) == 2, status
+    assert all("tenants" in f and f["age_s"] >= 0 for f in status["flow_replicas"])

@@ -217,3 +217,20 @@ def test_routing_and_pool_series_match_the_cluster(metrics, traffic):
     assert total(metrics["tandem:autoscaler_desired_replicas"], "tandem:autoscaler_desired_replicas",
                  pool="decode") == 1
     assert total(metrics["tandem:kv_transfer_bytes"], "tandem:kv_transfer_bytes_total") > 0
+
+
+def test_the_metrics_hub_keeps_each_live_replicas_queue_for_status(monkeypatch):
+    from router.metrics import MetricsHub
+
+    now = [100.0]
+    monkeypatch.setattr("router.metrics.time.monotonic", lambda: now[0])
+    hub = MetricsHub(ttl_s=30.0)
+    hub.publish("r1", b"", {"replica": "r1", "in_flight": 2})
+    now[0] += 10
+    hub.publish("r2", b"", {"replica": "r2", "in_flight": 0})
+    assert hub.replica_flows() == [{"replica": "r1", "in_flight": 2, "age_s": 10.0},
+                                   {"replica": "r2", "in_flight": 0, "age_s": 0.0}]
+    now[0] += 25  # r1 silent for 35 s: gone, as its series are
+    assert [f["replica"] for f in hub.replica_flows()] == ["r2"]
+    hub.forget("r2")
+    assert hub.replica_flows() == []

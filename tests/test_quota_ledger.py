@@ -203,3 +203,4 @@ def test_a_ledger_that_does_not_answer_gets_503_counted_and_tenants_without_quot
         assert value(one.metrics.ledger_errors) == 2
 
     asyncio.run(scenario())
+

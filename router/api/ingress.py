@@ -186,7 +186,8 @@ class Ingress:
         app = build_api(self.service, self.view if len(views) == 1 else views, self.scrape, self.config.limits,
                         echo_request_id=False)
         if self.extra_routes is not None:
-            app.include_router(self.extra_routes(find_trace=self.request_trace, flow_status=self.flow_status))
+            app.include_router(self.extra_routes(find_trace=self.request_trace, flow_status=self.flow_status,
+                                                 other_flows=self.other_flows))
         return app
 
     def own_series(self) -> bytes:
@@ -198,7 +199,8 @@ class Ingress:
         its model."""
         own = self.own_series()
         try:
-            replicas = await asyncio.wait_for(self.metrics_hub.publish.remote(self.replica_id, own), timeout=5.0)
+            replicas = await asyncio.wait_for(self.metrics_hub.publish.remote(self.replica_id, own, self.flow_status()),
+                                              timeout=5.0)
         except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
             logger.warning("the metrics hub did not answer (%s): this scrape holds only this replica's series", exc)
             replicas = {self.replica_id: own}
@@ -213,7 +215,7 @@ class Ingress:
     async def _publish_metrics(self) -> None:
         while True:
             try:
-                await self.metrics_hub.publish.remote(self.replica_id, self.own_series())
+                await self.metrics_hub.publish.remote(self.replica_id, self.own_series(), self.flow_status())
             except ray.exceptions.RayError as exc:
                 logger.warning("cannot publish metrics to the hub: %s", exc)
             await asyncio.sleep(METRICS_PUBLISH_S)
@@ -246,6 +248,15 @@ class Ingress:
             return {"replica": self.replica_id, **self.stacks[0].service.flow.snapshot()}
         return {"replica": self.replica_id, "models": {m.name: m.service.flow.snapshot() for m in self.stacks}}
 
+    async def other_flows(self) -> list[dict]:
+        """The other live replicas' ingress queues as they last published them (every METRICS_PUBLISH_S)."""
+        try:
+            flows = await asyncio.wait_for(self.metrics_hub.replica_flows.remote(), timeout=5.0)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+            logger.warning("the metrics hub did not answer (%s): status shows only this replica's queue", exc)
+            return []
+        return [flow for flow in flows if flow.get("replica") != self.replica_id]
+
     async def request_trace(self, request_id: str) -> dict | None:
         """The stage timelines of a recent request, served by this replica or (shared through the hub
         within TRACE_SHARE_S) another; None when none has it."""
@@ -269,16 +280,16 @@ class Ingress:
                     logger.warning("cannot share recent requests' timelines with the hub: %s", exc)
 
     async def __del__(self):
-        for task in self._tasks:
+        for task in getattr(self, "_tasks", []):  # absent when __init__ failed
             task.cancel()
-        for m in self.stacks:
+        for m in getattr(self, "stacks", []):
             m.service.tokenizers.close()
             await asyncio.to_thread(m.service.audit.close)  # what is queued is written first
         try:
             await self.metrics_hub.forget.remote(self.replica_id)
         except ray.exceptions.RayError:
             pass  # the hub drops a silent replica's series after its ttl anyway
-        for m in self.stacks:
+        for m in getattr(self, "stacks", []):
             await m.view.close()
 
 
