@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from router.api.auth import Authenticator
 from router.api.chat_output import ChatParsing
 from router.api.flow_control import FlowConfig, FlowControl
 from router.api.quota_ledger import SharedQuotas
+from worker_runtime.heap import trim_heap
 from router.placement.index import PrefixIndex
 from router.placement.latency_report import LatencyReporter
 from router.metrics import Metrics, labelled_series
@@ -54,6 +56,8 @@ logger = logging.getLogger(__name__)
 METRICS_PUBLISH_S = 5.0
 # How often a replica hands its newly finished requests' timelines to the hub (for `tandem trace`).
 TRACE_SHARE_S = 1.0
+# How often the replica gives the heap's free pages back to the OS (worker_runtime/heap.py); 0: never.
+TRIM_HEAP_S = float(os.environ.get("TANDEM_TRIM_HEAP_S", "30"))
 OPENAPI_PATH = "/openapi.json"
 
 
@@ -148,6 +152,8 @@ class Ingress:
         self.service = first.service if len(self.stacks) == 1 else ServedModels([m.service for m in self.stacks])
         self._tasks = [task for m in self.stacks for task in m.tasks] + [
             asyncio.create_task(self._publish_metrics()), asyncio.create_task(self._share_traces())]
+        if TRIM_HEAP_S > 0:
+            self._tasks.append(asyncio.create_task(self._trim_heap()))
 
     @staticmethod
     async def _stack(config: IngressConfig, controller, quota_ledger=None, replica_id: str = "",
@@ -219,6 +225,11 @@ class Ingress:
             except ray.exceptions.RayError as exc:
                 logger.warning("cannot publish metrics to the hub: %s", exc)
             await asyncio.sleep(METRICS_PUBLISH_S)
+
+    async def _trim_heap(self) -> None:
+        while True:
+            await asyncio.sleep(TRIM_HEAP_S)
+            await asyncio.to_thread(trim_heap)
 
     # ---- through a DeploymentHandle, for operators and tests: this replica's view -------------
     # (async, so they run on the replica's event loop, between the view's updates)
