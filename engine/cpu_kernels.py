@@ -194,6 +194,13 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN can pack and run bf16 linears on this CPU (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT);
+    where it cannot, a bf16 model keeps torch's own linears and HF's layers."""
+    flags = cpu_flags()
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+
+
 def prefill_kernel_wins(dtype: torch.dtype) -> bool:
     """Whether `paged_prefill_attention` beats torch's fused SDPA (on gathered blocks) for prompt chunks of
     `dtype` on this CPU (bench/prefill_attention.py): in fp32 it does (0.6-0.9x SDPA's time). In bf16 it does

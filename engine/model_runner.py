@@ -64,7 +64,9 @@ class ModelRunner:
         # The weights this rank holds, as loaded (before the CPU path repacks them).
         self.weight_bytes = sum(t.numel() * t.element_size() for t in {id(p): p for p in self.model.parameters()}.values())
         self.fused_layers = 0  # decoder layers running on engine/cpu_layers.py's fused path
-        if self.device.type == "cpu" and config.torch_dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
+        if (self.device.type == "cpu" and torch.backends.mkldnn.is_available()
+                and (config.torch_dtype == torch.float32
+                     or config.torch_dtype == torch.bfloat16 and cpu_kernels.onednn_packs_bf16())):
             blocks = config.weight_blocks and config.torch_dtype == torch.float32
             # LoRA packs its adapters' A beside each projection's weight (engine/lora.py): those keep theirs
             self.fused_layers = fuse_decoder_layers(self.model, blocks, keep_weights=config.enable_lora)

@@ -70,6 +70,8 @@ class Scheduler:
             return
         now, changed = self.clock(), False
         for req in self.waiting:
+            if req.base_priority is None:  # queued by a path that did not stamp it: its wait counts from now
+                req.base_priority, req.queued_at = req.priority, now
             aged = req.base_priority - int((now - req.queued_at) / self.aging_s)
             if aged < req.priority:
                 req.priority, changed = aged, True
@@ -289,6 +291,8 @@ class Scheduler:
         if old in queue:
             queue[queue.index(old)] = new
             new.status = old.status
+            if new.base_priority is None:  # it waits as long as the one it replaces has
+                new.base_priority, new.queued_at = old.base_priority, old.queued_at
 
     def _num_decodes(self) -> int:
         return sum(1 for req in self.running if req.num_tokens - req.num_computed_tokens == 1)

@@ -9,7 +9,7 @@ import torch
 
 from cluster.cli import build_parser
 from cluster.config import ClusterConfig, PoolConfig
-from engine import Engine, SamplingParams
+from engine import Engine, SamplingParams, cpu_kernels
 from engine import config as engine_config
 from engine.config import CPU_AUTO_DTYPE_ENV, EngineConfig, resolve_dtype
 from engine.model_loader import load_model
@@ -38,6 +38,13 @@ def test_an_engine_runs_bfloat16_on_cpu(tiny_llama_dir):
     engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, dtype="bfloat16", device="cpu"))
     assert engine.runner.layout.dtype == "bfloat16" and engine.kv_cache.k[0].dtype == torch.bfloat16
     assert engine.runner.paged_kernel  # the C decode kernel reads the bf16 cache in place
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [list(range(5, 40)), list(range(50, 61))]
+    if not cpu_kernels.onednn_packs_bf16():  # e.g. AVX2 only: torch's own bf16 linears, HF's layers
+        assert engine.runner.fused_layers == 0
+        first = [out.token_ids for out in engine.generate(prompts, params)]
+        assert [len(ids) for ids in first] == [12, 12]
+        return
     # Its linears are oneDNN's with prepacked bf16 weights, computing what torch's own bf16 linear does.
     packed = engine.runner.model.model.layers[0].down_proj
     assert isinstance(packed, OneDNNLinear)
@@ -47,11 +54,21 @@ def test_an_engine_runs_bfloat16_on_cpu(tiny_llama_dir):
     assert engine.runner.fused_layers == len(hf.model.layers)
     assert packed(x).dtype == torch.bfloat16
     assert torch.allclose(packed(x).float(), reference.float(), rtol=0.02, atol=0.02)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = [list(range(5, 40)), list(range(50, 61))]
     first = [out.token_ids for out in engine.generate(prompts, params)]
     assert [len(ids) for ids in first] == [12, 12]
     assert [out.token_ids for out in engine.generate(prompts, params)] == first  # prefix-cached rerun
+
+
+def test_a_bfloat16_engine_on_a_cpu_without_onednn_bf16_keeps_torchs_linears(tiny_llama_dir, monkeypatch):
+    """oneDNN's bf16 linears need AVX512BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU packing them raised at
+    load time. There the model keeps torch's own bf16 linears and HF's layers, and serves."""
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse4_2", "avx2", "fma", "f16c"}))
+    assert not cpu_kernels.onednn_packs_bf16()
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, dtype="bfloat16", device="cpu"))
+    assert engine.runner.fused_layers == 0
+    assert type(engine.runner.model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    out = engine.generate([list(range(5, 40))], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert len(out[0].token_ids) == 6
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda", 0)])
