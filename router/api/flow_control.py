@@ -358,6 +358,7 @@ class FlowControl:
                     self._placed(pump=False)  # granted as the client left: give the room back
                     self._finish(tenant)
                     self.pump()
+                    self._trim_slots(tenant)
                 else:
                     self.queue.remove(entry)
                     self._observe_queue()
