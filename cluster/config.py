@@ -61,6 +61,10 @@ class EngineOptions(_Strict):
     # On CPU in fp32, linears whose weights are exactly the 4- or 8-bit blocks the model shipped as (the
     # default SmolLM2's GGUF) compute decode steps from those blocks (engine/weight_blocks.py).
     weight_blocks: bool = True
+    # A step that computes a prompt takes another's only within this many prompt tokens; null: 256 on CPU, where
+    # a bigger forward is no faster per token and the first prompt's first token would only wait, and no limit on
+    # GPUs; 0: no limit (EngineConfig.prefill_batch_tokens).
+    prefill_batch_tokens: int | None = Field(None, ge=0, le=1_000_000)
 
 
 class KVTiersOptions(_Strict):
@@ -341,6 +345,11 @@ class FlowOptions(_Strict):
     # SLO-aware shedding: 503 + Retry-After for a request whose predicted first token comes after its
     # deadline (X-Tandem-Deadline-Ms, else slo.ttft_ms); "low_priority": only requests of priority > 0.
     shed: Literal["off", "on", "low_priority"] = "off"
+    # On the workers, a prompt less urgent than one queued there within `yield_window_s` (another tenant's that
+    # went ahead, or a lower priority) is computed in chunks of about `yield_slice_ms`, so that the urgent
+    # prompt waits for one chunk, not a whole prompt (engine/scheduler.py, "Yielding"); null: never.
+    yield_slice_ms: float | None = Field(250.0, gt=0, le=60_000)
+    yield_window_s: float = Field(30.0, gt=0, le=86400)
 
     @field_validator("shed", mode="before")
     @classmethod
@@ -563,7 +572,8 @@ class ClusterConfig(_Strict):
                             reasoning_markers=(self.reasoning.start, self.reasoning.end) if self.reasoning else None,
                             enable_lora=self.lora.enabled, max_loras=self.lora.max_loras,
                             max_lora_rank=self.lora.max_lora_rank, max_cpu_loras=self.lora.max_cpu_loras,
-                            priority_aging_s=self.flow.aging_s, **self.engine.model_dump())
+                            priority_aging_s=self.flow.aging_s, yield_slice_ms=self.flow.yield_slice_ms,
+                            yield_window_s=self.flow.yield_window_s, **self.engine.model_dump())
 
     def transfer_config(self) -> TransferConfig:
         token = self.transfer.token or os.environ.get("TANDEM_KV_TOKEN", "")

@@ -117,6 +117,14 @@ class EngineConfig:
     # A waiting request's priority improves by one per this many seconds since it was queued (ClusterConfig's
     # flow.aging_s), so that none waits forever behind a stream of more urgent ones; None: no aging.
     priority_aging_s: float | None = 10.0
+    # A prompt less urgent than one queued within the last `yield_window_s` is computed in chunks of about this
+    # long, so that a more urgent one that comes meanwhile waits at most about that (Scheduler, "Yielding";
+    # ClusterConfig's flow.yield_slice_ms); None: prompts never yield.
+    yield_slice_ms: float | None = None
+    yield_window_s: float = 30.0
+    # A step that carries a prompt chunk takes another prompt's only within this many prompt tokens (Scheduler);
+    # None: by device, 256 on CPU (a bigger forward is no faster per token there), no limit on GPUs; 0: no limit.
+    prefill_batch_tokens: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -129,6 +137,13 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be at least 2")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be positive")
+        if self.yield_slice_ms is not None and not self.yield_slice_ms > 0:
+            raise ValueError(f"yield_slice_ms must be positive or None, got {self.yield_slice_ms}")
+        if not self.yield_window_s > 0:
+            raise ValueError(f"yield_window_s must be positive, got {self.yield_window_s}")
+        if self.prefill_batch_tokens is not None and self.prefill_batch_tokens < 0:
+            raise ValueError(f"prefill_batch_tokens must be 0 (no limit), positive or None, got "
+                             f"{self.prefill_batch_tokens}")
         if self.priority_aging_s is not None and not self.priority_aging_s > 0:
             raise ValueError(f"priority_aging_s must be positive or None, got {self.priority_aging_s}")
         if self.reasoning_markers is not None and not all(self.reasoning_markers):

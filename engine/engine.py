@@ -27,7 +27,7 @@ from engine.reasoning import ReasoningMarkers, force_reasoning_end
 from engine.request import Request, output_ids
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import CPU_PREFILL_BATCH_TOKENS, Scheduler
 from engine.spec_decode import SpeculativeConfig
 from engine.spec_decode.speculator import Speculator
 from engine.step_context import OWN_CORES, StepBatch, StepContext
@@ -64,7 +64,8 @@ class Engine:
         if config.kv_tiers is not None and config.kv_tiers.enabled:
             self.block_manager.tiers = self._tiers(config)
         self.step_costs = StepCosts()  # measured on every step; workers report it, the router places with it
-        self.scheduler = Scheduler(config, self.block_manager, self._prefill_budget(config))
+        self.scheduler = Scheduler(config, self.block_manager, self._prefill_budget(config),
+                                   self._prefill_batch_tokens(config, runner.device.type))
         self.scheduler.loras = runner.lora
         self.eos_token_ids = eos_token_ids(runner.model, tokenizer)
         self.structured = StructuredOutputManager(tokenizer, runner.vocab_size, config.max_num_seqs)
@@ -118,6 +119,12 @@ class Engine:
         if not config.itl_slo_ms:
             return None
         return stall_free_budget(self.step_costs, config.itl_slo_ms / 1000, config.stall_ratio)
+
+    @staticmethod
+    def _prefill_batch_tokens(config: EngineConfig, device_type: str) -> int | None:
+        if config.prefill_batch_tokens is None:
+            return CPU_PREFILL_BATCH_TOKENS if device_type == "cpu" else None
+        return config.prefill_batch_tokens or None
 
     def new_speculator(self, config: SpeculativeConfig) -> Speculator:
         """A speculator on this engine's model, sampler and outputs (bench/spec_decode.py compares two)."""
@@ -207,6 +214,7 @@ class Engine:
                 "queued_prefill_tokens": queued, "num_active_blocks": bm.num_blocks - bm.num_free_blocks,
                 "num_total_blocks": bm.num_blocks, "prefix_cache_queries": bm.prefix_cache_queries,
                 "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": sched.num_preemptions,
+                "prefill_yield_chunks": sched.yield_chunks,
                 "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
                 "step_costs": self.step_costs.copy(), "kv_bytes_per_token": self.kv_cache.layout.bytes_per_token,
                 "spec_decode": None if self.speculator is None else self.speculator.stats.copy(),
@@ -283,10 +291,13 @@ class Engine:
     def _schedule(self, context: StepContext) -> list[tuple[Request, int]]:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
-        cap = None
+        cap = yield_cap = None
         if context.borrowing:
             cap = self.step_costs.borrowed_step_cap(self.config.borrow_slice_ms, self.config.block_size)
-        scheduled = self.scheduler.schedule(cap)
+        if self.config.yield_slice_ms and (above := self.scheduler.yields()) is not None:
+            yield_cap = above, self.step_costs.prefill_budget(0, self.config.yield_slice_ms / 1000, self.config.block_size,
+                                                              borrowing=context.borrowing)
+        scheduled = self.scheduler.schedule(cap, yield_cap)
         if scheduled and context.on_scheduled is not None:
             context.on_scheduled(scheduled)
         return scheduled

@@ -10,6 +10,9 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 
+# EngineConfig.prefill_batch_tokens on CPU: up to this many prompt tokens of several prompts share a forward.
+CPU_PREFILL_BATCH_TOKENS = 256
+
 
 @dataclass(slots=True)
 class StepBudget:
@@ -17,11 +20,14 @@ class StepBudget:
     tokens: int
     num_decodes: int  # the running decodes the prefill room is sized for (0 without a `prefill_budget`)
     prefill: int | None = None
+    prompt_tokens: int = 0  # prompt chunk tokens taken so far
+    yield_room: int | None = None  # prompt tokens left for the prompts that yield (Scheduler.yields); None: no cap
 
     def take(self, num_new: int, num_drafts: int = 0) -> None:
         self.tokens -= num_new + num_drafts
         if num_new > 1:
             self.prefill -= num_new
+            self.prompt_tokens += num_new
 
 
 class Scheduler:
@@ -35,11 +41,28 @@ class Scheduler:
     as in Sarathi-Serve). Without it, a step has the whole token budget. Under that cap a long prompt
     would hold the room for many steps, so the first waiting prompt whose uncached rest fits one step's
     room whole (a prefix hit, a short prompt) takes the room before running prompts' next chunks: they
-    lose one step each time, and it gets its first token a step later instead of after them."""
+    lose one step each time, and it gets its first token a step later instead of after them.
+
+    `prefill_batch_tokens`: a step that already carries a prompt chunk takes another prompt's only while
+    the step's prompt tokens stay within this. On CPU a forward of more tokens is no faster per token, so
+    a second prompt in the step only delays the first one's first token (two 256-token prompts took 1,761 ms
+    in one forward, 826 ms each alone: bench/HISTORY.md, "One prompt per prefill step on CPU"); short prompts
+    still share a step. None: up to the token budget (on GPUs, where a bigger forward is cheaper per token).
+
+    Yielding: a prompt less urgent than one queued here within the last `yield_window_s` is computed in
+    steps of at most `yield_cap` of their tokens (about `yield_slice_ms` of prefill, EngineConfig), so that a
+    more urgent prompt arriving meanwhile waits for one such chunk, not for the whole prompt (the step
+    after computes only its band: `_prompt_band`). Only while both kinds come: a lone tenant at one priority
+    never pays for the smaller chunks."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 prefill_budget: Callable[[int, int], int] | None = None):
+                 prefill_budget: Callable[[int, int], int] | None = None, prefill_batch_tokens: int | None = None):
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.prefill_batch_tokens = prefill_batch_tokens
+        self.yield_window_s = config.yield_window_s
+        self.urgency_seen: dict[float, float] = {}  # priority -> when a request of it was last queued
+        self._yield_above: float | None = None  # this step's `yield_cap` priority
+        self.yield_chunks = 0  # prompt chunks cut short so that a more urgent prompt can go next
         self.max_num_seqs = config.max_num_seqs
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
@@ -59,7 +82,23 @@ class Scheduler:
         """Queue behind every waiting request of its priority or a more urgent one (lower runs first)."""
         if req.base_priority is None:
             req.base_priority, req.queued_at = req.priority, self.clock()
+        self.urgency_seen[req.priority] = self.clock()
         self._enqueue(req, front=False)
+
+    def yields(self) -> float | None:
+        """The priority above which prompts yield: the most urgent one queued here within `yield_window_s`,
+        when a less urgent prompt has chunks to compute; None when no prompt yields."""
+        if not self.urgency_seen:
+            return None
+        now = self.clock()
+        for priority, seen in list(self.urgency_seen.items()):
+            if now - seen > self.yield_window_s:
+                del self.urgency_seen[priority]
+        if len(self.urgency_seen) < 2:
+            return None
+        bound = min(self.urgency_seen)
+        return bound if any(req.priority > bound and req.num_tokens - req.num_computed_tokens > 1
+                            for req in (*self.running, *self.waiting)) else None
 
     def _age_waiting(self) -> None:
         """Bounded starvation: a waiting request's priority improves by one band per `aging_s` since it was
@@ -95,16 +134,22 @@ class Scheduler:
         """Whether a waiting or running request has more than its next token to compute."""
         return any(req.num_tokens - req.num_computed_tokens > 1 for req in (*self.waiting, *self.running))
 
-    def schedule(self, token_cap: int | None = None) -> list[tuple[Request, int]]:
+    def schedule(self, token_cap: int | None = None,
+                 yield_cap: tuple[float, int] | None = None) -> list[tuple[Request, int]]:
         """This step's (request, tokens to compute) pairs; `token_cap`, when given, is a smaller token budget
-        for this step (a forward on borrowed cores)."""
+        for this step (a forward on borrowed cores); `yield_cap`, (priority, tokens): a chunk of a prompt less
+        urgent than that priority has at most that many tokens (`yields`)."""
         budget = StepBudget(min(self.max_num_batched_tokens, token_cap or self.max_num_batched_tokens),
                             self._num_decodes() if self.prefill_budget is not None else 0)
         self._age_waiting()
+        self._yield_above, budget.yield_room = yield_cap or (None, None)
         scheduled: list[tuple[Request, int]] = []
         band = self._prompt_band()
         if not self._schedule_running(budget, scheduled, self._short_prompt_waits(budget), band):
             self._schedule_waiting(budget, scheduled, band)
+        if yield_cap is not None:
+            self.yield_chunks += sum(1 for req, n in scheduled if n > 1 and self._yields(req, budget)
+                                     and req.num_tokens - req.num_computed_tokens > n)
         return scheduled
 
     def _prompt_band(self) -> float | None:
@@ -154,7 +199,10 @@ class Scheduler:
                 i += 1
                 continue
             if num_new > 1:
-                num_new = self._chunk(budget, num_new, req.num_computed_tokens)
+                num_new = self._chunk(budget, num_new, req.num_computed_tokens, req)
+                if num_new > 1 and not self._joins(budget, num_new):
+                    i += 1
+                    continue
             elif req.spec_token_ids:  # a decode verifying its draft: 1 + k query tokens
                 del req.spec_token_ids[budget.tokens - 1:]
             if not num_new:  # a prefill chunk over the cap, or a beam waiting for its siblings' step
@@ -172,7 +220,7 @@ class Scheduler:
                     break
             else:
                 scheduled.append((req, num_new + len(req.spec_token_ids)))
-                budget.take(num_new, len(req.spec_token_ids))
+                self._take(budget, req, num_new, len(req.spec_token_ids))
                 i += 1
         return preempted
 
@@ -212,10 +260,15 @@ class Scheduler:
             num_cached = req.num_computed_tokens or len(computed) * self.block_manager.block_size
             num_new = min(req.num_tokens - num_cached, budget.tokens)
             if num_new > 1:
-                num_new = self._chunk(budget, num_new, num_cached)
-                if not num_new:
+                num_new = self._chunk(budget, num_new, num_cached, req)
+                if not num_new and not self._yields(req, budget):
                     self._release_lora(req)
                     break
+                if not num_new or num_new > 1 and not self._joins(budget, num_new):
+                    # It yields and the step's room for such prompts is spent, or a prompt computes beside it
+                    self._release_lora(req)
+                    passed += 1
+                    continue
             if not self.block_manager.allocate_slots(req, num_new, computed):
                 self._release_lora(req)
                 break
@@ -224,7 +277,7 @@ class Scheduler:
             del self.waiting[passed]
             self._admit(req, num_cached, imported)
             scheduled.append((req, num_new))
-            budget.take(num_new)
+            self._take(budget, req, num_new)
             if computing is not None:
                 computing.update(req.block_hashes[num_cached // self.block_manager.block_size:])
 
@@ -258,12 +311,28 @@ class Scheduler:
         size = self.block_manager.block_size
         return {h for req in self.running for h in req.block_hashes[req.num_computed_tokens // size:]}
 
-    def _chunk(self, budget: StepBudget, num_new: int, start: int) -> int:
+    def _chunk(self, budget: StepBudget, num_new: int, start: int, req: Request) -> int:
         """`num_new` prompt tokens from `start` on, cut to the step's prefill room (set at its first chunk,
-        for where in its prompt that chunk starts)."""
+        for where in its prompt that chunk starts), and to the step's room for yielding prompts when `req`
+        yields."""
         if budget.prefill is None:
             budget.prefill = self._prefill_budget(budget.num_decodes, start)
+        if self._yields(req, budget):
+            num_new = min(num_new, budget.yield_room)
         return min(num_new, budget.prefill)
+
+    def _yields(self, req: Request, budget: StepBudget) -> bool:
+        return budget.yield_room is not None and req.priority > self._yield_above
+
+    def _take(self, budget: StepBudget, req: Request, num_new: int, num_drafts: int = 0) -> None:
+        budget.take(num_new, num_drafts)
+        if num_new > 1 and self._yields(req, budget):
+            budget.yield_room -= num_new
+
+    def _joins(self, budget: StepBudget, num_new: int) -> bool:
+        """Whether a prompt chunk of `num_new` tokens may join the step (`prefill_batch_tokens`)."""
+        return (not budget.prompt_tokens or self.prefill_batch_tokens is None
+                or budget.prompt_tokens + num_new <= self.prefill_batch_tokens)
 
     def _admit(self, req: Request, num_cached: int, imported: bool) -> None:
         """Run `req` from `num_cached` tokens on; its first admission stamps its timeline (the decode of an

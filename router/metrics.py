@@ -321,6 +321,8 @@ _STATS_COUNTERS = {
     "vllm:prompt_tokens": ("Prompt tokens processed.", lambda s: s.prompt_tokens),
     "vllm:generation_tokens": ("Tokens generated.", lambda s: s.generation_tokens),
     "vllm:num_preemptions": ("Requests preempted for lack of KV blocks.", lambda s: s.num_preemptions),
+    "tandem:prefill_yield_chunks": ("Prompt chunks cut to flow.yield_slice_ms so that a more urgent prompt "
+                                    "queued there goes next.", lambda s: s.prefill_yield_chunks),
     "tandem:tp_collectives_over_gloo": ("A CPU tensor-parallel worker's collectives too large for its ranks' "
                                         "shared memory, sent over Gloo instead, slower (should stay 0).",
                                         lambda s: s.tp_shm_too_large),

@@ -347,3 +347,82 @@ def test_a_waiting_request_ages_one_band_per_aging_s_so_a_stream_of_urgent_ones_
         assert [r.request_id for r in sched.running] != ["bg"]
         sched.running.clear()
         now[0] += 1.0
+
+
+def test_with_a_prefill_batch_limit_a_long_prompt_computes_alone_and_short_ones_share_a_step():
+    """prefill_batch_tokens (on CPU by default): a second prompt joins a step only within the limit, so the
+    first one's first token does not wait for it; requests whose KV was imported still decode beside it."""
+    sched = Scheduler(EngineConfig(), BlockManager(64, BLOCK, True), prefill_batch_tokens=16)
+    a, b, c = request("a", 12), request("b", 8, first_token=100), request("c", 3, first_token=200)
+    for r in (a, b, c):
+        sched.add(r)
+    assert step(sched) == [("a", 12), ("c", 3)]  # b's 8 would make 20: it goes next
+    assert step(sched) == [("a", 1), ("c", 1), ("b", 8)]
+    # A running prompt's next chunk is the first prompt of its step; another running one's waits.
+    chunked = Scheduler(EngineConfig(max_num_batched_tokens=16), BlockManager(64, BLOCK, True), prefill_batch_tokens=12)
+    x, y = request("x", 20), request("y", 20, first_token=100)
+    chunked.add(x)
+    chunked.add(y)
+    assert step(chunked) == [("x", 16)]
+    assert step(chunked) == [("x", 4)]  # y's 12 beside x's 4 would pass 12 tokens
+    assert step(chunked) == [("x", 1), ("y", 15)]
+
+
+def yielding_scheduler(window_s: float = 30.0) -> tuple[Scheduler, list[float]]:
+    sched = Scheduler(EngineConfig(max_num_batched_tokens=64, yield_window_s=window_s), BlockManager(64, BLOCK, True))
+    now = [0.0]
+    sched.clock = lambda: now[0]
+    return sched, now
+
+
+def yielding_step(sched: Scheduler, cap: int = 8) -> list[tuple[str, int]]:
+    """What the engine does with yield_slice_ms: a cap for the prompts that yield."""
+    above = sched.yields()
+    scheduled = sched.schedule(None, None if above is None else (above, cap))
+    for req, n in scheduled:
+        req.num_computed_tokens += n
+        sched.block_manager.cache_full_blocks(req)
+        if req.num_computed_tokens == req.num_tokens:
+            req.all_token_ids.append(SAMPLED)
+    return [(req.request_id, n) for req, n in scheduled]
+
+
+def test_a_prompt_less_urgent_than_one_queued_lately_yields_in_small_chunks_so_the_next_urgent_one_waits_one_chunk():
+    sched, now = yielding_scheduler()
+    # Alone at one priority, a prompt is computed whole: nobody pays for yielding.
+    sched.add(request("solo", 24, first_token=900))
+    assert sched.yields() is None and yielding_step(sched) == [("solo", 24)]
+    sched.finish(sched.running[0])
+    quiet = request("quiet", 8, first_token=700)
+    quiet.priority = -0.5  # a tenant below its share (GenerateRequest.queue_priority)
+    sched.add(quiet)
+    assert yielding_step(sched) == [("quiet", 8)]
+    sched.finish(quiet)
+    now[0] = 5.0
+    flood = request("flood", 40, first_token=100)
+    sched.add(flood)
+    sched.add(request("flood2", 40, first_token=200))
+    assert sched.yields() == -0.5
+    assert yielding_step(sched) == [("flood", 8)]  # it yields: a slice a step, for all yielding prompts together
+    assert yielding_step(sched) == [("flood", 8)]
+    urgent = request("quiet2", 16, first_token=300)
+    urgent.priority = -0.5
+    sched.add(urgent)
+    assert yielding_step(sched) == [("quiet2", 16)]  # waited one slice, not the flood's whole prompt
+    assert sorted(yielding_step(sched)) == [("flood", 8), ("quiet2", 1)]
+    assert sched.yield_chunks == 3
+
+
+def test_prompts_stop_yielding_once_no_more_urgent_one_came_within_the_window():
+    sched, now = yielding_scheduler(window_s=10.0)
+    urgent = request("urgent", 4)
+    urgent.priority = -1
+    sched.add(urgent)
+    yielding_step(sched)
+    sched.finish(urgent)
+    bulk = request("bulk", 40, first_token=100)
+    sched.add(bulk)
+    assert yielding_step(sched) == [("bulk", 8)]
+    now[0] = 10.5
+    assert sched.yields() is None
+    assert yielding_step(sched) == [("bulk", 32)]

@@ -21,8 +21,8 @@ def recorded_steps(engine: Engine) -> list[tuple[int, int, int]]:
     """(decodes, prompt tokens, context) of every step the engine's scheduler hands out from now on."""
     steps, schedule = [], engine.scheduler.schedule
 
-    def recording(token_cap=None):
-        scheduled = schedule(token_cap)
+    def recording(token_cap=None, yield_cap=None):
+        scheduled = schedule(token_cap, yield_cap)
         steps.append(step_shape(scheduled))
         return scheduled
 
@@ -222,3 +222,61 @@ def test_a_request_with_imported_kv_joins_while_a_prompt_waits_for_prefill_room(
     assert [r.request_id for r in engine.scheduler.waiting] == ["long-2"]  # prompts keep their order
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_on_cpu_a_step_computes_one_long_prompt_and_short_prompts_share_one(tiny_llama_dir):
+    """EngineConfig.prefill_batch_tokens on CPU (256 by default): two long prompts go one forward each, so the
+    first one's first token does not wait for the second; short ones still share a forward; 0 lifts the limit."""
+    vocab = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=8)).runner.vocab_size
+    batch = prompts(vocab, (200, 180, 30, 20), seed=4)
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128))
+    assert engine.scheduler.prefill_batch_tokens == 256
+    steps = recorded_steps(engine)
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, GREEDY)
+    first = engine.step()
+    assert steps[0][:2] == (0, 200 + 30 + 20) and {o.request_id for o in first} == {"r0", "r2", "r3"}
+    outs = first
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert steps[1][1] == 180
+    tokens: dict[str, list[int]] = {}
+    for out in outs:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert all(tokens[f"r{i}"] == hf_greedy(tiny_llama_dir, p, GREEDY.max_tokens) for i, p in enumerate(batch))
+    unlimited = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, prefill_batch_tokens=0))
+    unlimited_steps = recorded_steps(unlimited)
+    for i, p in enumerate(batch):
+        unlimited.add_request(f"r{i}", p, GREEDY)
+    unlimited.step()
+    assert [shape[:2] for shape in unlimited_steps] == [(0, 430)]
+
+
+def test_a_prompt_less_urgent_than_a_recent_one_is_computed_in_yield_slices(tiny_llama_dir):
+    """yield_slice_ms: once a more urgent prompt came lately, a less urgent one goes in chunks of about that long
+    at the measured speed, and the next urgent prompt computes in the step after the current chunk; the
+    outputs stay HF's."""
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=512,
+                                 yield_slice_ms=100))
+    engine.step_costs.prefill_tokens_per_s = {b: 1000.0 for b in (16, 64, 256, 512)}
+    engine.step_costs.decode_step_s = {1: 0.02}  # 80 ms left for prompt tokens: 80 at 1,000 tok/s
+    steps = recorded_steps(engine)
+    vocab = engine.runner.vocab_size
+    quiet, flood, quiet2 = prompts(vocab, (20, 300, 40), seed=5)
+    urgent = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.add_request("quiet", quiet, urgent, priority=-1)
+    outs = engine.step()
+    engine.add_request("flood", flood, GREEDY)
+    engine.step_costs.prefill_tokens_per_s = {b: 1000.0 for b in (16, 64, 256, 512)}  # (the steps update it)
+    outs += engine.step()
+    assert steps[-1][1] == 80
+    engine.add_request("quiet2", quiet2, urgent, priority=-1)
+    outs += engine.step()
+    assert steps[-1] == (0, 40, 40)  # after one slice of the flood's prompt, not all of it
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    tokens: dict[str, list[int]] = {}
+    for out in outs:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert tokens["flood"] == hf_greedy(tiny_llama_dir, flood, GREEDY.max_tokens)
+    assert tokens["quiet2"] == hf_greedy(tiny_llama_dir, quiet2, 1)

@@ -139,6 +139,7 @@ class WorkerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    prefill_yield_chunks: int = 0  # prompt chunks cut to a yield slice for a more urgent prompt (Scheduler)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     draining: bool = False
