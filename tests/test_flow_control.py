@@ -390,9 +390,18 @@ def test_the_cluster_config_gives_the_ingress_its_flow_and_tenants_and_refuses_b
     assert flow.max_in_flight == 4 and flow.aging_s == 5 and flow.policy("chat").weight == 4
     assert flow.policy("chat").max_priority == 0 and flow.policy("anyone") == flow.default_tenant
     for bad in ({"tenants": {"t": {"weight": 0}}}, {"tenants": {"t": {"tokens_per_minute": -1}}},
-                {"tenants": {"t": {"wieght": 2}}}, {"flow": {"max_in_flight": 0}}, {"flow": {"aging_s": 0}}):
+                {"tenants": {"t": {"wieght": 2}}}, {"flow": {"max_in_flight": 0}}, {"flow": {"aging_s": 0}},
+                {"flow": {"yield_slice_ms": 0}}, {"flow": {"yield_window_s": -1}},
+                {"engine": {"prefill_batch_tokens": -1}}):
         with pytest.raises(ValidationError):
             ClusterConfig(**bad)
+    # The workers' engines: aging, yielding (on by default) and the prefill batch limit.
+    engine = config.engine_config(config.prefill, "prefill")
+    assert (engine.priority_aging_s, engine.yield_slice_ms, engine.yield_window_s) == (5, 250.0, 30.0)
+    assert engine.prefill_batch_tokens is None  # by device
+    tuned = ClusterConfig(flow={"yield_slice_ms": None, "yield_window_s": 5}, engine={"prefill_batch_tokens": 0})
+    engine = tuned.engine_config(tuned.decode, "decode")
+    assert (engine.yield_slice_ms, engine.yield_window_s, engine.prefill_batch_tokens) == (None, 5, 0)
 
 
 @pytest.mark.parametrize("written, shed", [("on", "on"), ("off", "off"), ("low_priority", "low_priority"),
