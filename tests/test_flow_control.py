@@ -340,6 +340,43 @@ def test_a_tenant_below_its_share_goes_on_at_once_and_ahead_until_it_has_caught_
     run(scenario())
 
 
+def test_a_request_more_urgent_than_all_in_flight_goes_on_at_once_and_ahead_then_the_next_of_its_band_waits():
+    """One tenant, the router saturated with priority-10 work: a priority-0 request does not wait at the ingress for
+    a prefill slot (the workers compute it first anyway) but goes on ahead; a second priority-0 request, with the
+    first in flight, queues as usual and goes first once there is room; a queued urgent one is let on by the pump
+    as soon as it is more urgent than everything in flight."""
+    async def scenario():
+        saturated = [False]
+
+        async def wait_for_loads(timeout_s):
+            await asyncio.sleep(0.01)
+
+        flow = FlowControl(FlowConfig(), saturated=lambda: saturated[0], wait_for_loads=wait_for_loads)
+        bulk = [await placed(flow, "t", 10, 10, 10) for _ in range(2)]
+        saturated[0] = True
+        queued_bulk = asyncio.create_task(flow.enter("t", 10, 10, 10))
+        await asyncio.sleep(0.05)
+        assert not queued_bulk.done()
+        urgent = await asyncio.wait_for(flow.enter("t", 0, 10, 10), 1.0)
+        assert urgent.ahead and flow.priorities == {10: 2, 0: 1}
+        urgent.placements(1)()
+        second = asyncio.create_task(flow.enter("t", 0, 10, 10))
+        await asyncio.sleep(0.05)
+        assert not second.done()  # one of its band is in flight: it waits its turn
+        urgent.release(10)  # now it is more urgent than all in flight again: the pump lets it on ahead
+        second = await asyncio.wait_for(second, 1.0)
+        assert second.ahead and not queued_bulk.done()
+        second.placements(1)()
+        second.release(10)
+        saturated[0] = False
+        assert not (await asyncio.wait_for(queued_bulk, 1.0)).ahead
+        for g in bulk:
+            g.release(10)
+        assert flow.priorities == {10: 1}
+
+    run(scenario())
+
+
 def test_a_waiter_cancelled_just_before_its_turn_takes_no_room_and_leaves_nothing_behind():
     """The client leaves and, before its cancelled waiter runs, room frees: the gate must skip it (setting its
     cancelled future raised, and the room it was given was never given back: the gate stayed shut for good,

@@ -233,10 +233,11 @@ class Grant:
     (idempotent; it counts as placed then too): the tokens it generated, so that its tenant's budget gets
     back the rest of its max_tokens (None: keep the charge)."""
 
-    __slots__ = ("flow", "tenant", "charged", "max_output", "released", "unplaced", "ahead")
+    __slots__ = ("flow", "tenant", "priority", "charged", "max_output", "released", "unplaced", "ahead")
 
-    def __init__(self, flow: FlowControl, tenant: str, charged: int, max_output: int):
+    def __init__(self, flow: FlowControl, tenant: str, charged: int, max_output: int, priority: int = 0):
         self.flow, self.tenant, self.charged, self.max_output = flow, tenant, charged, max_output
+        self.priority = priority
         self.released = False
         self.ahead = False  # let on ahead of the prompts queued on workers (`FlowControl._may_go_ahead`)
         self.unplaced = 0  # placements still to be made; > 0 only while the grant counts in flow.placing
@@ -280,6 +281,7 @@ class FlowControl:
         self.placing = 0  # grants let through and not placed yet: the router's saturation does not show them
         self.last_start = self.clock()  # when the last request was let through
         self.running: dict[str, int] = {}  # per tenant
+        self.priorities: dict[int, int] = {}  # requests in flight per priority
         self.buckets: dict[str, TokenBucket] = {}
 
     def snapshot(self) -> dict:
@@ -329,9 +331,10 @@ class FlowControl:
                                     f"this request's {cost} tokens are there in {retry}s",
                                type="rate_limit_exceeded", code="rate_limit_exceeded",
                                headers={"Retry-After": str(retry)})
-        grant = Grant(self, tenant, cost if policy.tokens_per_minute is not None else 0, max_output)
+        grant = Grant(self, tenant, cost if policy.tokens_per_minute is not None else 0, max_output, priority)
         try:
-            if not self.queue.queued(tenant) and self._may_go_ahead(tenant):
+            if (not self.queue.queued(tenant) and self._may_go_ahead(tenant)
+                    or not self.queue.ahead_of(priority, self.clock())[0] and self._urgent_may_go(tenant, priority)):
                 self._start(tenant, priority, 0.0, ahead=True)
                 grant.unplaced, grant.ahead = 1, True
                 return grant
@@ -356,7 +359,7 @@ class FlowControl:
             except asyncio.CancelledError:
                 if entry.granted.done() and not entry.granted.cancelled():
                     self._placed(pump=False)  # granted as the client left: give the room back
-                    self._finish(tenant)
+                    self._finish(tenant, priority)
                     self.pump()
                     self._trim_slots(tenant)
                 else:
@@ -438,7 +441,8 @@ class FlowControl:
     def pump(self) -> None:
         """Start queued requests while there is room, in the fair queue's order; the next in that order that
         is not ready (it would only wait for a prefill slot) holds the rest back, unless its tenant is behind
-        its share: then it goes on at once, ahead of the prompts queued on workers (`_may_go_ahead`)."""
+        its share or it is more urgent than every request in flight: then it goes on at once, ahead of the prompts
+        queued on workers (`_may_go_ahead`, `_urgent_may_go`)."""
         while len(self.queue):
             now = self.clock()
             behind = [t for t in self.queue.tenants if self._may_go_ahead(t)]
@@ -450,7 +454,7 @@ class FlowControl:
                 continue
             if entry is None:
                 break
-            ahead = bool(behind)
+            ahead = bool(behind) or self._urgent_may_go(entry.tenant, entry.effective_priority(now, self.queue.aging_s))
             if not ahead and not (self._room() and (entry.ready is None or entry.ready())):
                 break
             self.queue.take(entry)
@@ -464,13 +468,25 @@ class FlowControl:
         with requests running or queued (so it is served below its share while they are not), and the gate is
         free (nothing unplaced, below max_in_flight, the tenant below its own cap). Each such start brings the
         tenant nearer its share, so a tenant goes ahead only until it has caught up."""
-        limit = self.config.max_in_flight
-        if self.placing or (limit is not None and self.in_flight >= limit) or not self._tenant_has_room(tenant):
+        if not self._gate_free(tenant):
             return False
         mine = self.running.get(tenant, 0) / self.weight(tenant)
         others = [self.running.get(t, 0) / self.weight(t) for t in set(self.running) | set(self.queue.tenants)
                   if t != tenant and (self.running.get(t, 0) or self.queue.queued(t))]
         return bool(others) and mine < min(others)
+
+    def _urgent_may_go(self, tenant: str, priority: int) -> bool:
+        """Whether a request of `priority` (nothing queued before it) goes on now whatever the router's saturation,
+        ahead of the prompts queued on workers: it is more urgent than every request in flight here, so the
+        workers would compute it first anyway, and waiting at the ingress for a prefill slot would only delay
+        it (behind each of the less urgent prompts that are computing there as the slot frees). Once one of its
+        priority is in flight, the next waits its turn."""
+        return bool(self.priorities) and priority < min(self.priorities) and self._gate_free(tenant)
+
+    def _gate_free(self, tenant: str) -> bool:
+        """Nothing let on is unplaced, below max_in_flight, and the tenant below its own cap."""
+        limit = self.config.max_in_flight
+        return not self.placing and (limit is None or self.in_flight < limit) and self._tenant_has_room(tenant)
 
     def _room(self) -> bool:
         """Room for one more: below max_in_flight, and the router not saturated as far as it can tell, that
@@ -494,6 +510,7 @@ class FlowControl:
         self.placing += 1
         self.last_start = self.clock()
         self.running[tenant] = self.running.get(tenant, 0) + 1
+        self.priorities[priority] = self.priorities.get(priority, 0) + 1
         if self.metrics is not None:
             self.metrics.admitted.labels(tenant, str(priority)).inc()
             if ahead:
@@ -501,9 +518,12 @@ class FlowControl:
             self.metrics.queue_time.labels(tenant).observe(waited_s)
             self.metrics.running.labels(tenant).set(self.running[tenant])
 
-    def _finish(self, tenant: str) -> None:
+    def _finish(self, tenant: str, priority: int) -> None:
         self.in_flight -= 1
         self.running[tenant] -= 1
+        self.priorities[priority] -= 1
+        if not self.priorities[priority]:
+            del self.priorities[priority]
         if self.metrics is not None:
             self.metrics.running.labels(tenant).set(self.running[tenant])
 
@@ -513,7 +533,7 @@ class FlowControl:
             self.pump()
 
     def _leave(self, grant: Grant, unused: int | None) -> None:
-        self._finish(grant.tenant)
+        self._finish(grant.tenant, grant.priority)
         if unused is not None:
             self._refund(grant, unused)
         self.pump()
