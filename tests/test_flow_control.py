@@ -340,39 +340,45 @@ def test_a_tenant_below_its_share_goes_on_at_once_and_ahead_until_it_has_caught_
     run(scenario())
 
 
-def test_a_request_more_urgent_than_all_in_flight_goes_on_at_once_and_ahead_then_the_next_of_its_band_waits():
+def test_an_urgent_request_goes_on_ahead_while_none_of_its_band_waits_for_a_first_token_and_aging_opens_no_gate():
     """One tenant, the router saturated with priority-10 work: a priority-0 request does not wait at the ingress for
-    a prefill slot (the workers compute it first anyway) but goes on ahead; a second priority-0 request, with the
-    first in flight, queues as usual and goes first once there is room; a queued urgent one is let on by the pump
-    as soon as it is more urgent than everything in flight."""
+    a prefill slot (the workers compute it first anyway) but goes on ahead. A second priority-0 request waits while
+    the first has no first token yet (one at a time per band, so a band cannot flood the workers), and goes on
+    ahead once it has. A priority-10 request that aged in the queue is not let through by it."""
     async def scenario():
-        saturated = [False]
+        saturated, now = [False], [0.0]
 
         async def wait_for_loads(timeout_s):
             await asyncio.sleep(0.01)
 
-        flow = FlowControl(FlowConfig(), saturated=lambda: saturated[0], wait_for_loads=wait_for_loads)
+        flow = FlowControl(FlowConfig(aging_s=10.0), saturated=lambda: saturated[0], wait_for_loads=wait_for_loads,
+                           clock=lambda: now[0])
         bulk = [await placed(flow, "t", 10, 10, 10) for _ in range(2)]
         saturated[0] = True
         queued_bulk = asyncio.create_task(flow.enter("t", 10, 10, 10))
         await asyncio.sleep(0.05)
         assert not queued_bulk.done()
         urgent = await asyncio.wait_for(flow.enter("t", 0, 10, 10), 1.0)
-        assert urgent.ahead and flow.priorities == {10: 2, 0: 1}
+        assert urgent.ahead
         urgent.placements(1)()
         second = asyncio.create_task(flow.enter("t", 0, 10, 10))
         await asyncio.sleep(0.05)
-        assert not second.done()  # one of its band is in flight: it waits its turn
-        urgent.release(10)  # now it is more urgent than all in flight again: the pump lets it on ahead
+        assert not second.done()  # the first of its band has no first token yet
+        urgent.prefilled = lambda: True
+        flow.pump()  # (the watcher's next wake-up, or any load change)
         second = await asyncio.wait_for(second, 1.0)
         assert second.ahead and not queued_bulk.done()
         second.placements(1)()
-        second.release(10)
+        second.prefilled = lambda: True
+        now[0] = 100.0  # the queued bulk request aged ten bands: it goes first in the queue, not through the gate
+        flow.pump()
+        await asyncio.sleep(0.05)
+        assert not queued_bulk.done()
         saturated[0] = False
         assert not (await asyncio.wait_for(queued_bulk, 1.0)).ahead
-        for g in bulk:
+        for g in (*bulk, urgent, second):
             g.release(10)
-        assert flow.priorities == {10: 1}
+        assert len(flow.grants) == 1 and flow.in_flight == 1
 
     run(scenario())
 

@@ -233,7 +233,7 @@ class Grant:
     (idempotent; it counts as placed then too): the tokens it generated, so that its tenant's budget gets
     back the rest of its max_tokens (None: keep the charge)."""
 
-    __slots__ = ("flow", "tenant", "priority", "charged", "max_output", "released", "unplaced", "ahead")
+    __slots__ = ("flow", "tenant", "priority", "charged", "max_output", "released", "unplaced", "ahead", "prefilled")
 
     def __init__(self, flow: FlowControl, tenant: str, charged: int, max_output: int, priority: int = 0):
         self.flow, self.tenant, self.charged, self.max_output = flow, tenant, charged, max_output
@@ -241,6 +241,9 @@ class Grant:
         self.released = False
         self.ahead = False  # let on ahead of the prompts queued on workers (`FlowControl._may_go_ahead`)
         self.unplaced = 0  # placements still to be made; > 0 only while the grant counts in flow.placing
+        # Whether every prompt of the request has its first token (set by the caller once it has candidates);
+        # until then the request counts as prompt work in flight (`FlowControl._urgent_may_go`).
+        self.prefilled: Callable[[], bool] = lambda: False
 
     def placements(self, n: int) -> Callable[[], None]:
         self.unplaced = n
@@ -281,7 +284,7 @@ class FlowControl:
         self.placing = 0  # grants let through and not placed yet: the router's saturation does not show them
         self.last_start = self.clock()  # when the last request was let through
         self.running: dict[str, int] = {}  # per tenant
-        self.priorities: dict[int, int] = {}  # requests in flight per priority
+        self.grants: set[Grant] = set()  # the requests let through and not released
         self.buckets: dict[str, TokenBucket] = {}
 
     def snapshot(self) -> dict:
@@ -337,10 +340,12 @@ class FlowControl:
                     or not self.queue.ahead_of(priority, self.clock())[0] and self._urgent_may_go(tenant, priority)):
                 self._start(tenant, priority, 0.0, ahead=True)
                 grant.unplaced, grant.ahead = 1, True
+                self.grants.add(grant)
                 return grant
             if not len(self.queue) and self._has_room(tenant) and (ready is None or ready()):
                 self._start(tenant, priority, 0.0)
                 grant.unplaced = 1
+                self.grants.add(grant)
                 return grant
             if policy.max_queued is not None and self.queue.queued(tenant) >= policy.max_queued:
                 self._refused(tenant, priority, "max_queued")
@@ -359,7 +364,7 @@ class FlowControl:
             except asyncio.CancelledError:
                 if entry.granted.done() and not entry.granted.cancelled():
                     self._placed(pump=False)  # granted as the client left: give the room back
-                    self._finish(tenant, priority)
+                    self._finish(tenant)
                     self.pump()
                     self._trim_slots(tenant)
                 else:
@@ -370,6 +375,7 @@ class FlowControl:
                         self.metrics.cancelled.labels(tenant).inc()
                 raise
             grant.unplaced = 1
+            self.grants.add(grant)
             return grant
         except BaseException:
             self._refund(grant, grant.charged)  # it never ran
@@ -454,7 +460,7 @@ class FlowControl:
                 continue
             if entry is None:
                 break
-            ahead = bool(behind) or self._urgent_may_go(entry.tenant, entry.effective_priority(now, self.queue.aging_s))
+            ahead = bool(behind) or self._urgent_may_go(entry.tenant, entry.priority)
             if not ahead and not (self._room() and (entry.ready is None or entry.ready())):
                 break
             self.queue.take(entry)
@@ -477,11 +483,20 @@ class FlowControl:
 
     def _urgent_may_go(self, tenant: str, priority: int) -> bool:
         """Whether a request of `priority` (nothing queued before it) goes on now whatever the router's saturation,
-        ahead of the prompts queued on workers: it is more urgent than every request in flight here, so the
-        workers would compute it first anyway, and waiting at the ingress for a prefill slot would only delay
-        it (behind each of the less urgent prompts that are computing there as the slot frees). Once one of its
-        priority is in flight, the next waits its turn."""
-        return bool(self.priorities) and priority < min(self.priorities) and self._gate_free(tenant)
+        ahead of the prompts queued on workers: less urgent requests are in flight here and no request of its
+        priority or a more urgent one is still waiting for its first token, so the workers would compute it first
+        anyway, and waiting at the ingress for a prefill slot would only delay it behind the less urgent prompts
+        computing there as the slot frees. One such request at a time per band: the next waits until it has its
+        first token. The request's own priority counts, not the one it aged to in the queue (aging orders the
+        queue; it does not open the gate)."""
+        if not self._gate_free(tenant):
+            return False
+        less_urgent = False
+        for grant in self.grants:
+            if grant.priority <= priority and not grant.prefilled():
+                return False
+            less_urgent = less_urgent or grant.priority > priority
+        return less_urgent
 
     def _gate_free(self, tenant: str) -> bool:
         """Nothing let on is unplaced, below max_in_flight, and the tenant below its own cap."""
@@ -510,7 +525,6 @@ class FlowControl:
         self.placing += 1
         self.last_start = self.clock()
         self.running[tenant] = self.running.get(tenant, 0) + 1
-        self.priorities[priority] = self.priorities.get(priority, 0) + 1
         if self.metrics is not None:
             self.metrics.admitted.labels(tenant, str(priority)).inc()
             if ahead:
@@ -518,12 +532,9 @@ class FlowControl:
             self.metrics.queue_time.labels(tenant).observe(waited_s)
             self.metrics.running.labels(tenant).set(self.running[tenant])
 
-    def _finish(self, tenant: str, priority: int) -> None:
+    def _finish(self, tenant: str) -> None:
         self.in_flight -= 1
         self.running[tenant] -= 1
-        self.priorities[priority] -= 1
-        if not self.priorities[priority]:
-            del self.priorities[priority]
         if self.metrics is not None:
             self.metrics.running.labels(tenant).set(self.running[tenant])
 
@@ -533,7 +544,8 @@ class FlowControl:
             self.pump()
 
     def _leave(self, grant: Grant, unused: int | None) -> None:
-        self._finish(grant.tenant, grant.priority)
+        self.grants.discard(grant)
+        self._finish(grant.tenant)
         if unused is not None:
             self._refund(grant, unused)
         self.pump()

@@ -217,6 +217,7 @@ class OpenAIService:
                 seeded = params if params.seed is not None else replace(params, seed=seeds[-1])
                 candidates += _candidates(f"{fmt.id}-{p}", p, ids, seeded, salt, hashes[p], trace.timeline,
                                           req.priority, grant.ahead, lora)
+            grant.prefilled = lambda: all("first_token" in cand.request.times for cand in candidates)
             placed = grant.placements(len(candidates))
             for cand in candidates:
                 cand.on_placed = placed
