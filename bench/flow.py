@@ -13,6 +13,9 @@ Arms: `fifo` (both keys name one tenant: one queue by arrival, as before flow co
 tenants of weight 1, the flood tenant with `max_queued` --flood-max-queued, so its excess gets 429).
 Per arm: the quiet tenant's TTFT p50 / p99 alone and beside the flood (the ratio is the issue's figure, goal
 <= 1.5x), its goodput (TTFT <= 2 s, TPOT <= 250 ms), and the flood's outcomes (served, 429, other errors).
+`--client vllm` runs those two arms' clients with vLLM's own `vllm bench serve` instead (bench/vllm_peer.sh
+bench, one process per tenant with its key in OPENAI_API_KEY, the same rates and lengths, its random dataset;
+needs `bench/vllm_peer.sh install`); the other arms always use this repo's client.
 
 Two more arms, one tenant each:
   `priority`: priority-0 requests at --quiet-rate beside priority-10 requests at --flood-factor times it
@@ -57,6 +60,49 @@ def sessions(space, n: int, rate: float, args, seed: int):
     out = serve_data.random_sessions(space, n, args.input_len, args.output_len, seed, 0.0)
     serve_data.assign_arrivals(out, rate, 1.0, seed)
     return out
+
+
+async def vllm_client(base_url: str, model: str, key: str, n: int, rate: float, args, seed: int, out: Path) -> dict:
+    """vLLM's `bench serve` against tandem as tenant `key`: the summary of its detailed result (errors by reason)."""
+    import os
+
+    from engine.model_loader import default_model_dir
+    env = dict(os.environ, OPENAI_API_KEY=key)
+    name = f"vllm-client-{KEYS[key]}-{seed}.json"
+    cmd = [str(compare.ROOT / "bench/vllm_peer.sh"), "bench", "--backend", "openai", "--base-url", base_url,
+           "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(default_model_dir()),
+           "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(n), "--request-rate", str(rate),
+           "--seed", str(seed), "--ignore-eos", "--disable-tqdm", "--save-result", "--save-detailed",
+           "--result-dir", str(out), "--result-filename", name, "--percentile-metrics", "ttft,tpot,itl",
+           "--metric-percentiles", "50,99", "--goodput", "ttft:2000", "tpot:250"]
+    proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT)
+    log, _ = await proc.communicate()
+    (out / name.replace(".json", ".log")).write_bytes(log)
+    if proc.returncode:
+        raise RuntimeError(f"vllm bench serve failed ({proc.returncode}): {log.decode()[-2000:]}")
+    result = json.loads((out / name).read_text())
+    ttfts = sorted(t * 1000 for t, e in zip(result["ttfts"], result["errors"]) if not e)
+    pick = (lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan"))
+    outcomes = collections.Counter("served" if not e else f"HTTP {e.strip().splitlines()[-1][:40]}"
+                                   for e in result["errors"])
+    return {"ttft_ms": {"median": result.get("median_ttft_ms", pick(0.5)), "p99": result.get("p99_ttft_ms", pick(0.99))},
+            "goodput": result.get("request_goodput") or 0.0, "completed": result["completed"],
+            "outcomes": dict(outcomes)}
+
+
+async def vllm_phase(base_url: str, model: str, args, seed: int, flood: bool, out: Path) -> dict:
+    runs = [vllm_client(base_url, model, "quiet-key-0123", args.quiet_prompts, args.quiet_rate, args, seed, out)]
+    if flood:
+        runs.append(vllm_client(base_url, model, "flood-key-0123", args.quiet_prompts * args.flood_factor,
+                                args.quiet_rate * args.flood_factor, args, seed + 1, out))
+    done = await asyncio.gather(*runs)
+    result = {"quiet": done[0]}
+    if flood:
+        result["flood"] = {"summary": done[1], "outcomes": {("HTTP 429" if "Too Many" in k else k): v
+                                                            for k, v in done[1]["outcomes"].items()}}
+    return result
 
 
 async def phase(base_url: str, model: str, space, args, seed: int, flood: bool) -> dict:
@@ -114,8 +160,12 @@ def run_arm(arm: str, args, space, log_dir: Path) -> dict:
             return {"arm": arm, "rates": {
                 str(rate): asyncio.run(rate_phase(base_url, model, space, args, args.seed + 300 + i, rate))
                 for i, rate in enumerate((args.knee_rate, 2 * args.knee_rate))}}
-        alone = asyncio.run(phase(base_url, model, space, args, args.seed, flood=False))
-        beside = asyncio.run(phase(base_url, model, space, args, args.seed + 100, flood=True))
+        if args.client == "vllm":
+            alone = asyncio.run(vllm_phase(base_url, model, args, args.seed, False, log_dir))
+            beside = asyncio.run(vllm_phase(base_url, model, args, args.seed + 100, True, log_dir))
+        else:
+            alone = asyncio.run(phase(base_url, model, space, args, args.seed, flood=False))
+            beside = asyncio.run(phase(base_url, model, space, args, args.seed + 100, flood=True))
     return {"arm": arm, "alone": alone, "beside": beside}
 
 
@@ -179,6 +229,8 @@ def main(argv=None) -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--client", choices=("tandem", "vllm"), default="tandem",
+                   help="the fifo and fair arms' client: this repo's, or vLLM's `bench serve` (bench/vllm_peer.sh)")
     p.add_argument("--audit", action="store_true", help="write each arm's audit records (stage times, queue "
                    "waits) beside its server log")
     p.add_argument("--knee-rate", type=float, default=1.2, help="overload arms: the rate at capacity (req/s)")
