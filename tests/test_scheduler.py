@@ -24,8 +24,9 @@ def request(request_id: str, num_prompt_tokens: int, first_token: int = 1, cache
     return Request(request_id, prompt, SamplingParams(temperature=0.0), max_tokens=64, cache_salt=cache_salt)
 
 
-def step(sched: Scheduler, token_cap: int | None = None) -> list[tuple[str, int]]:
-    scheduled = sched.schedule(token_cap)
+def step(sched: Scheduler, token_cap: int | None = None,
+         yield_cap: tuple[float, int] | None = None) -> list[tuple[str, int]]:
+    scheduled = sched.schedule(token_cap, yield_cap)
     for req, n in scheduled:
         req.num_computed_tokens += n
         sched.block_manager.cache_full_blocks(req)
@@ -378,13 +379,7 @@ def yielding_scheduler(window_s: float = 30.0) -> tuple[Scheduler, list[float]]:
 def yielding_step(sched: Scheduler, cap: int = 8) -> list[tuple[str, int]]:
     """What the engine does with yield_slice_ms: a cap for the prompts that yield."""
     above = sched.yields()
-    scheduled = sched.schedule(None, None if above is None else (above, cap))
-    for req, n in scheduled:
-        req.num_computed_tokens += n
-        sched.block_manager.cache_full_blocks(req)
-        if req.num_computed_tokens == req.num_tokens:
-            req.all_token_ids.append(SAMPLED)
-    return [(req.request_id, n) for req, n in scheduled]
+    return step(sched, None, None if above is None else (above, cap))
 
 
 def test_a_prompt_less_urgent_than_one_queued_lately_yields_in_small_chunks_so_the_next_urgent_one_waits_one_chunk():
