@@ -47,7 +47,8 @@ class Scheduler:
     the step's prompt tokens stay within this. On CPU a forward of more tokens is no faster per token, so
     a second prompt in the step only delays the first one's first token (two 256-token prompts took 1,761 ms
     in one forward, 826 ms each alone: bench/HISTORY.md, "The quiet tenant no longer waits for a flood's whole
-    prompt"); short prompts still share a step. None: up to the token budget (on GPUs, where a bigger forward is cheaper per token).
+    prompt"); short prompts still share a step. None: up to the token budget (on GPUs, where a bigger forward
+    is cheaper per token).
 
     Yielding: a prompt less urgent than one queued here within the last `yield_window_s` is computed in
     steps of at most `yield_cap` of their tokens (about `yield_slice_ms` of prefill, EngineConfig), so that a
