@@ -19,6 +19,7 @@ import functools
 import math
 import mmap
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -62,12 +63,17 @@ def source(cache: KVCache, block_ids: list[int]) -> ShmSource | None:
 
 class SharedCaches:
     """A decode worker's maps of the prefill workers' caches it has pulled from, by (pid, fd, inode). A map
-    keeps its worker's cache alive, so maps of workers that are gone are dropped when the next is made."""
+    keeps its worker's cache alive, so maps of workers that are gone are dropped when the next is made. Pulls
+    run on several threads at once, so the maps change under a lock: unlocked, two first pulls from a new worker
+    at once (one dropping the maps of workers gone while the other added its map) fail one of them with
+    RuntimeError, "dictionary keys changed during iteration", an internal error for its request (the likely
+    cause of a request that failed with RuntimeError in CI, in a prefill scale-up and down under load)."""
 
     def __init__(self, cache: KVCache):
         self.cache = cache
         self.host = host_key()
         self._maps: dict[tuple[int, int, int], tuple[torch.Tensor, mmap.mmap]] = {}
+        self._lock = threading.Lock()
 
     def usable(self, src: ShmSource | None) -> bool:
         """Whether a handle's source can be read here: same host key, a CPU cache on both sides."""
@@ -91,9 +97,14 @@ class SharedCaches:
 
     def forget(self, src: ShmSource) -> None:
         """Drop a map (its worker is gone, or it failed): the next pull from that pid opens it again."""
-        self._maps.pop((src.pid, src.fd, src.inode), None)
+        with self._lock:
+            self._maps.pop((src.pid, src.fd, src.inode), None)
 
     def _map(self, src: ShmSource) -> torch.Tensor:
+        with self._lock:
+            return self._map_locked(src)
+
+    def _map_locked(self, src: ShmSource) -> torch.Tensor:
         key = (src.pid, src.fd, src.inode)
         if key not in self._maps:
             for old in [k for k in self._maps if not os.path.exists(f"/proc/{k[0]}/fd/{k[1]}")]:

@@ -139,3 +139,35 @@ def test_pull_from_another_process_and_from_one_that_died():
         client.close()
         if proc.is_alive():
             proc.kill()
+
+
+def test_two_first_pulls_at_once_from_new_workers_while_one_drops_a_gone_workers_map(monkeypatch):
+    """Pulls run on several threads: one pull's first map of a worker, dropping the maps of workers that are gone,
+    while another pull maps a second new worker. Unlocked, the second insert landed mid-iteration over the maps
+    and the first pull failed with RuntimeError ("dictionary keys changed during iteration"), an internal error
+    for its request."""
+    import threading
+
+    from kv_transfer import shm
+    from kv_transfer.shm import SharedCaches, source
+
+    first, second = shared_cache(seed=1), shared_cache(seed=2)
+    caches = SharedCaches(KVCache(LAYOUT, 16))
+    caches._maps[(2 ** 22 + 1, 3, 1)] = (torch.zeros(1), None)  # a worker that is gone
+    exists, other = os.path.exists, {}
+
+    def slow_exists(path):
+        if path.startswith(f"/proc/{2 ** 22 + 1}/") and "thread" not in other:  # the first pull, mid-iteration
+            other["thread"] = threading.Thread(target=lambda: other.setdefault(
+                "bytes", caches.copy(source(second, [4]), [0], [1])))
+            other["thread"].start()
+            other["thread"].join(1.0)  # with the lock it cannot finish before this pull lets go of the maps
+        return exists(path)
+
+    monkeypatch.setattr(shm.os.path, "exists", slow_exists)
+    assert caches.copy(source(first, [3]), [0], [0]) > 0
+    other["thread"].join(10)
+    assert other.get("bytes", 0) > 0
+    assert torch.equal(caches.cache.kv[:, :, 0], first.kv[:, :, 3]) and torch.equal(caches.cache.kv[:, :, 1],
+                                                                                    second.kv[:, :, 4])
+    assert len(caches._maps) == 2  # the gone worker's map dropped, one per live worker
