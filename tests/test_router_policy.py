@@ -12,13 +12,12 @@ from router.placement.index import PrefixIndex
 from engine.step_costs import (DECODE_WINDOW, PRIOR_BORROW_EFFICIENCY, PRIOR_DECODE_BATCH_SLOPE, PRIOR_DECODE_STEP_S,
                                PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, PRIOR_PREFILL_TOKENS_PER_S,
                                MIN_CHUNK_TOKENS, StepCosts, TransferSpeed)
-from router.placement.routing import (EXPECTED_OUTPUT_TOKENS, ArrivalRate, NoDecodeWorker, Router, spread_backlog,
-                                      with_arrivals,
-                                      with_backlog)
+from router.placement.routing import (EXPECTED_OUTPUT_TOKENS, ArrivalRate, NoDecodeWorker, Router, share_backlog,
+                                      spread_backlog, with_arrivals, with_backlog)
 from router.placement.pool_policy import CostWeights, PoolPolicy
 from router.placement.cost_model import (DisaggConfig, PrefillDecision, decode_seconds, displaced_seconds,
                                          decide_prefill, decide_prefill_by_cost, local_prefill_cost,
-                                         remote_prefill_ttft)
+                                         prefill_rate, remote_prefill_ttft)
 from worker_runtime.protocol import WorkerLoad
 from router.placement.cpu_lending import lent_threads
 
@@ -820,10 +819,12 @@ def test_the_router_gives_each_decode_worker_its_share_of_the_arrivals():
     assert [load.arrivals_per_s for load in with_arrivals(draining, 2.0)] == [2.0, 0.0]
 
 
-def test_the_ingress_queue_ahead_is_placed_first_on_either_path_so_a_prediction_counts_it_on_both():
+def test_the_ingress_queue_ahead_is_shared_by_both_paths_as_they_will_take_it():
     """Shedding's prediction: behind four prompts queued at the ingress, the local path (which the prefill
-    waiters alone would leave free) is as far off as the remote one, so the first token is predicted past the
-    TTFT SLO whichever path the request would take."""
+    waiters alone would leave free) takes its share of them too, so the first token is predicted past the TTFT
+    SLO whichever path the request would take; but each path only its share, in proportion to how fast it
+    computes prompts: counted whole on both, the wait was overstated and shedding refused requests at the knee
+    that it would have served in time."""
     tokens = prompt(1, prefix=[], suffix_blocks=16)  # 256 cold tokens
     hashes = block_hashes(tokens, BLOCK)
     one_slot = prefill_worker(num_waiting=1, queued_prefill_tokens=256)
@@ -831,9 +832,19 @@ def test_the_ingress_queue_ahead_is_placed_first_on_either_path_so_a_prediction_
     router = Router(PrefixIndex(), BLOCK, disagg=SLO, rng=random.Random(0))
     slot_waiters = router.route(hashes, 256, [one_slot], decode, prefill_backlog={"p0": (4, 1024)}, record=False)
     assert slot_waiters.prefill is None and slot_waiters.predicted_ttft_s <= SLO.ttft_slo_s  # local is free
-    queued = router.route(hashes, 256, [one_slot], decode, record=False, ingress_backlog=(4, 1024))
+    queued = router.route(hashes, 256, [one_slot], decode, record=False, ingress_backlog=(6, 1536))
     assert queued.predicted_ttft_s > SLO.ttft_slo_s
     assert queued.predicted_ttft_s > slot_waiters.predicted_ttft_s
+    whole_on_both = router.route(hashes, 256, spread_backlog([one_slot], (6, 1536)),
+                                 spread_backlog(decode, (6, 1536)), record=False)
+    assert queued.predicted_ttft_s < 0.9 * whole_on_both.predicted_ttft_s
+
+    prefills, decodes = share_backlog([one_slot, prefill_worker(healthy=False)], decode, (6, 1536), SLO)
+    remote_rate, local_rate = prefill_rate(one_slot, 256, True, SLO), prefill_rate(decode[0], 256, False, SLO)
+    assert local_rate < remote_rate  # chunks beside six streams
+    added = [prefills[0].queued_prefill_tokens - 256, decodes[0].queued_prefill_tokens]
+    assert abs(sum(added) - 1536) <= 1 and added[0] / added[1] == pytest.approx(remote_rate / local_rate, rel=0.01)
+    assert (prefills[1].num_waiting, prefills[1].queued_prefill_tokens) == (0, 0)  # not schedulable: no share
     shared = spread_backlog([one_slot, prefill_worker(), prefill_worker(healthy=False)], (3, 900))
     assert [(w.num_waiting, w.queued_prefill_tokens) for w in shared] == [(3, 706), (2, 450), (0, 0)]
 

@@ -147,6 +147,22 @@ def _local_prefill(prompt_tokens: int, decode_cached_tokens: int, decode: Worker
     return math.ceil(work / chunk) * step_s, uncached / speed
 
 
+def prefill_rate(load: WorkerLoad, prompt_tokens: int, remote: bool, config: DisaggConfig,
+                 min_chunk: int = MIN_CHUNK_TOKENS) -> float:
+    """Prompt tokens per second `load` computes prompts of about `prompt_tokens` at, for prompts queued ahead
+    of its own: a prefill worker (`remote`) at its prefill speed (on the cores lent to it now, when it
+    borrows), a decode worker in its chunked local prefill, each chunk a step beside its running streams."""
+    costs = load.step_costs
+    if remote:
+        if load.borrow_threads_now is not None:
+            costs = dataclasses.replace(costs, borrow_threads=load.borrow_threads_now)
+        return costs.prefill_speed(max(prompt_tokens, 1), costs.borrowing)
+    speed = costs.prefill_speed(max(prompt_tokens, 1))
+    chunk = stall_free_budget(costs, config.itl_slo_s, config.stall_ratio, min_chunk)(load.num_running,
+                                                                                     prompt_tokens // 2)
+    return chunk / (costs.decode_time(max(load.num_running, 1)) + chunk / speed)
+
+
 def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefill_cached_tokens: int,
                            decode: WorkerLoad, prefill: WorkerLoad | None, config: DisaggConfig,
                            elapsed_s: float = 0.0, min_chunk: int = MIN_CHUNK_TOKENS, *, remote_pull_s: float = 0.0,

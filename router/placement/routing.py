@@ -19,6 +19,7 @@ across its workers (carried in `GenerateRequest.dispatch`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from collections import deque
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from router.placement.cost_model import (DisaggConfig, PrefillDecision, decide_prefill, decide_prefill_by_cost,
-                                         decode_seconds, displaced_seconds, peer_pull_pays, predicted_ttft)
+                                         decode_seconds, displaced_seconds, peer_pull_pays, predicted_ttft,
+                                         prefill_rate)
 from router.placement.cpu_lending import lent_threads
 from router.placement.index import PrefixIndex
 from router.placement.pool_policy import CostWeights, Placement, PoolPolicy
@@ -148,15 +150,19 @@ class Router:
         generate (its remaining max_tokens, at most EXPECTED_OUTPUT_TOKENS); `prefill_backlog`: per prefill
         worker, the (requests, prompt tokens) waiting at the ingress for a slot there ahead of this one,
         which it would queue behind (`with_backlog`); `ingress_backlog`: the (requests, prompt tokens) queued at
-        the ingress ahead of it, placed before it on either path: each pool's workers share it as queued
-        prompts (so a prediction sees it whichever path the request would take; with both paths taking
-        prompts, the wait is overstated by up to their number). `lora_key`: the LoRA adapter it runs with;
-        a worker whose slots do not hold it pays the adapter's load (WorkerLoad.lora_miss_s)."""
+        the ingress ahead of it, placed before it: the workers that will take it share it as queued prompts
+        (`share_backlog`; each pool all of it with `placement="thresholds"`, where a prompt's length fixes its
+        path). `lora_key`: the LoRA adapter it runs with; a worker whose slots do not hold it pays the adapter's
+        load (WorkerLoad.lora_miss_s)."""
         if prefill_backlog:
             prefill_loads = [with_backlog(load, prefill_backlog.get(load.worker_id)) for load in prefill_loads]
         if ingress_backlog and ingress_backlog[0]:
-            prefill_loads, decode_loads = (spread_backlog(prefill_loads, ingress_backlog),
-                                           spread_backlog(decode_loads, ingress_backlog))
+            if self.disagg.placement == "slo":
+                prefill_loads, decode_loads = share_backlog(prefill_loads, decode_loads, ingress_backlog,
+                                                            self.disagg)
+            else:  # a prompt's path is fixed by its length: the backlog's prompts of its kind go where it goes
+                prefill_loads, decode_loads = (spread_backlog(prefill_loads, ingress_backlog),
+                                               spread_backlog(decode_loads, ingress_backlog))
         decode_loads = with_arrivals(decode_loads, self.arrivals.per_second())
         prefill = self.prefill_policy.place(block_hashes, prompt_tokens, prefill_loads, lora_key)
         prefill_load = None if prefill is None else lent_threads(_load_of(prefill, prefill_loads), decode_loads)
@@ -296,6 +302,26 @@ def spread_backlog(loads: Sequence[WorkerLoad], backlog: tuple[int, int]) -> lis
     requests, tokens = backlog
     share = (-(-requests // schedulable), tokens // schedulable)
     return [with_backlog(load, share) if load.schedulable else load for load in loads]
+
+
+def share_backlog(prefill_loads: Sequence[WorkerLoad], decode_loads: Sequence[WorkerLoad],
+                  backlog: tuple[int, int], config: DisaggConfig) -> tuple[list[WorkerLoad], list[WorkerLoad]]:
+    """The ingress backlog (requests, prompt tokens) as the schedulable workers of both pools will take it when
+    placed by cost, where both paths take prompts under load: each worker's share in proportion to the rate it
+    computes them at (`prefill_rate`), so that every share drains in about the time the pooled backlog does.
+    Counting the whole backlog on each pool instead put a request at the knee twice as far off as it was, with
+    one prefill and one decode worker, and shedding refused 17-31% of the requests it would have served in time
+    (bench/RESULTS.md row 60)."""
+    requests, tokens = backlog
+    mean = tokens // max(requests, 1)
+    rates = [(load, prefill_rate(load, mean, remote, config) if load.schedulable else 0.0)
+             for loads, remote in ((prefill_loads, True), (decode_loads, False)) for load in loads]
+    total = sum(rate for _, rate in rates)
+    if total <= 0:
+        return list(prefill_loads), list(decode_loads)
+    shared = [with_backlog(load, (math.ceil(requests * rate / total), round(tokens * rate / total)))
+              if rate > 0 else load for load, rate in rates]
+    return shared[:len(prefill_loads)], shared[len(prefill_loads):]
 
 
 def with_arrivals(decode_loads: Sequence[WorkerLoad], per_second: float) -> Sequence[WorkerLoad]:
