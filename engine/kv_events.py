@@ -3,12 +3,17 @@
 The engine appends events as its prefix cache changes; workers stamp them with
 a per-worker sequence number and publish them to the router's index. An event
 names the tier it happened in: the device cache, or a tier below it
-(engine/kv_tiers.py: "host", "disk"); "cleared" clears every tier.
+(engine/kv_tiers.py: "host", "disk", and "remote", the cluster's shared
+store); "cleared" clears every tier of the worker's own.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+
+# The tier of the cluster's shared store (engine/kv_remote.py): unlike a worker's own tiers, every worker that reads
+# the store can use a block one of them wrote there.
+REMOTE_TIER = "remote"
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_cache import KVCache
-from engine.kv_events import KVEvent
+from engine.kv_events import REMOTE_TIER, KVEvent
 from engine.kv_tiers_config import GIB, KVTiersConfig
 
 REMOTE = -1  # the level of a block found in the remote store (engine/kv_remote.py)
@@ -238,6 +238,8 @@ class KVTiers:
             seq = self._submit(copy, filled)
             for block_id in ids:
                 self._block_jobs[block_id] = seq
+            if shared:  # the router's index: every worker that reads the store may use them now
+                self.events.append(KVEvent("stored", [h for h, _, _ in shared], tier=REMOTE_TIER))
 
     def _note_remote(self, block_hash: int) -> None:
         self._in_remote[block_hash] = None
@@ -251,8 +253,15 @@ class KVTiers:
         if self.remote is None or not block_hashes:
             return []
         run = self.remote.get_run(block_hashes, token_ids, self.cache.layout.block_size)
+        new = [h for h in block_hashes[:len(run)] if h not in self._in_remote]
         for block_hash in block_hashes[:len(run)]:
             self._note_remote(block_hash)
+        if new:  # written by a worker the router's index has not heard of (one gone, or another cluster's)
+            self.events.append(KVEvent("stored", new, tier=REMOTE_TIER))
+        missing = block_hashes[len(run)] if len(run) < len(block_hashes) else None
+        if missing in self._in_remote:  # one we wrote or found before: the store dropped it (its LRU)
+            del self._in_remote[missing]
+            self.events.append(KVEvent("removed", [missing], tier=REMOTE_TIER))
         return [(REMOTE, block, block_hash) for block, block_hash in zip(run, block_hashes)]
 
     def wait_block(self, block_id: int) -> None:
@@ -400,8 +409,12 @@ class KVTiers:
         self._drop_failed()
 
     def snapshot(self) -> dict[str, list[int]]:
-        """Per tier, the hashes it holds (a router resync)."""
-        return {tier.name: list(tier.slots) for tier in self.tiers}
+        """Per tier, the hashes it holds (a router resync); with a shared store, the blocks this worker knows it
+        holds (the tier listed even when empty: the router's index learns from it that this worker reads it)."""
+        tiers = {tier.name: list(tier.slots) for tier in self.tiers}
+        if self.remote is not None:
+            tiers[REMOTE_TIER] = list(self._in_remote)
+        return tiers
 
     def stats(self) -> dict:
         """Per tier: capacity and use in blocks, the counters of TierStats; and failed copies."""
@@ -411,7 +424,7 @@ class KVTiers:
                  for tier in self.tiers}
         if self.remote is not None:
             remote = self.remote.stats()
-            tiers["remote"] = {"num_slots": 0, "num_used": 0, "stored": remote["stored"], "hits": remote["hits"],
+            tiers[REMOTE_TIER] = {"num_slots": 0, "num_used": 0, "stored": remote["stored"], "hits": remote["hits"],
                                "evicted": 0, "bytes_in": remote["bytes_in"], "bytes_out": remote["bytes_out"],
                                "promote_seconds": self.remote_promote_seconds}
         return {"tiers": tiers, "copy_failures": self.copy_failures, "bytes_per_block": self.bytes_per_block,

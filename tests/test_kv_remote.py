@@ -130,3 +130,39 @@ def test_a_remote_url_is_checked():
     with pytest.raises(ValueError, match="needs kv_tiers.host_gb"):
         KVTiersConfig(remote_url="redis://cache:6379")
     assert os.environ.get("TANDEM_CPU_AUTO_DTYPE") == "float32"  # the suite pins fp32 (the dtype test's premise)
+
+
+def test_the_routers_index_learns_the_store_from_the_workers_events(tiny_llama_dir, redis_url):
+    """What one engine wrote through to the store reaches the router's index as "remote" events, and counts as a
+    hit below the device cache for another engine whose snapshot lists the store (before it computed anything);
+    a block the store dropped is reported removed by the next engine that looked for it."""
+    from engine.kv_events import KVEventBatch
+    from router.placement.index import PrefixIndex
+
+    url, _ = redis_url
+    batch = prompts(8, n=1)
+    hashes = block_hashes(batch[0], 16)[:3]  # the prompt's full blocks before its last token
+    writer, reader = engine(tiny_llama_dir, url), engine(tiny_llama_dir, url)
+    index = PrefixIndex()
+    assert reader.block_manager.tier_snapshot()["remote"] == []
+    index.resync("reader", reader.block_manager.snapshot(), 0, reader.block_manager.tier_snapshot())
+    writer.generate(batch, PARAMS)
+    writer.block_manager.tiers.flush()
+    events = writer.block_manager.take_events()
+    written = {h for e in events if e.tier == "remote" and e.kind == "stored" for h in e.block_hashes}
+    assert set(hashes) <= written
+    index.apply(KVEventBatch("writer", 0, events))
+    assert index.tier_overlap(hashes, ["reader"]) == {"reader": (0, 3)}
+    assert index.lower_tiers("reader", hashes) == {"remote": 3}
+    assert reader.generate(batch, PARAMS)[0].token_ids == writer.generate(batch, PARAMS)[0].token_ids
+    assert reader.block_manager.prefix_cache_hits == 48  # what the index promised: read, not computed
+    reader.block_manager.take_events()
+    redis.Redis.from_url(url).flushall()  # the store drops everything (its LRU, a restart)
+    tokens = batch[0][:48]
+    assert reader.block_manager.tiers.remote_run(hashes, tokens) == []
+    dropped = [e for e in reader.block_manager.take_events() if e.tier == "remote"]
+    assert [(e.kind, e.block_hashes) for e in dropped] == [("removed", hashes[:1])]
+    index.apply(KVEventBatch("reader", 1, dropped))
+    assert index.tier_overlap(hashes, ["reader"]) == {"reader": (0, 0)}
+    for e in (writer, reader):
+        e.close()

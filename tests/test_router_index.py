@@ -189,6 +189,36 @@ def test_a_resync_and_a_removed_worker_replace_and_drop_the_lower_tiers_too():
     assert index.overlap(HASHES, ["w0"], tiers=True) == {"w0": 0} and not index._lower_owners
 
 
+def test_the_shared_store_counts_for_every_worker_that_reads_it_and_only_those():
+    """Blocks one worker wrote to the shared store are a hit below the device cache for every worker whose
+    snapshot lists the store (a fresh worker that never wrote there included), priced as its "remote" tier;
+    a worker without the store never counts them. The store's drops, a reader's leaving or a resync without
+    the store stop the counting; a worker's "cleared" (its own tiers) leaves the store's blocks be."""
+    index = PrefixIndex()
+    index.resync("fresh", [], 0, {"host": [], "remote": []})  # reads the store, holds nothing yet
+    index.resync("no-store", [], 0, {"host": []})
+    index.apply(stored("writer", 0, HASHES[:2]))
+    index.apply(tier_batch("writer", 1, "stored", HASHES[:5], "remote"))
+    workers = ["writer", "fresh", "no-store"]
+    assert index.overlap(HASHES, workers) == {"writer": 2, "fresh": 0, "no-store": 0}
+    assert index.overlap(HASHES, workers, tiers=True) == {"writer": 5, "fresh": 5, "no-store": 0}
+    assert index.tier_overlap(HASHES, workers) == {"writer": (2, 5), "fresh": (0, 5), "no-store": (0, 0)}
+    assert index.lower_tiers("fresh", HASHES[:5]) == {"remote": 5}
+    assert index.lower_tiers("writer", HASHES[2:5]) == {"remote": 3}
+    assert index.num_lower_blocks("fresh") == {"host": 0, "remote": 5}
+    assert index.num_lower_blocks("no-store") == {"host": 0}
+    index.begin_prompt("fresh", "p", HASHES[5:7])
+    assert index.overlap(HASHES, ["fresh"], in_flight=True, tiers=True) == {"fresh": 7}
+    index.apply(tier_batch("fresh", 1, "removed", HASHES[3:4], "remote"))  # the store had dropped it
+    assert index.overlap(HASHES, workers, tiers=True) == {"writer": 3, "fresh": 3, "no-store": 0}
+    index.apply(KVEventBatch("writer", 2, [KVEvent("cleared")]))
+    assert index.overlap(HASHES, ["fresh"], tiers=True) == {"fresh": 3}
+    index.remove_worker("writer")  # the store keeps its blocks: a reader still finds them
+    assert index.overlap(HASHES, ["fresh"], tiers=True) == {"fresh": 3} and index.num_shared_blocks() == 4
+    index.resync("fresh", [], 5, {"host": []})  # restarted without the store
+    assert index.overlap(HASHES, ["fresh"], tiers=True) == {"fresh": 0}
+
+
 def test_in_flight_overlap_counts_lower_tiers_when_asked():
     index = PrefixIndex()
     index.apply(tier_batch("w0", 0, "stored", HASHES[:2], "host"))

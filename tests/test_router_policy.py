@@ -870,6 +870,29 @@ def test_a_worker_holding_the_prefix_in_a_lower_tier_is_preferred_and_charged_it
 
 
 
+def test_a_worker_that_reads_the_shared_store_is_preferred_for_a_prefix_another_wrote_there():
+    """A prefix that a gone worker wrote to the shared store: of two idle decode workers that never computed it,
+    the one that reads the store wins (it promotes the blocks instead of computing them) at the store's measured
+    promotion; one that does not read it counts none of them."""
+    from engine.hashing import block_hashes
+    from engine.kv_events import KVEvent, KVEventBatch
+    from router.placement.index import PrefixIndex
+    from router.placement.routing import Router
+    from worker_runtime.protocol import WorkerLoad
+
+    hashes = block_hashes(list(range(512)), 16)
+    index = PrefixIndex()
+    index.resync("d0", [], 0, {"host": []})
+    index.resync("d1", [], 0, {"host": [], "remote": []})
+    index.apply(KVEventBatch("gone", 0, [KVEvent("stored", hashes, tier="remote")]))
+    index.remove_worker("gone")
+    router = Router(index, 16)
+    loads = [WorkerLoad("d0"), WorkerLoad("d1", promote_s_by_tier={"remote": 0.002})]
+    decision = router.route(hashes, 512, [], loads)
+    assert decision.decode.worker_id == "d1" and decision.decode.cached_tokens == 512
+    assert index.lower_tiers("d1", hashes) == {"remote": 32} and index.lower_tiers("d0", hashes) == {}
+
+
 def test_a_prefix_on_disk_is_priced_at_the_disk_tiers_speed_and_one_in_host_memory_at_the_hosts():
     """Both workers hold the prefix below their caches, one in host memory, one on disk, and promote at the same
     average speed: the blocks' tier decides (a disk read costs more than a memcpy), whichever worker holds which."""

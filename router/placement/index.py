@@ -13,6 +13,13 @@ Blocks in a worker's tiers below its device cache (engine/kv_tiers.py: host,
 disk) are kept apart, per tier and in a second bitmask map: `overlap` counts
 them with `tiers=True` (the worker promotes them before computing), and
 `tier_overlap` tells device hits from those.
+
+The shared store (engine/kv_remote.py, tier "remote") is one set of blocks for
+the whole cluster: a block one worker wrote there counts, with `tiers=True`,
+for every worker that reads the store (its snapshot lists the tier), as a
+block in that worker's "remote" tier, priced at its measured promotion from
+the store. The store drops blocks on its own (its LRU); a block the index
+still lists is then a miss, which the worker computes and reports.
 """
 from __future__ import annotations
 
@@ -20,7 +27,10 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine.kv_events import KVEvent, KVEventBatch
+from engine.kv_events import REMOTE_TIER, KVEvent, KVEventBatch
+
+SHARED_TIER = REMOTE_TIER  # the cluster's shared store: its blocks are every reader's
+MAX_SHARED_BLOCKS = 1 << 20  # the store's blocks the index remembers, the most recently stored
 
 
 @dataclass(slots=True)
@@ -53,6 +63,8 @@ class PrefixIndex:
         self._slot_worker: list[str | None] = []  # slot -> worker id
         self._free_slots: list[int] = []
         self._pool_masks: dict[tuple[str, ...], int] = {}  # worker ids -> their bits
+        self._shared: dict[int, None] = {}  # blocks in the shared store, oldest first
+        self._shared_readers = 0  # bitmask of the workers that read the shared store
 
     # ---- feeding -----------------------------------------------------------------
 
@@ -80,8 +92,12 @@ class PrefixIndex:
         entry.blocks = set()
         self._clear_lower(entry)
         self._store_blocks(entry, block_hashes)
+        self._shared_readers &= ~entry.bit
         for tier, hashes in (tiers or {}).items():
-            self._store_lower(entry, tier, hashes)
+            if tier == SHARED_TIER:
+                self._store_shared(entry, hashes)
+            else:
+                self._store_lower(entry, tier, hashes)
         entry.seq = seq
         entry.needs_resync = False
 
@@ -92,6 +108,7 @@ class PrefixIndex:
             return
         self._drop_blocks(entry, entry.blocks)
         self._clear_lower(entry)
+        self._shared_readers &= ~entry.bit
         self._pool_masks.clear()
         slot = entry.bit.bit_length() - 1
         self._slot_worker[slot] = None
@@ -126,7 +143,8 @@ class PrefixIndex:
         every block before it is cached on the same worker too.
         """
         pool = tuple(workers)
-        result = self._overlap(block_hashes, pool, tiers and bool(self._lower_owners))
+        tiers = tiers and self._has_lower()
+        result = self._overlap(block_hashes, pool, tiers)
         if in_flight:
             for worker_id in pool:
                 entry = self._workers.get(worker_id)
@@ -135,7 +153,7 @@ class PrefixIndex:
                     depth = 0
                     for block_hash in block_hashes:
                         if block_hash not in ahead and block_hash not in entry.blocks \
-                                and not (tiers and self._lower_owners.get(block_hash, 0) & entry.bit):
+                                and not (tiers and self._held_lower(entry, block_hash)):
                             break
                         depth += 1
                     result[worker_id] = max(result[worker_id], depth)
@@ -145,7 +163,7 @@ class PrefixIndex:
         """For each worker, (leading blocks in its device cache, leading blocks in it or a tier below it)."""
         pool = tuple(workers)
         device = self._overlap(block_hashes, pool)
-        if not self._lower_owners:
+        if not self._has_lower():
             return {worker_id: (n, n) for worker_id, n in device.items()}
         anywhere = self._overlap(block_hashes, pool, True)
         return {worker_id: (device[worker_id], anywhere[worker_id]) for worker_id in pool}
@@ -157,17 +175,31 @@ class PrefixIndex:
         counts: dict[str, int] = {}
         if entry is None:
             return counts
+        reads_shared = bool(self._shared_readers & entry.bit)
         for block_hash in block_hashes:
             for tier, hashes in entry.lower.items():
                 if block_hash in hashes:
                     counts[tier] = counts.get(tier, 0) + 1
                     break
+            else:
+                if reads_shared and block_hash in self._shared:
+                    counts[SHARED_TIER] = counts.get(SHARED_TIER, 0) + 1
         return counts
 
     def num_lower_blocks(self, worker_id: str) -> dict[str, int]:
-        """Per tier below the worker's device cache, how many blocks the index holds for it."""
+        """Per tier below the worker's device cache, how many blocks the index holds for it (the shared store's
+        for a worker that reads it)."""
         entry = self._workers.get(worker_id)
-        return {} if entry is None else {tier: len(hashes) for tier, hashes in entry.lower.items()}
+        if entry is None:
+            return {}
+        counts = {tier: len(hashes) for tier, hashes in entry.lower.items()}
+        if self._shared_readers & entry.bit:
+            counts[SHARED_TIER] = len(self._shared)
+        return counts
+
+    def num_shared_blocks(self) -> int:
+        """Blocks the index lists in the shared store."""
+        return len(self._shared)
 
     def _overlap(self, block_hashes: Sequence[int], pool: tuple[str, ...], tiers: bool = False) -> dict[str, int]:
         result = dict.fromkeys(pool, 0)
@@ -176,6 +208,7 @@ class PrefixIndex:
             mask = self._pool_mask(pool)
         owners = self._owners
         lower = self._lower_owners if tiers else None
+        shared, readers = (self._shared, self._shared_readers) if tiers and self._shared_readers else (None, 0)
         slot_worker = self._slot_worker
         depth = 0
         for block_hash in block_hashes:
@@ -184,6 +217,8 @@ class PrefixIndex:
             held = owners.get(block_hash, 0)
             if lower is not None:
                 held |= lower.get(block_hash, 0)
+            if shared is not None and block_hash in shared:
+                held |= readers
             held &= mask
             if depth:  # workers lost at depth 0 keep the default 0
                 lost = mask ^ held
@@ -243,10 +278,36 @@ class PrefixIndex:
         entry = self._workers[worker_id] = _WorkerEntry(bit=1 << slot)
         return entry
 
+    def _has_lower(self) -> bool:
+        """Whether any worker holds blocks below its device cache (the shared store's included)."""
+        return bool(self._lower_owners) or bool(self._shared and self._shared_readers)
+
+    def _held_lower(self, entry: _WorkerEntry, block_hash: int) -> bool:
+        return bool(self._lower_owners.get(block_hash, 0) & entry.bit) or (
+            bool(self._shared_readers & entry.bit) and block_hash in self._shared)
+
+    def _store_shared(self, entry: _WorkerEntry, block_hashes: Iterable[int]) -> None:
+        """Blocks a worker wrote to (or found in) the shared store; it reads the store."""
+        self._shared_readers |= entry.bit
+        shared = self._shared
+        for block_hash in block_hashes:
+            shared.pop(block_hash, None)
+            shared[block_hash] = None
+        while len(shared) > MAX_SHARED_BLOCKS:
+            del shared[next(iter(shared))]
+
     def _apply_event(self, entry: _WorkerEntry, event: KVEvent) -> None:
         # `stored` events carry parent_hash for tree-shaped indexes; a flat
         # index does not need it because `overlap` checks contiguity itself.
-        if event.tier != "device" and event.kind != "cleared":
+        if event.tier == SHARED_TIER:  # the cluster's store: a worker's "cleared" (its own tiers) leaves it be
+            if event.kind == "stored":
+                self._store_shared(entry, event.block_hashes)
+            elif event.kind == "removed":  # the store no longer had them
+                for block_hash in event.block_hashes:
+                    self._shared.pop(block_hash, None)
+            elif event.kind != "cleared":
+                raise ValueError(f"unknown KV event kind {event.kind!r}")
+        elif event.tier != "device" and event.kind != "cleared":
             if event.kind == "stored":
                 self._store_lower(entry, event.tier, event.block_hashes)
             elif event.kind == "removed":
