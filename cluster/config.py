@@ -345,6 +345,9 @@ class FlowOptions(_Strict):
     # SLO-aware shedding: 503 + Retry-After for a request whose predicted first token comes after its
     # deadline (X-Tandem-Deadline-Ms, else slo.ttft_ms); "low_priority": only requests of priority > 0.
     shed: Literal["off", "on", "low_priority"] = "off"
+    # The share of the requests shedding admits that it means to be in time: a prediction is scaled by this
+    # quantile of the admitted requests' measured first token over its prediction; null: taken as is.
+    shed_quantile: float | None = Field(0.9, ge=0.5, lt=1)
     # On the workers, a prompt less urgent than one queued there within `yield_window_s` (another tenant's that
     # went ahead, or a lower priority) is computed in chunks of about `yield_slice_ms`, so that the urgent
     # prompt waits for one chunk, not a whole prompt (engine/scheduler.py, "Yielding"); null: never.
@@ -475,7 +478,7 @@ class ClusterConfig(_Strict):
         f = self.flow
         return FlowConfig(f.max_in_flight, f.aging_s,
                           {name: t.policy() for name, t in self.tenants.items()}, f.default_tenant.policy(),
-                          f.shed, self.slo.ttft_ms / 1000)
+                          f.shed, self.slo.ttft_ms / 1000, f.shed_quantile)
 
     @field_validator("served_model_name")
     @classmethod

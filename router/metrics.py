@@ -231,6 +231,9 @@ class FlowMetrics:
                                  "their turn.", ["tenant"], registry=r)
         self.queue_time = Histogram("tandem:flow_queue_seconds", "Time in the ingress queue before placement.",
                                     ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.shed_factor = Gauge("tandem:flow_shed_prediction_factor", "What shedding scales a first-token "
+                                 "prediction by: the flow.shed_quantile of the admitted requests' measured first "
+                                 "token over its prediction (1 until enough were measured).", registry=r)
         self.ahead = Counter("tandem:flow_ahead_requests", "Requests let on ahead of the prompts queued on workers, "
                              "their tenant being below its share (FlowControl._may_go_ahead).", ["tenant"],
                              registry=r)

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from router.api.flow_control import FairQueue, FlowConfig, FlowControl, TenantPolicy, TokenBucket
+from router.api.flow_control import FairQueue, FlowConfig, FlowControl, PredictionErrors, TenantPolicy, TokenBucket
 from router.api.openai_api import APIError
 
 
@@ -488,6 +488,44 @@ def test_shedding_refuses_only_a_request_predicted_to_miss_its_deadline():
         assert on.in_flight == low.in_flight == 0
 
     run(scenario())
+
+
+def test_shedding_scales_its_prediction_by_how_far_off_the_admitted_ones_came():
+    """Admitted at 1.5 s predicted, the requests' first tokens came at 1.2x their predictions: at the 0.9
+    quantile of that, a request predicted at 1.8 s would miss a 2 s deadline and is shed, one at 1.6 s is not;
+    where the predictions overstated (first tokens at half of them), a request predicted at 3.5 s is admitted.
+    Before MIN_SAMPLES measured, or with shed_quantile null, the prediction counts as is."""
+    async def scenario(quantile, ratio):
+        flow = FlowControl(FlowConfig(shed="on", deadline_s=2.0, shed_quantile=quantile))
+        for _ in range(PredictionErrors.MIN_SAMPLES):
+            (await placed(flow, "t", 0, 10, 10, None, lambda ahead: 1.5)).release(10, ttft_s=1.5 * ratio)
+        outcomes = []
+        for predicted in (1.6, 1.8, 3.5):
+            try:
+                (await placed(flow, "t", 0, 10, 10, None, lambda ahead: predicted)).release(10)
+                outcomes.append("admitted")
+            except APIError as exc:
+                assert exc.status == 503
+                outcomes.append(str(exc))
+        return outcomes, flow.prediction_errors.factor(quantile)
+
+    outcomes, factor = run(scenario(0.9, 1.2))
+    assert outcomes[0] == "admitted" and factor == pytest.approx(1.2)
+    assert "expected in 2.16s (1.80s predicted, x1.20 as the admitted ones' came)" in outcomes[1]
+    assert "expected in 4.20s" in outcomes[2]
+    assert run(scenario(0.9, 0.5)) == (["admitted", "admitted", "admitted"], pytest.approx(0.5))
+    outcomes, factor = run(scenario(None, 1.2))
+    assert outcomes[:2] == ["admitted", "admitted"] and "expected in 3.50s, after" in outcomes[2] and factor == 1
+    errors = PredictionErrors()
+    for _ in range(PredictionErrors.MIN_SAMPLES - 1):
+        errors.observe(1.0, 3.0)
+    errors.observe(0.01, 5.0)  # too short a prediction to say anything
+    assert errors.factor(0.9) == 1.0
+    errors.observe(1.0, 100.0)
+    assert errors.factor(0.9) == 3.0  # one outlier in twenty is past the 0.9 quantile
+    for _ in range(4):
+        errors.observe(1.0, 100.0)
+    assert errors.factor(0.9) == PredictionErrors.BOUNDS[1]
 
 
 def test_the_prediction_counts_the_requests_queued_ahead_in_a_band_as_urgent_or_more():

@@ -28,6 +28,7 @@ import itertools
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -74,10 +75,15 @@ class FlowConfig:
     # "low_priority" only those of priority > 0; the deadline is X-Tandem-Deadline-Ms, else `deadline_s`.
     shed: str = "off"
     deadline_s: float | None = None
+    # The share of admitted requests whose first token shedding means to be in time: a prediction counts
+    # scaled by this quantile of the measured first token ÷ its prediction (`PredictionErrors`); null: as is.
+    shed_quantile: float | None = 0.9
 
     def __post_init__(self):
         if self.shed not in SHED_MODES:
             raise ValueError(f"shed must be one of {', '.join(SHED_MODES)}, got {self.shed!r}")
+        if self.shed_quantile is not None and not 0.5 <= self.shed_quantile < 1:
+            raise ValueError(f"shed_quantile must be in [0.5, 1) or null, got {self.shed_quantile!r}")
         if self.max_in_flight is not None and (not isinstance(self.max_in_flight, int) or self.max_in_flight < 1):
             raise ValueError(f"max_in_flight must be a positive integer or null, got {self.max_in_flight!r}")
         if not self.aging_s > 0:
@@ -101,6 +107,33 @@ class Entry:
 
     def effective_priority(self, now: float, aging_s: float) -> int:
         return self.priority - int((now - self.enqueued_at) / aging_s)
+
+
+class PredictionErrors:
+    """How far off the first-token predictions that shedding admits by are: the ratios of measured to
+    predicted seconds of the last `window` admitted requests. `factor(q)`, their q-quantile, scales the next
+    prediction: a request is in time with probability about q when its prediction times the factor meets the
+    deadline. Admitting at the prediction itself put half of the admitted requests just past a 2 s deadline at
+    twice the knee (TTFT p50 1.9 s), since the prediction misses what arrives after it was made; at the knee,
+    where it overstated, the factor falls below 1 and sheds less."""
+
+    MIN_SAMPLES = 20  # before, the prediction counts as is
+    MIN_PREDICTED_S = 0.05  # shorter predictions say nothing of the queue's error
+    BOUNDS = (0.25, 4.0)  # the factor's range: a few outliers must not shut or open the gate
+
+    def __init__(self, window: int = 256):
+        self.ratios: deque[float] = deque(maxlen=window)
+
+    def observe(self, predicted_s: float, measured_s: float) -> None:
+        if predicted_s >= self.MIN_PREDICTED_S and measured_s > 0:
+            self.ratios.append(measured_s / predicted_s)
+
+    def factor(self, quantile: float | None) -> float:
+        if quantile is None or len(self.ratios) < self.MIN_SAMPLES:
+            return 1.0
+        ordered = sorted(self.ratios)
+        value = ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
+        return min(max(value, self.BOUNDS[0]), self.BOUNDS[1])
 
 
 class TokenBucket:
@@ -233,7 +266,8 @@ class Grant:
     (idempotent; it counts as placed then too): the tokens it generated, so that its tenant's budget gets
     back the rest of its max_tokens (None: keep the charge)."""
 
-    __slots__ = ("flow", "tenant", "priority", "charged", "max_output", "released", "unplaced", "ahead", "prefilled")
+    __slots__ = ("flow", "tenant", "priority", "charged", "max_output", "released", "unplaced", "ahead", "prefilled",
+                 "predicted_s")
 
     def __init__(self, flow: FlowControl, tenant: str, charged: int, max_output: int, priority: int = 0):
         self.flow, self.tenant, self.charged, self.max_output = flow, tenant, charged, max_output
@@ -244,6 +278,7 @@ class Grant:
         # Whether every prompt of the request has its first token (set by the caller once it has candidates);
         # until then the request counts as prompt work in flight (`FlowControl._urgent_may_go`).
         self.prefilled: Callable[[], bool] = lambda: False
+        self.predicted_s: float | None = None  # its first token's predicted seconds from arrival, when shed by it
 
     def placements(self, n: int) -> Callable[[], None]:
         self.unplaced = n
@@ -255,10 +290,13 @@ class Grant:
                     self.flow._placed()
         return placed
 
-    def release(self, output_tokens: int | None = None) -> None:
+    def release(self, output_tokens: int | None = None, ttft_s: float | None = None) -> None:
+        """`ttft_s`: its (slowest prompt's) first token's seconds from arrival, None without one."""
         if self.released:
             return
         self.released = True
+        if self.predicted_s is not None and ttft_s is not None:
+            self.flow.prediction_errors.observe(self.predicted_s, ttft_s)
         if self.unplaced:
             self.unplaced = 0
             self.flow._placed(pump=False)
@@ -286,6 +324,7 @@ class FlowControl:
         self.running: dict[str, int] = {}  # per tenant
         self.grants: set[Grant] = set()  # the requests let through and not released
         self.buckets: dict[str, TokenBucket] = {}
+        self.prediction_errors = PredictionErrors()  # of the requests shedding admitted
 
     def snapshot(self) -> dict:
         """This replica's queue for `tandem status`: requests placed, whether the router is saturated, and per
@@ -318,7 +357,7 @@ class FlowControl:
         tenant = tenant or DEFAULT_TENANT
         policy = self.config.policy(tenant)
         self.check_priority(tenant, priority)
-        self._shed(tenant, priority, deadline_s, predict)
+        predicted = self._shed(tenant, priority, deadline_s, predict)
         cost = prompt_tokens + max_output
         if policy.tokens_per_minute is not None:
             if cost > policy.tokens_per_minute:
@@ -335,6 +374,7 @@ class FlowControl:
                                type="rate_limit_exceeded", code="rate_limit_exceeded",
                                headers={"Retry-After": str(retry)})
         grant = Grant(self, tenant, cost if policy.tokens_per_minute is not None else 0, max_output, priority)
+        grant.predicted_s = predicted
         try:
             if (not self.queue.queued(tenant) and self._may_go_ahead(tenant)
                     or not self.queue.ahead_of(priority, self.clock())[0] and self._urgent_may_go(tenant, priority)):
@@ -426,22 +466,31 @@ class FlowControl:
                 entry.granted.set_exception(self._ledger_error(tenant, exc))
         self._observe_queue()
 
-    def _shed(self, tenant: str, priority: int, deadline_s: float | None, predict) -> None:
+    def _shed(self, tenant: str, priority: int, deadline_s: float | None, predict) -> float | None:
         """503 + Retry-After when shedding applies to the request and its first token is predicted after its
-        deadline: refused at once rather than queued to miss it. Requests already admitted are never shed."""
+        deadline: refused at once rather than queued to miss it. Requests already admitted are never shed. The
+        prediction counts scaled by how far off the admitted ones' were (`PredictionErrors`, at
+        `shed_quantile`). Returns the prediction of a request it admitted (None: not predicted)."""
         mode = self.config.shed
         if mode == "off" or (mode == "low_priority" and priority <= 0) or predict is None:
-            return
+            return None
         deadline = deadline_s if deadline_s is not None else self.config.deadline_s
         if deadline is None:
-            return
+            return None
         predicted = predict(self.queue.ahead_of(priority, self.clock()))
-        if predicted is None or predicted <= deadline:
-            return
+        if predicted is None:
+            return None
+        factor = self.prediction_errors.factor(self.config.shed_quantile)
+        if self.metrics is not None:
+            self.metrics.shed_factor.set(factor)
+        expected = predicted * factor
+        if expected <= deadline:
+            return predicted
         self._refused(tenant, priority, "shed")
-        retry = max(1, math.ceil(predicted - deadline))
-        raise APIError(503, f"the first token is predicted in {predicted:.2f}s, after this request's deadline of "
-                            f"{deadline:.2f}s; refused rather than queued to miss it (retry after {retry}s)",
+        retry = max(1, math.ceil(expected - deadline))
+        scaled = f" ({predicted:.2f}s predicted, x{factor:.2f} as the admitted ones' came)" if factor != 1 else ""
+        raise APIError(503, f"the first token is expected in {expected:.2f}s{scaled}, after this request's deadline "
+                            f"of {deadline:.2f}s; refused rather than queued to miss it (retry after {retry}s)",
                        type="service_unavailable", code="deadline_unmeetable", headers={"Retry-After": str(retry)})
 
     def pump(self) -> None:

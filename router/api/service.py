@@ -208,7 +208,13 @@ class OpenAIService:
                 audit.flow = {"priority": req.priority, "tenant_weight": self.flow.weight(tenant),
                               "queued_s": round(time.monotonic() - queued_at, 6), "ahead": grant.ahead}
             candidates, seeds = [], []
-            ticket.on_release = lambda: grant.release(sum(c.num_tokens for cand in candidates for c in cand.choices))
+
+            def first_token_s() -> float | None:  # the slowest prompt's, from arrival, as `predict` predicted it
+                firsts = [cand.request.times.get("first_token") for cand in candidates]
+                return None if not firsts or None in firsts else max(firsts) - arrival
+
+            ticket.on_release = lambda: grant.release(sum(c.num_tokens for cand in candidates for c in cand.choices),
+                                                      first_token_s())
             for p, ids in enumerate(prompts):
                 # Unseeded requests get a seed here: workers seed their generators alike, so letting each
                 # worker pick would give equal samples on different workers. Candidate i of n draws from
