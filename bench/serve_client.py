@@ -19,6 +19,7 @@ VLLM_PHASE_HISTOGRAMS = {"queue": "vllm:request_queue_time_seconds", "prefill": 
                          "TTFT": "vllm:time_to_first_token_seconds"}
 SCRAPED_COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
                     "tandem:prefills", "tandem:kv_transfer_failures", "tandem:routing_decisions",
+                    "tandem:flow_admitted_requests", "tandem:flow_ahead_requests", "tandem:flow_quick_requests",
                     *(f"{name}_{part}" for name in VLLM_PHASE_HISTOGRAMS.values() for part in ("sum", "count")))
 
 

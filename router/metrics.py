@@ -237,6 +237,9 @@ class FlowMetrics:
         self.ahead = Counter("tandem:flow_ahead_requests", "Requests let on ahead of the prompts queued on workers, "
                              "their tenant being below its share (FlowControl._may_go_ahead).", ["tenant"],
                              registry=r)
+        self.quick = Counter("tandem:flow_quick_requests", "Requests let on past the held-back head of the ingress "
+                             "queue: their first token, placed now, comes within a quarter of the head's time "
+                             "(FlowControl._quick_past).", ["tenant"], registry=r)
         self.pump_errors = Counter("tandem:flow_pump_errors", "Times the ingress queue's watcher failed to let "
                                    "requests on (a bug; logged, and the watcher kept watching). Zero normally.",
                                    registry=r)

@@ -267,6 +267,71 @@ def test_a_request_that_would_only_wait_for_a_prefill_slot_waits_in_the_ingress_
     run(scenario())
 
 
+def test_a_request_whose_first_token_comes_in_a_fraction_of_the_held_back_heads_time_goes_on_past_it():
+    """One tenant (others would go ahead by share), the router saturated, the queue's head a cold prompt that would only wait for a prefill slot (3 s away): a
+    prefix hit behind it whose first token, placed now, comes in 0.5 s goes on past it (counted); requests about as
+    long as the head's, one not ready, and one in a less urgent band do not; the head keeps its place. Where every
+    request is about as quick as the head (a GPU's short prompts), the queue's order stands."""
+    from prometheus_client import CollectorRegistry
+
+    from router.metrics import FlowMetrics
+
+    async def scenario():
+        saturated, now = [False], [0.0]
+
+        async def wait_for_loads(timeout_s):
+            await asyncio.sleep(0.01)
+
+        metrics = FlowMetrics(CollectorRegistry())
+        flow = FlowControl(FlowConfig(), saturated=lambda: saturated[0], wait_for_loads=wait_for_loads,
+                           clock=lambda: now[0], metrics=metrics)
+        running = await placed(flow, "a", 0, 10, 10)
+        saturated[0] = True
+
+        def enter(tenant, priority, first_token_s, ready=True):
+            return asyncio.create_task(flow.enter(tenant, priority, 10, 10, predict=lambda ahead: first_token_s,
+                                                  ready=lambda: ready))
+
+        head = enter("a", 0, 3.0, ready=False)
+        long = enter("a", 0, 2.5)
+        not_ready = enter("a", 0, 0.2, ready=False)
+        less_urgent = enter("a", 5, 0.1)
+        hit = enter("a", 0, 0.5)
+        await asyncio.sleep(0.05)
+        now[0] += 0.2  # the next look (at most every QUICK_SCAN_S)
+        grant = await asyncio.wait_for(hit, 1.0)
+        assert not grant.ahead and flow.placing == 1
+        assert metrics.quick.labels("a")._value.get() == 1
+        grant.placements(1)()
+        now[0] += 0.2
+        flow.pump()
+        await asyncio.sleep(0.05)
+        assert not any(t.done() for t in (head, long, not_ready, less_urgent))
+        saturated[0] = False
+        for g in (running, grant):
+            g.release(10)
+        for task in (head, long, not_ready, less_urgent):
+            task.cancel()
+        await asyncio.gather(head, long, not_ready, less_urgent, return_exceptions=True)
+
+        # As quick as the head, all of them: nobody goes past it.
+        running = await placed(flow, "a", 0, 10, 10)
+        saturated[0] = True
+        head = enter("a", 0, 1.0, ready=False)
+        others = [enter("a", 0, 0.9) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        now[0] += 0.2
+        flow.pump()
+        await asyncio.sleep(0.05)
+        assert not any(t.done() for t in (head, *others))
+        for task in (head, *others):
+            task.cancel()
+        await asyncio.gather(head, *others, return_exceptions=True)
+        running.release(10)
+
+    run(scenario())
+
+
 def test_a_failing_pump_is_counted_and_the_watcher_keeps_watching():
     """The watcher's fallback (a pump that raises is logged and the queue kept watched) is counted, so that
     a bug there shows in tandem:flow_pump_errors rather than only in a log."""

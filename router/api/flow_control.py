@@ -5,7 +5,8 @@ before it is placed. While the cluster has room (`FlowConfig.max_in_flight` not 
 saturated, and the request, placed now, would not just wait for a prefill slot) it goes on at once;
 otherwise it waits in a `FairQueue`, and requests leave that queue by rule as room frees up, one at a time:
 the next goes once the last is placed, since the workers' loads (the saturation signal) show a request only
-from then on. So the queues past the ingress stay short, and the order that matters is this one:
+from then on. So the queues past the ingress stay short, and the order that matters is this one (but for a
+request whose first token would come in a fraction of the held-back head's time: it goes past, `_quick_past`):
 
 - priority first (vLLM's meaning: lower runs first, default 0), in whole bands; a queued request's priority
   improves by one every `aging_s` seconds, so none waits forever behind a stream of urgent ones;
@@ -40,6 +41,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_TENANT = "default"  # requests without an API key, and tenants the config does not name
 SHED_MODES = ("off", "on", "low_priority")
 WATCH_POLL_S = 0.05  # while requests queue, how often the gate looks again at least
+# A queued request whose first token, placed now, comes within this share of the time the request at the head
+# of the queue (held back: it would wait for a prefill slot, or the router is saturated) would take goes on past
+# it (`FlowControl._quick_past`); among the first QUICK_SCAN of its band, looked at every QUICK_SCAN_S at most.
+QUICK_SHARE = 0.25
+QUICK_SCAN = 8
+QUICK_SCAN_S = 0.1
 STUCK_WARN_S = 10.0  # a queue that lets nothing on for this long says why in the log
 
 
@@ -104,6 +111,8 @@ class Entry:
     granted: asyncio.Future | None = None
     prompt_tokens: int = 0
     ready: Callable[[], bool] | None = None  # False while the request, placed now, would only wait for a slot
+    # Its first token's predicted seconds from arrival, placed now behind (requests, prompt tokens) queued here
+    predict: Callable[[tuple[int, int]], float | None] | None = None
 
     def effective_priority(self, now: float, aging_s: float) -> int:
         return self.priority - int((now - self.enqueued_at) / aging_s)
@@ -303,6 +312,12 @@ class Grant:
         self.flow._leave(self, None if output_tokens is None else max(0, self.max_output - output_tokens))
 
 
+def _remaining_s(entry: Entry, now: float) -> float | None:
+    """The queued request's predicted seconds from now to its first token, were it placed now."""
+    predicted = entry.predict((0, 0))
+    return None if predicted is None else max(0.0, predicted - (now - entry.enqueued_at))
+
+
 class FlowControl:
     """The ingress's gate: `enter` returns a Grant at once, after waiting its turn, or raises 429 / 400."""
 
@@ -325,6 +340,7 @@ class FlowControl:
         self.grants: set[Grant] = set()  # the requests let through and not released
         self.buckets: dict[str, TokenBucket] = {}
         self.prediction_errors = PredictionErrors()  # of the requests shedding admitted
+        self._quick_looked = -math.inf  # when `_quick_past` last looked
 
     def snapshot(self) -> dict:
         """This replica's queue for `tandem status`: requests placed, whether the router is saturated, and per
@@ -393,7 +409,7 @@ class FlowControl:
                                     f"retry after 1s", type="rate_limit_exceeded", code="rate_limit_exceeded",
                                headers={"Retry-After": "1"})
             entry = self.queue.push(tenant, priority, cost, self.clock(), policy.weight)
-            entry.prompt_tokens, entry.ready = prompt_tokens, ready
+            entry.prompt_tokens, entry.ready, entry.predict = prompt_tokens, ready, predict
             entry.granted = asyncio.get_running_loop().create_future()
             self._observe_queue()
             self.pump()
@@ -511,11 +527,41 @@ class FlowControl:
                 break
             ahead = bool(behind) or self._urgent_may_go(entry.tenant, entry.priority)
             if not ahead and not (self._room() and (entry.ready is None or entry.ready())):
-                break
+                entry = self._quick_past(entry, now)
+                if entry is None:
+                    break
+                if self.metrics is not None:
+                    self.metrics.quick.labels(entry.tenant).inc()
             self.queue.take(entry)
             self._start(entry.tenant, entry.priority, self.clock() - entry.enqueued_at, ahead)
             entry.granted.set_result(ahead)
         self._observe_queue()
+
+    def _quick_past(self, head: Entry, now: float) -> Entry | None:
+        """A request of the head's band, queued behind the held-back head, that goes on past it: placed now, it
+        would not wait for a prefill slot, and its first token would come within QUICK_SHARE of the time the head's
+        would take (a prefix hit or a short prompt behind a long cold one: the shortest first, where the head would
+        only wait). The head keeps its place. One at a time (the gate free), among the first QUICK_SCAN of the band
+        by arrival, looked for every QUICK_SCAN_S at most (each look is two placement previews a request)."""
+        if head.predict is None or now - self._quick_looked < QUICK_SCAN_S or not self._gate_free(head.tenant):
+            return None
+        self._quick_looked = now
+        band = head.effective_priority(now, self.queue.aging_s)
+        behind = sorted((e for t in self.queue.tenants.values() for e in t.entries
+                         if e is not head and e.predict is not None and e.ready is not None
+                         and e.effective_priority(now, self.queue.aging_s) == band
+                         and not (e.granted is not None and e.granted.done()) and self._tenant_has_room(e.tenant)),
+                        key=lambda e: e.seq)[:QUICK_SCAN]
+        if not behind:
+            return None
+        head_s = _remaining_s(head, now)
+        if head_s is None:
+            return None
+        for entry in behind:
+            entry_s = _remaining_s(entry, now)
+            if entry_s is not None and entry_s <= QUICK_SHARE * head_s and entry.ready():
+                return entry
+        return None
 
     def _may_go_ahead(self, tenant: str) -> bool:
         """Whether a request of `tenant` goes on now whatever the router's saturation, ahead of the prompts of its
