@@ -241,7 +241,8 @@ class FlowMetrics:
                              "queue: their first token, placed now, comes within a quarter of the head's time "
                              "(FlowControl._quick_past).", ["tenant"], registry=r)
         self.pump_errors = Counter("tandem:flow_pump_errors", "Times the ingress queue's watcher failed to let "
-                                   "requests on (a bug; logged, and the watcher kept watching). Zero normally.",
+                                   "requests on, or could not predict its requests' first tokens to let a quick one "
+                                   "past the head (a bug; logged, and the queue kept its order). Zero normally.",
                                    registry=r)
         self.ledger_errors = Counter("tandem:flow_ledger_errors", "Calls to the quota ledger (tenants' quotas shared "
                                      "by several ingress replicas) that got no answer; the requests they were for "

@@ -600,3 +600,37 @@ def test_the_prediction_counts_the_requests_queued_ahead_in_a_band_as_urgent_or_
     assert queue.ahead_of(1, 0.0) == (2, 300)
     assert queue.ahead_of(-1, 0.0) == (0, 0)
     assert queue.ahead_of(1, 400.0) == (3, 700)  # aged four bands: the priority-5 request is in band 1 now
+
+
+def test_a_prediction_that_fails_is_counted_and_the_queue_keeps_its_order():
+    """A bug in a queued request's prediction must not fail the requests that enter or end (the queue's pump runs in
+    both): the quick look logs it, counts it in tandem:flow_pump_errors and lets nobody past the head."""
+    from prometheus_client import CollectorRegistry
+
+    from router.metrics import FlowMetrics
+
+    def broken(ahead):
+        raise RuntimeError("a bug")
+
+    async def scenario():
+        now = [0.0]
+
+        async def wait_for_loads(timeout_s):
+            await asyncio.sleep(0.01)
+
+        metrics = FlowMetrics(CollectorRegistry())
+        flow = FlowControl(FlowConfig(), saturated=lambda: True, wait_for_loads=wait_for_loads,
+                           clock=lambda: now[0], metrics=metrics)
+        head = asyncio.create_task(flow.enter("a", 0, 10, 10, predict=broken, ready=lambda: False))
+        behind = asyncio.create_task(flow.enter("a", 0, 10, 10, predict=lambda ahead: 0.1, ready=lambda: True))
+        await asyncio.sleep(0.05)
+        now[0] += 0.2
+        flow.pump()
+        await asyncio.sleep(0.05)
+        assert not head.done() and not behind.done()
+        assert metrics.pump_errors._value.get() >= 1
+        for task in (head, behind):
+            task.cancel()
+        await asyncio.gather(head, behind, return_exceptions=True)
+
+    run(scenario())
