@@ -30,7 +30,8 @@ def record_of(path: str, request_id: str) -> dict:
 
     def written() -> bool:
         if os.path.exists(path):
-            for line in Path(path).read_text().splitlines():
+            # Only whole lines: a reader can see a record's write half done (the last line then lacks its newline).
+            for line in Path(path).read_text().split("\n")[:-1]:
                 record = json.loads(line)
                 if request_id in (record["request_id"], record["response_id"]):
                     found["record"] = record
