@@ -562,8 +562,7 @@ class FlowControl:
                 entry_s = _remaining_s(entry, now)
                 if entry_s is not None and entry_s <= QUICK_SHARE * head_s and entry.ready():
                     return entry
-        except Exception:  # a bug in a prediction: say so, count it, and keep the queue's order (this runs in enter
-            # and release too, which must not fail for it)
+        except Exception:  # a bug in a prediction; `enter` and `release` pump too and must not fail for it
             logger.exception("the ingress queue could not predict its requests' first tokens")
             if self.metrics is not None:
                 self.metrics.pump_errors.inc()
