@@ -76,6 +76,11 @@ class Metrics:
         self.routing_lora = Counter("tandem:routing_lora", "Placements of requests that run a LoRA adapter, by pool, "
                                     "worker and whether a slot there held it already (hit) or it loads (load).",
                                     ["pool", "worker", "outcome"], registry=r)
+        self.local_factor = Gauge("tandem:routing_local_prediction_factor", "What placement scales its predicted "
+                                  "first token of a chunked local prefill beside running streams by: the median of "
+                                  "the recent such prefills' measured over predicted seconds (1 until a few were "
+                                  "measured; Router.local_factor).", registry=r)
+        self.local_factor.set(1.0)
         self.migrations = Counter("tandem:request_migrations", "Requests moved on after their decode worker "
                                   "failed mid-stream, by the worker that failed.", ["worker"], registry=r)
         self.rejected = Counter("tandem:requests_rejected", "Requests refused at admission.", ["reason"],

@@ -12,7 +12,11 @@ from router.placement import feeds
 from router.placement.dispatch import run_request
 from router.placement.latency_report import LatencyReporter
 from router.metrics import Metrics
+from router.placement.calibration import PredictionErrors
+from router.placement.index import PrefixIndex
+from router.placement.pool_policy import Placement
 from router.placement.request_router import RequestRouter
+from router.placement.routing import LOCAL_ERRORS_MIN_SAMPLES, RouteDecision, Router
 from tests.helpers import wait_for_async
 from tests.pool_helpers import OneWorkerView, collect, only
 
@@ -87,3 +91,37 @@ def test_itl_is_still_counted_per_token_when_deltas_coalesce(decode):
     labels = {"pool": "decode", "worker": "decode-0"}
     assert metrics.registry.get_sample_value("vllm:inter_token_latency_seconds_count", labels) == 11
     assert metrics.registry.get_sample_value("vllm:time_to_first_token_seconds_count", labels) == 1
+
+
+class LocalBesideStreamsView(OneWorkerView):
+    """Places every request as a chunked local prefill beside streams, predicted at MODEL_S."""
+    MODEL_S = 0.05
+
+    def __init__(self, actor):
+        super().__init__(actor)
+        self.router = Router(PrefixIndex(), self.block_size)
+
+    def route(self, block_hashes, num_tokens, excluded, **options):
+        return RouteDecision(Placement("decode-0", 0, 0.0), None, "prefill_queue_full", predicted_ttft_s=self.MODEL_S,
+                             local_model_s=self.MODEL_S)
+
+
+def test_a_local_prefills_first_token_measures_its_prediction_for_placement(decode):
+    """The ingress feeds placement's local factor (Router.local_factor) from the first token of each request
+    placed to prefill locally beside streams, once per request, and the gauge follows."""
+    metrics = Metrics()
+    view = LocalBesideStreamsView(decode)
+    requests = RequestRouter(view, metrics, LatencyReporter(controller=None))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def main(i: int) -> list:
+        return [d async for d in requests.stream(GenerateRequest(f"local-{i}", PROMPT, params), [])]
+
+    for i in range(LOCAL_ERRORS_MIN_SAMPLES):
+        asyncio.run(main(i))
+    ratios = view.router.local_errors.ratios
+    assert len(ratios) == LOCAL_ERRORS_MIN_SAMPLES and all(r > 0 for r in ratios)
+    factor = view.router.local_factor()
+    low, high = PredictionErrors.BOUNDS
+    assert factor == pytest.approx(min(max(sorted(ratios)[len(ratios) // 2], low), high))
+    assert metrics.registry.get_sample_value("tandem:routing_local_prediction_factor") == pytest.approx(factor)

@@ -12,8 +12,10 @@ from router.placement.index import PrefixIndex
 from engine.step_costs import (DECODE_WINDOW, PRIOR_BORROW_EFFICIENCY, PRIOR_DECODE_BATCH_SLOPE, PRIOR_DECODE_STEP_S,
                                PRIOR_KV_PULL_GBPS, PRIOR_KV_PULL_LATENCY_S, PRIOR_PREFILL_TOKENS_PER_S,
                                MIN_CHUNK_TOKENS, StepCosts, TransferSpeed)
-from router.placement.routing import (EXPECTED_OUTPUT_TOKENS, ArrivalRate, NoDecodeWorker, Router, share_backlog,
-                                      spread_backlog, with_arrivals, with_backlog)
+from router.placement.calibration import PredictionErrors
+from router.placement.routing import (EXPECTED_OUTPUT_TOKENS, LOCAL_ERRORS_MIN_SAMPLES, LOCAL_ERRORS_WINDOW,
+                                      ArrivalRate, NoDecodeWorker, Router, share_backlog, spread_backlog,
+                                      with_arrivals, with_backlog)
 from router.placement.pool_policy import CostWeights, PoolPolicy
 from router.placement.cost_model import (DisaggConfig, PrefillDecision, decode_seconds, displaced_seconds,
                                          decide_prefill, decide_prefill_by_cost, local_prefill_cost,
@@ -953,3 +955,48 @@ def test_a_prefill_worker_is_priced_pulling_a_prefix_a_decode_worker_holds():
         assert route.prefill is not None and route.prefill.worker_id == pf[0].worker_id
         predicted[pulls] = route.predicted_ttft_s
     assert predicted[True] < 0.5 * predicted[False]
+
+
+def test_a_local_prefill_beside_streams_is_priced_by_how_far_off_the_last_ones_came():
+    """Seen on box D at 3 req/s: prompts sent to a busy decode worker because a full prefill queue looked
+    later took 1.5-3x their predicted time there. Once a few such local prefills measured three times their
+    prediction, a request that went local behind two slot waiters waits for the prefill worker instead;
+    a decode worker with no streams is priced as before (its prediction held)."""
+    tokens = prompt(1, prefix=[], suffix_blocks=16)  # 256 cold tokens
+    hashes = block_hashes(tokens, BLOCK)
+    one_slot = prefill_worker(num_waiting=1, queued_prefill_tokens=256)
+    busy = [decode_worker(num_running=6)]
+    router = Router(PrefixIndex(), BLOCK, disagg=SLO, rng=random.Random(0))
+    before = router.route(hashes, 256, [one_slot], busy, prefill_backlog={"p0": (2, 512)})
+    assert before.prefill is None and before.reason == "prefill_queue_full" and router.local_factor() == 1.0
+    assert before.local_model_s == pytest.approx(before.predicted_ttft_s)
+    idle = router.route(hashes, 256, [one_slot], [decode_worker(num_running=0)], prefill_backlog={"p0": (2, 512)})
+    assert idle.prefill is None and idle.local_model_s is None  # no streams beside it: not learnt from, not scaled
+    for _ in range(LOCAL_ERRORS_MIN_SAMPLES - 1):
+        router.observe_local_prefill(before.local_model_s, 3 * before.local_model_s)
+    assert router.local_factor() == 1.0  # too few to go by
+    router.observe_local_prefill(before.local_model_s, 3 * before.local_model_s)
+    assert router.local_factor() == pytest.approx(3.0)
+    after = router.route(hashes, 256, [one_slot], busy, prefill_backlog={"p0": (2, 512)})
+    assert after.prefill is not None and after.wait
+    assert router.route(hashes, 256, [one_slot], [decode_worker(num_running=0)],
+                        prefill_backlog={"p0": (2, 512)}).predicted_ttft_s == pytest.approx(idle.predicted_ttft_s)
+    # Had they come at half their prediction, the factor would go below 1 as well.
+    for _ in range(LOCAL_ERRORS_WINDOW):
+        router.observe_local_prefill(1.0, 0.5)
+    assert router.local_factor() == pytest.approx(0.5)
+
+
+def test_prediction_errors_forget_what_is_older_than_their_horizon():
+    now = [0.0]
+    errors = PredictionErrors(window=8, min_samples=2, horizon_s=10.0, clock=lambda: now[0])
+    errors.observe(1.0, 3.0)
+    now[0] = 5.0
+    errors.observe(1.0, 3.0)
+    errors.observe(0.01, 1.0)  # too short to say anything
+    assert errors.factor(0.5) == 3.0
+    now[0] = 12.0  # the first one is past the horizon: one left, too few
+    assert errors.factor(0.5) == 1.0 and errors.ratios == [3.0]
+    for _ in range(20):
+        errors.observe(1.0, 100.0)
+    assert len(errors.ratios) == 8 and errors.factor(0.5) == PredictionErrors.BOUNDS[1]

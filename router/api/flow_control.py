@@ -29,12 +29,12 @@ import itertools
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from router.api.openai_api import APIError
 from router.api.quota_ledger import LedgerUnavailable, SharedQuotas
+from router.placement.calibration import PredictionErrors
 
 logger = logging.getLogger(__name__)
 
@@ -116,33 +116,6 @@ class Entry:
 
     def effective_priority(self, now: float, aging_s: float) -> int:
         return self.priority - int((now - self.enqueued_at) / aging_s)
-
-
-class PredictionErrors:
-    """How far off the first-token predictions that shedding admits by are: the ratios of measured to
-    predicted seconds of the last `window` admitted requests. `factor(q)`, their q-quantile, scales the next
-    prediction: a request is in time with probability about q when its prediction times the factor meets the
-    deadline. Admitting at the prediction itself put half of the admitted requests just past a 2 s deadline at
-    twice the knee (TTFT p50 1.9 s), since the prediction misses what arrives after it was made; at the knee,
-    where it overstated, the factor falls below 1 and sheds less."""
-
-    MIN_SAMPLES = 20  # before, the prediction counts as is
-    MIN_PREDICTED_S = 0.05  # shorter predictions say nothing of the queue's error
-    BOUNDS = (0.25, 4.0)  # the factor's range: a few outliers must not shut or open the gate
-
-    def __init__(self, window: int = 256):
-        self.ratios: deque[float] = deque(maxlen=window)
-
-    def observe(self, predicted_s: float, measured_s: float) -> None:
-        if predicted_s >= self.MIN_PREDICTED_S and measured_s > 0:
-            self.ratios.append(measured_s / predicted_s)
-
-    def factor(self, quantile: float | None) -> float:
-        if quantile is None or len(self.ratios) < self.MIN_SAMPLES:
-            return 1.0
-        ordered = sorted(self.ratios)
-        value = ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
-        return min(max(value, self.BOUNDS[0]), self.BOUNDS[1])
 
 
 class TokenBucket:
@@ -339,7 +312,10 @@ class FlowControl:
         self.running: dict[str, int] = {}  # per tenant
         self.grants: set[Grant] = set()  # the requests let through and not released
         self.buckets: dict[str, TokenBucket] = {}
-        self.prediction_errors = PredictionErrors()  # of the requests shedding admitted
+        # Of the requests shedding admitted. Admitting at the prediction itself put half of them just past a 2 s
+        # deadline at twice the knee (TTFT p50 1.9 s), since the prediction misses what arrives after it was made;
+        # at the knee, where it overstated, the factor falls below 1 and sheds less.
+        self.prediction_errors = PredictionErrors()
         self._quick_looked = -math.inf  # when `_quick_past` last looked
 
     def snapshot(self) -> dict:

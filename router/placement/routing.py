@@ -30,6 +30,7 @@ from typing import Literal
 from router.placement.cost_model import (DisaggConfig, PrefillDecision, decide_prefill, decide_prefill_by_cost,
                                          decode_seconds, displaced_seconds, peer_pull_pays, predicted_ttft,
                                          prefill_rate)
+from router.placement.calibration import PredictionErrors
 from router.placement.cpu_lending import lent_threads
 from router.placement.index import PrefixIndex
 from router.placement.pool_policy import CostWeights, Placement, PoolPolicy
@@ -41,6 +42,12 @@ from engine.timeline import RequestTimeline
 EXPECTED_OUTPUT_TOKENS = 128
 TIE_TOLERANCE_S = 0.001  # costs this close count as equal; the worker with fewer sequences wins
 HIT_SHARE_ALPHA = 0.1  # weight of the newest placement in a decode worker's measured prefix-hit share
+# The local prefills' prediction errors placement learns from (Router.local_factor): the last this many, within
+# this many seconds, from this many on; the factor is worked out again at most every LOCAL_FACTOR_TTL_S.
+LOCAL_ERRORS_WINDOW = 32
+LOCAL_ERRORS_HORIZON_S = 300.0
+LOCAL_ERRORS_MIN_SAMPLES = 3
+LOCAL_FACTOR_TTL_S = 1.0
 
 
 class ArrivalRate:
@@ -80,6 +87,7 @@ class RouteDecision:
     reason: str
     wait: bool = False
     predicted_ttft_s: float | None = None
+    local_model_s: float | None = None  # a chunked local prefill beside streams: its unscaled prediction
 
     def record(self, timeline: RequestTimeline, block_size: int) -> None:
         """The decision, in the request's timeline."""
@@ -138,6 +146,27 @@ class Router:
         self._placements: dict[str, int] = {}
         # Streams join decode workers at this rate: a long local prefill runs beside those that join meanwhile.
         self.arrivals = ArrivalRate()
+        # How far off the step costs' predictions of chunked local prefills beside streams came (`local_factor`).
+        self.local_errors = PredictionErrors(LOCAL_ERRORS_WINDOW, LOCAL_ERRORS_MIN_SAMPLES, LOCAL_ERRORS_HORIZON_S)
+        self._local_factor: tuple[float, float] | None = None  # (when worked out, value)
+
+    def local_factor(self) -> float:
+        """What a chunked local prefill beside running streams is predicted times: the median of measured ÷
+        predicted seconds of the last LOCAL_ERRORS_WINDOW of them (within LOCAL_ERRORS_HORIZON_S), 1 with fewer
+        than LOCAL_ERRORS_MIN_SAMPLES. Such a prefill is priced from the decode worker's step costs as they are
+        when it is placed; under load streams join it and its chunks shrink more than the arrival rate counts
+        (box D, random prompts at 3 req/s: a 256-token prompt predicted at 0.8 s took 1.7 s in 13 steps), and
+        a prompt sent there because it looked sooner than a full prefill queue came later instead."""
+        now = time.monotonic()
+        if self._local_factor is None or now - self._local_factor[0] > LOCAL_FACTOR_TTL_S:
+            self._local_factor = now, self.local_errors.factor(0.5)
+        return self._local_factor[1]
+
+    def observe_local_prefill(self, model_s: float, measured_s: float) -> None:
+        """A chunked local prefill's first token came `measured_s` after it was placed, predicted at `model_s`
+        (RouteDecision.local_model_s)."""
+        self.local_errors.observe(model_s, measured_s)
+        self._local_factor = None
 
     def route(self, block_hashes: Sequence[int], prompt_tokens: int, prefill_loads: Sequence[WorkerLoad],
               decode_loads: Sequence[WorkerLoad], elapsed_s: float = 0.0,
@@ -187,13 +216,14 @@ class Router:
                                                            elapsed_s)
             else:
                 decision = decide_prefill_by_cost(prompt_tokens, decode.cached_tokens, prefill_cached,
-                                                  _load_of(decode, decode_loads), prefill_load, self.disagg, elapsed_s)
+                                                  _load_of(decode, decode_loads), prefill_load, self.disagg, elapsed_s,
+                                                  local_factor=self.local_factor())
         if record and not decision.wait:
             self.arrivals.note()
             if prompt_tokens > 0:
                 self._note_hit(decode.worker_id, decode.cached_tokens / prompt_tokens)
         return RouteDecision(decode, prefill if decision.remote else None, decision.reason, decision.wait,
-                             decision.predicted_ttft_s)
+                             decision.predicted_ttft_s, None if decision.remote else decision.local_model_s)
 
     def _note_hit(self, worker_id: str, share: float) -> None:
         """Fold one placement into the worker's hit share: the mean of its first placements, then an EWMA."""
@@ -245,7 +275,8 @@ class Router:
         """(seconds, decision) of placing the request on decode worker `load`, which holds `cached` of its
         prompt tokens (`local_pull_s` of them pulled from a peer first, on the local path)."""
         decision = decide_prefill_by_cost(prompt_tokens, cached, prefill_cached, load, prefill, self.disagg, elapsed_s,
-                                          remote_pull_s=prefill_pull_s, local_pull_s=local_pull_s)
+                                          remote_pull_s=prefill_pull_s, local_pull_s=local_pull_s,
+                                          local_factor=self.local_factor())
         displaced = displaced_seconds(prompt_tokens, cached, output_tokens, load, self.index.num_blocks(load.worker_id),
                                       self.hit_share.get(load.worker_id, 0.0), self.block_size)
         seconds = decode_seconds(prompt_tokens, cached, load, decision, output_tokens, self.disagg, self.block_size,
