@@ -233,6 +233,21 @@ def test_a_prefill_step_charges_its_prompt_tokens_what_the_decodes_beside_them_d
     assert costs.prefill_time(500, 300) == pytest.approx(0.05 + 1.0)
 
 
+def test_a_small_chunk_beside_many_decodes_is_charged_what_it_took_not_half_the_step():
+    """A 4-token chunk beside 12 decodes (a 36 ms batch) that made the step 58 ms took 22 ms: charged half the
+    step (29 ms), its speed came out at 138 tok/s and sized the next chunk smaller, and chunks stayed near the
+    4-token minimum. A step the decodes' estimate explains whole still charges the chunk its share of the tokens."""
+    costs = StepCosts({}, {16: 0.036})
+    costs.observe(12, 4, 1600, 0.058)
+    assert costs.prefill_tokens_per_s == {2048: pytest.approx(4 / 0.022)}
+    costs = StepCosts({}, {16: 0.036})
+    costs.observe(12, 4, 1600, 0.036)
+    assert costs.prefill_tokens_per_s == {2048: pytest.approx(4 / (0.036 * 4 / 16))}
+    costs = StepCosts({}, {1: 0.02})
+    costs.observe(0, 256, 256, 0.03)  # a prompt alone: at least half its step, as before
+    assert costs.prefill_tokens_per_s == {256: pytest.approx(256 / 0.015)}
+
+
 def test_the_stall_free_budget_keeps_a_step_within_its_time_but_always_progresses():
     costs = measured()
     budget = costs.prefill_budget(8, 0.25, min_tokens=16)
