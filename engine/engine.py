@@ -207,7 +207,11 @@ class Engine:
     def stats(self) -> dict:
         """Load and cache counters for the worker around this engine."""
         bm, sched = self.block_manager, self.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        # A waiting prompt will compute only what its prefix hit leaves: counted whole, a queue of hits on a
+        # 1,536-token prefix read as 1,600 tokens each, and the router predicted the queue 3 s deep per hit
+        # where each took 0.2 s (requests sharing a prefix waited at the ingress or went to a busy decode worker).
+        queued = sum(r.num_tokens - (r.num_computed_tokens or len(bm.peek_computed_blocks(r)) * bm.block_size)
+                     for r in sched.waiting)
         queued += sum(r.num_prompt_tokens - r.num_computed_tokens for r in sched.running
                       if r.num_computed_tokens < r.num_prompt_tokens)
         return {"num_waiting": len(sched.waiting) + len(self.waiting_for_grammar), "num_running": len(sched.running),

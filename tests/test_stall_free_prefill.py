@@ -280,3 +280,17 @@ def test_a_prompt_less_urgent_than_a_recent_one_is_computed_in_yield_slices(tiny
         tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert tokens["flood"] == hf_greedy(tiny_llama_dir, flood, GREEDY.max_tokens)
     assert tokens["quiet2"] == hf_greedy(tiny_llama_dir, quiet2, 1)
+
+
+def test_the_queued_prompt_tokens_a_worker_reports_leave_out_the_prefix_hits_waiting_prompts_will_find(tiny_llama_dir):
+    """The router predicts a worker's queue from them: hits on a cached prefix count their uncached suffix, a
+    cold prompt all of itself."""
+    engine = Engine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64))
+    prefix, = prompts(engine.runner.vocab_size, (96,), seed=3)
+    engine.generate([prefix + [5, 6, 7, 8]], GREEDY)
+    cold, tail = prompts(engine.runner.vocab_size, (50, 20), seed=4)
+    engine.add_request("hit", prefix + tail, GREEDY)
+    engine.add_request("cold", cold, GREEDY)
+    queries = engine.block_manager.prefix_cache_queries
+    assert engine.stats()["queued_prefill_tokens"] == 20 + 50
+    assert engine.block_manager.prefix_cache_queries == queries  # a look, not a lookup the hit rate counts
