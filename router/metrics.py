@@ -77,10 +77,10 @@ class Metrics:
                                     "worker and whether a slot there held it already (hit) or it loads (load).",
                                     ["pool", "worker", "outcome"], registry=r)
         self.local_factor = Gauge("tandem:routing_local_prediction_factor", "What placement scales its predicted "
-                                  "first token of a chunked local prefill beside running streams by: the median of "
-                                  "the recent such prefills' measured over predicted seconds (1 until a few were "
-                                  "measured; Router.local_factor).", registry=r)
-        self.local_factor.set(1.0)
+                                  "first token of a chunked local prefill beside running streams by, per power-of-"
+                                  "two bucket of its uncached prompt tokens: the median of the recent such prefills' "
+                                  "measured over predicted seconds (1 until a few were measured; "
+                                  "Router.local_factor).", ["tokens"], registry=r)
         self.migrations = Counter("tandem:request_migrations", "Requests moved on after their decode worker "
                                   "failed mid-stream, by the worker that failed.", ["worker"], registry=r)
         self.rejected = Counter("tandem:requests_rejected", "Requests refused at admission.", ["reason"],

@@ -7,6 +7,7 @@ import pytest
 from cluster.config import ClusterConfig
 from cluster.pools import Pools
 from engine import SamplingParams
+from engine.step_costs import bucket
 from worker_runtime.protocol import GenerateRequest
 from router.placement import feeds
 from router.placement.dispatch import run_request
@@ -103,7 +104,7 @@ class LocalBesideStreamsView(OneWorkerView):
 
     def route(self, block_hashes, num_tokens, excluded, **options):
         return RouteDecision(Placement("decode-0", 0, 0.0), None, "prefill_queue_full", predicted_ttft_s=self.MODEL_S,
-                             local_model_s=self.MODEL_S)
+                             local_tokens=num_tokens, local_model_s=self.MODEL_S)
 
 
 def test_a_local_prefills_first_token_measures_its_prediction_for_placement(decode):
@@ -119,9 +120,10 @@ def test_a_local_prefills_first_token_measures_its_prediction_for_placement(deco
 
     for i in range(LOCAL_ERRORS_MIN_SAMPLES):
         asyncio.run(main(i))
-    ratios = view.router.local_errors.ratios
+    ratios = view.router.local_errors[bucket(len(PROMPT))].ratios
     assert len(ratios) == LOCAL_ERRORS_MIN_SAMPLES and all(r > 0 for r in ratios)
-    factor = view.router.local_factor()
+    factor = view.router.local_factor(len(PROMPT))
     low, high = PredictionErrors.BOUNDS
     assert factor == pytest.approx(min(max(sorted(ratios)[len(ratios) // 2], low), high))
-    assert metrics.registry.get_sample_value("tandem:routing_local_prediction_factor") == pytest.approx(factor)
+    assert metrics.registry.get_sample_value("tandem:routing_local_prediction_factor",
+                                             {"tokens": str(bucket(len(PROMPT)))}) == pytest.approx(factor)

@@ -972,34 +972,35 @@ def test_a_prefill_worker_is_priced_pulling_a_prefix_a_decode_worker_holds():
     assert predicted[True] < 0.5 * predicted[False]
 
 
-def test_a_local_prefill_beside_streams_is_priced_by_how_far_off_the_last_ones_came():
+def test_a_local_prefill_beside_streams_is_priced_by_how_far_off_the_last_ones_of_its_size_came():
     """Seen on box D at 3 req/s: prompts sent to a busy decode worker because a full prefill queue looked
-    later took 1.5-3x their predicted time there. Once a few such local prefills measured three times their
-    prediction, a request that went local behind two slot waiters waits for the prefill worker instead;
-    a decode worker with no streams is priced as before (its prediction held)."""
+    later took 1.5-3x their predicted time there. Once a few local prefills of about its size measured three
+    times their prediction, a 256-token prompt that went local behind two slot waiters waits for the prefill
+    worker instead; a decode worker with no streams is priced as before, and so are prompts of another size
+    (a cold prompt's crawl says nothing of a prefix hit's short suffix)."""
     tokens = prompt(1, prefix=[], suffix_blocks=16)  # 256 cold tokens
     hashes = block_hashes(tokens, BLOCK)
     one_slot = prefill_worker(num_waiting=1, queued_prefill_tokens=256)
     busy = [decode_worker(num_running=6)]
     router = Router(PrefixIndex(), BLOCK, disagg=SLO, rng=random.Random(0))
     before = router.route(hashes, 256, [one_slot], busy, prefill_backlog={"p0": (2, 512)})
-    assert before.prefill is None and before.reason == "prefill_queue_full" and router.local_factor() == 1.0
-    assert before.local_model_s == pytest.approx(before.predicted_ttft_s)
+    assert before.prefill is None and before.reason == "prefill_queue_full" and router.local_factor(256) == 1.0
+    assert before.local_model_s == pytest.approx(before.predicted_ttft_s) and before.local_tokens == 256
     idle = router.route(hashes, 256, [one_slot], [decode_worker(num_running=0)], prefill_backlog={"p0": (2, 512)})
     assert idle.prefill is None and idle.local_model_s is None  # no streams beside it: not learnt from, not scaled
     for _ in range(LOCAL_ERRORS_MIN_SAMPLES - 1):
-        router.observe_local_prefill(before.local_model_s, 3 * before.local_model_s)
-    assert router.local_factor() == 1.0  # too few to go by
-    router.observe_local_prefill(before.local_model_s, 3 * before.local_model_s)
-    assert router.local_factor() == pytest.approx(3.0)
+        router.observe_local_prefill(200, before.local_model_s, 3 * before.local_model_s)
+    assert router.local_factor(256) == 1.0  # too few to go by
+    router.observe_local_prefill(129, before.local_model_s, 3 * before.local_model_s)  # the same bucket
+    assert router.local_factor(256) == pytest.approx(3.0) and router.local_factor(64) == 1.0
     after = router.route(hashes, 256, [one_slot], busy, prefill_backlog={"p0": (2, 512)})
     assert after.prefill is not None and after.wait
     assert router.route(hashes, 256, [one_slot], [decode_worker(num_running=0)],
                         prefill_backlog={"p0": (2, 512)}).predicted_ttft_s == pytest.approx(idle.predicted_ttft_s)
     # Had they come at half their prediction, the factor would go below 1 as well.
     for _ in range(LOCAL_ERRORS_WINDOW):
-        router.observe_local_prefill(1.0, 0.5)
-    assert router.local_factor() == pytest.approx(0.5)
+        router.observe_local_prefill(256, 1.0, 0.5)
+    assert router.local_factor(256) == pytest.approx(0.5)
 
 
 def test_prediction_errors_forget_what_is_older_than_their_horizon():

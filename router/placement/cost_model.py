@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Literal
 
 from engine.step_costs import MIN_CHUNK_TOKENS, pull_seconds, stall_free_budget
@@ -47,8 +48,10 @@ class PrefillDecision:
     wait: bool = False
     # On the path taken, when placed by cost: recorded in the request's timeline, not part of the decision.
     predicted_ttft_s: float | None = field(default=None, compare=False)
-    # A chunked local prefill beside running streams: its seconds as the step costs predict them, before
-    # `local_factor` scaled them (measured against the first token to learn that factor; Router.local_errors).
+    # A chunked local prefill beside running streams: its uncached prompt tokens and its seconds as the step costs
+    # predict them, before `local_factor` scaled them (measured against the first token to learn that factor;
+    # Router.local_factor).
+    local_tokens: int = field(default=0, compare=False)
     local_model_s: float | None = field(default=None, compare=False)
 
 
@@ -169,7 +172,8 @@ def prefill_rate(load: WorkerLoad, prompt_tokens: int, remote: bool, config: Dis
 def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefill_cached_tokens: int,
                            decode: WorkerLoad, prefill: WorkerLoad | None, config: DisaggConfig,
                            elapsed_s: float = 0.0, min_chunk: int = MIN_CHUNK_TOKENS, *, remote_pull_s: float = 0.0,
-                           local_pull_s: float = 0.0, local_factor: float = 1.0) -> PrefillDecision:
+                           local_pull_s: float = 0.0,
+                           local_factor: Callable[[int], float] | None = None) -> PrefillDecision:
     """Remote prefill unless the remote path would miss the TTFT SLO where a local one would not, or a
     local one costs the decode worker's running streams nothing material: it has none and the remote
     path is no faster, or the whole prompt fits in one step within the ITL SLO and local is faster; or
@@ -182,45 +186,51 @@ def decide_prefill_by_cost(prompt_tokens: int, decode_cached_tokens: int, prefil
 
     `remote_pull_s`, `local_pull_s`: the time the worker computing the prompt on each path first spends
     pulling prefix blocks from a peer (their tokens counted in its cached tokens; `peer_pull_pays`).
-    `local_factor`: how far off the predictions of chunked local prefills beside running streams came lately
-    (the median of measured ÷ predicted, `Router.local_factor`); such a prediction is scaled by it."""
+    `local_factor(uncached tokens)`: how far off the predictions of chunked local prefills of about that many
+    tokens beside running streams came lately (`Router.local_factor`); such a prediction is scaled by it."""
     if prefill is None or not prefill.schedulable:
         return PrefillDecision(False, "no_prefill_worker")
     remote = elapsed_s + remote_pull_s + remote_prefill_ttft(prompt_tokens, prefill_cached_tokens,
                                                              decode_cached_tokens, prefill, decode)
     local, stall = local_prefill_cost(prompt_tokens, decode_cached_tokens, decode, config.itl_slo_s, min_chunk,
                                       config.stall_ratio)
-    local_model_s = None
+    local_tokens, local_model_s = prompt_tokens - decode_cached_tokens, None
     if decode.num_running:
-        local_model_s, local = local, local * local_factor
+        local_model_s = local
+        if local_factor is not None:
+            local *= local_factor(local_tokens)
     local += elapsed_s + local_pull_s
     if lent_to_busy_prefill(decode, prefill):
         # Its core is in a borrowed prefill forward right now: a local prefill shares it (and slows that
         # forward) until the forward ends, within about one borrowed slice (cpu.borrow_slice_ms, by default
         # the ITL SLO).
         local += config.itl_slo_s
+
+    def locally(reason: str) -> PrefillDecision:
+        return PrefillDecision(False, reason, predicted_ttft_s=local, local_tokens=local_tokens,
+                               local_model_s=local_model_s)
+
     if not decode.num_running and local <= remote:
-        return PrefillDecision(False, "decode_idle", predicted_ttft_s=local)
+        return locally("decode_idle")
     one_step = decode.step_costs.decode_time(decode.num_running) + stall
     step_limit = decode.step_costs.step_limit(decode.num_running, config.itl_slo_s, config.stall_ratio)
     if decode.num_running and one_step <= step_limit and local <= remote:
-        return PrefillDecision(False, "stall_within_itl_slo", predicted_ttft_s=local, local_model_s=local_model_s)
+        return locally("stall_within_itl_slo")
     if decode.num_running and local + decode.num_running * stall < remote:
         # The prefill queue is deep: the chunked local prefill (each step within the ITL SLO) gets the first
         # token sooner by more than it delays every running stream together.
-        return PrefillDecision(False, "remote_queue_costs_more", predicted_ttft_s=local,
-                                local_model_s=local_model_s)
+        return locally("remote_queue_costs_more")
     if prefill.num_waiting >= config.max_prefill_queue_size:
         if remote <= config.ttft_slo_s:
             return PrefillDecision(True, "prefill_queue_full", wait=True, predicted_ttft_s=remote)
         if local <= config.ttft_slo_s or local < remote:
-            return PrefillDecision(False, "prefill_queue_full", predicted_ttft_s=local, local_model_s=local_model_s)
+            return locally("prefill_queue_full")
         # Lost either way, and a local prefill (behind the decode worker's own) would come no sooner: wait on.
         return PrefillDecision(True, "ttft_slo_missed_either_way", wait=True, predicted_ttft_s=remote)
     if remote <= config.ttft_slo_s:
         return PrefillDecision(True, "remote_within_ttft_slo", predicted_ttft_s=remote)
     if local <= config.ttft_slo_s:
-        return PrefillDecision(False, "remote_misses_ttft_slo", predicted_ttft_s=local, local_model_s=local_model_s)
+        return locally("remote_misses_ttft_slo")
     return PrefillDecision(True, "ttft_slo_missed_either_way", predicted_ttft_s=remote)
 
 

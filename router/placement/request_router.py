@@ -30,6 +30,7 @@ import ray
 from router.metrics import Metrics
 from engine import hashing
 from engine.outputs import RequestOutput
+from engine.step_costs import bucket
 from worker_runtime.protocol import GenerateRequest
 from worker_runtime.serving import WorkerDraining
 from engine.timeline import RequestTimeline
@@ -67,9 +68,9 @@ class _Routing:
     migrations: int = 0
     failure: tuple[str, Exception] | None = None  # the worker and error that ended the last placement
     next: _Next = _Next.END
-    # A chunked local prefill beside streams: (its unscaled predicted seconds, when it was placed), until its
-    # first token measures it (Router.observe_local_prefill).
-    local_model: tuple[float, float] | None = None
+    # A chunked local prefill beside streams: (its uncached tokens, its unscaled predicted seconds, when it was
+    # placed), until its first token measures it (Router.observe_local_prefill).
+    local_model: tuple[int, float, float] | None = None
 
     def __post_init__(self):
         self.token_times = [[] for _ in range(self.request.num_outputs)]
@@ -168,7 +169,8 @@ class RequestRouter:
         prefill = decision.prefill.worker_id if decision.prefill else None
         state.next = _Next.END
         request.prefix_source = None
-        state.local_model = None if decision.local_model_s is None else (decision.local_model_s, time.time())
+        state.local_model = None if decision.local_model_s is None else (decision.local_tokens,
+                                                                          decision.local_model_s, time.time())
         if not request.output_token_ids:  # the worker computing the prompt pulls what a peer holds of it, if that pays
             request.prefix_source = self.view.peer_prefix(prefill or decode, state.block_hashes,
                                                           len(request.prompt_token_ids))
@@ -201,9 +203,9 @@ class RequestRouter:
             request.times.setdefault("first_token", now)
             request.times["last_token"] = now
             if state.local_model is not None:
-                (model_s, placed_at), state.local_model = state.local_model, None
-                self.view.router.observe_local_prefill(model_s, now - placed_at)
-                self.metrics.local_factor.set(self.view.router.local_factor())
+                (tokens, model_s, placed_at), state.local_model = state.local_model, None
+                self.view.router.observe_local_prefill(tokens, model_s, now - placed_at)
+                self.metrics.local_factor.labels(str(bucket(tokens))).set(self.view.router.local_factor(tokens))
         # Each worker stamps its own copy of the request; gather the stages here.
         request.timeline.merge(delta.timeline)
         if delta.finished:

@@ -35,6 +35,7 @@ from router.placement.cpu_lending import lent_threads
 from router.placement.index import PrefixIndex
 from router.placement.pool_policy import CostWeights, Placement, PoolPolicy
 from worker_runtime.protocol import DispatchPath, GenerateRequest, WorkerLoad
+from engine.step_costs import bucket
 from engine.timeline import RequestTimeline
 
 # A request's output length for placement when its max_tokens says nothing smaller (a client's default
@@ -87,7 +88,9 @@ class RouteDecision:
     reason: str
     wait: bool = False
     predicted_ttft_s: float | None = None
-    local_model_s: float | None = None  # a chunked local prefill beside streams: its unscaled prediction
+    # A chunked local prefill beside streams: its uncached tokens and unscaled prediction (Router.local_factor)
+    local_tokens: int = 0
+    local_model_s: float | None = None
 
     def record(self, timeline: RequestTimeline, block_size: int) -> None:
         """The decision, in the request's timeline."""
@@ -146,27 +149,39 @@ class Router:
         self._placements: dict[str, int] = {}
         # Streams join decode workers at this rate: a long local prefill runs beside those that join meanwhile.
         self.arrivals = ArrivalRate()
-        # How far off the step costs' predictions of chunked local prefills beside streams came (`local_factor`).
-        self.local_errors = PredictionErrors(LOCAL_ERRORS_WINDOW, LOCAL_ERRORS_MIN_SAMPLES, LOCAL_ERRORS_HORIZON_S)
-        self._local_factor: tuple[float, float] | None = None  # (when worked out, value)
+        # How far off the step costs' predictions of chunked local prefills beside streams came, per power-of-two
+        # bucket of their uncached tokens (`local_factor`), and each bucket's factor as last worked out.
+        self.local_errors: dict[int, PredictionErrors] = {}
+        self._local_factors: dict[int, tuple[float, float]] = {}  # bucket -> (when worked out, value)
 
-    def local_factor(self) -> float:
-        """What a chunked local prefill beside running streams is predicted times: the median of measured ÷
-        predicted seconds of the last LOCAL_ERRORS_WINDOW of them (within LOCAL_ERRORS_HORIZON_S), 1 with fewer
-        than LOCAL_ERRORS_MIN_SAMPLES. Such a prefill is priced from the decode worker's step costs as they are
-        when it is placed; under load streams join it and its chunks shrink more than the arrival rate counts
-        (box D, random prompts at 3 req/s: a 256-token prompt predicted at 0.8 s took 1.7 s in 13 steps), and
-        a prompt sent there because it looked sooner than a full prefill queue came later instead."""
+    def local_factor(self, uncached_tokens: int) -> float:
+        """What a chunked local prefill of `uncached_tokens` beside running streams is predicted times: the median
+        of measured ÷ predicted seconds of the last LOCAL_ERRORS_WINDOW of about its size (the same power-of-two
+        bucket, within LOCAL_ERRORS_HORIZON_S), 1 with fewer than LOCAL_ERRORS_MIN_SAMPLES. Such a prefill is
+        priced from the decode worker's step costs as they are when it is placed; under load streams join it and
+        its chunks shrink more than the arrival rate counts (box D, random prompts at 3 req/s: a 256-token prompt
+        predicted at 0.8 s took 1.7 s in 13 steps), and a prompt sent there because it looked sooner than a full
+        prefill queue came later instead. Per size: a cold 1,600-token prompt that crawled at 3x its prediction
+        says nothing of a 64-token suffix after a prefix hit, whose predictions held (one factor for both sent the
+        hits to wait for the prefill worker)."""
+        key = bucket(uncached_tokens)
         now = time.monotonic()
-        if self._local_factor is None or now - self._local_factor[0] > LOCAL_FACTOR_TTL_S:
-            self._local_factor = now, self.local_errors.factor(0.5)
-        return self._local_factor[1]
+        cached = self._local_factors.get(key)
+        if cached is None or now - cached[0] > LOCAL_FACTOR_TTL_S:
+            errors = self.local_errors.get(key)
+            cached = self._local_factors[key] = now, 1.0 if errors is None else errors.factor(0.5)
+        return cached[1]
 
-    def observe_local_prefill(self, model_s: float, measured_s: float) -> None:
-        """A chunked local prefill's first token came `measured_s` after it was placed, predicted at `model_s`
-        (RouteDecision.local_model_s)."""
-        self.local_errors.observe(model_s, measured_s)
-        self._local_factor = None
+    def observe_local_prefill(self, uncached_tokens: int, model_s: float, measured_s: float) -> None:
+        """A chunked local prefill of `uncached_tokens` had its first token `measured_s` after it was placed,
+        predicted at `model_s` (RouteDecision.local_model_s)."""
+        key = bucket(uncached_tokens)
+        errors = self.local_errors.get(key)
+        if errors is None:
+            errors = self.local_errors[key] = PredictionErrors(LOCAL_ERRORS_WINDOW, LOCAL_ERRORS_MIN_SAMPLES,
+                                                               LOCAL_ERRORS_HORIZON_S)
+        errors.observe(model_s, measured_s)
+        self._local_factors.pop(key, None)
 
     def route(self, block_hashes: Sequence[int], prompt_tokens: int, prefill_loads: Sequence[WorkerLoad],
               decode_loads: Sequence[WorkerLoad], elapsed_s: float = 0.0,
@@ -217,13 +232,14 @@ class Router:
             else:
                 decision = decide_prefill_by_cost(prompt_tokens, decode.cached_tokens, prefill_cached,
                                                   _load_of(decode, decode_loads), prefill_load, self.disagg, elapsed_s,
-                                                  local_factor=self.local_factor())
+                                                  local_factor=self.local_factor)
         if record and not decision.wait:
             self.arrivals.note()
             if prompt_tokens > 0:
                 self._note_hit(decode.worker_id, decode.cached_tokens / prompt_tokens)
         return RouteDecision(decode, prefill if decision.remote else None, decision.reason, decision.wait,
-                             decision.predicted_ttft_s, None if decision.remote else decision.local_model_s)
+                             decision.predicted_ttft_s, decision.local_tokens,
+                             None if decision.remote else decision.local_model_s)
 
     def _note_hit(self, worker_id: str, share: float) -> None:
         """Fold one placement into the worker's hit share: the mean of its first placements, then an EWMA."""
@@ -276,7 +292,7 @@ class Router:
         prompt tokens (`local_pull_s` of them pulled from a peer first, on the local path)."""
         decision = decide_prefill_by_cost(prompt_tokens, cached, prefill_cached, load, prefill, self.disagg, elapsed_s,
                                           remote_pull_s=prefill_pull_s, local_pull_s=local_pull_s,
-                                          local_factor=self.local_factor())
+                                          local_factor=self.local_factor)
         displaced = displaced_seconds(prompt_tokens, cached, output_tokens, load, self.index.num_blocks(load.worker_id),
                                       self.hit_share.get(load.worker_id, 0.0), self.block_size)
         seconds = decode_seconds(prompt_tokens, cached, load, decision, output_tokens, self.disagg, self.block_size,
