@@ -2,7 +2,14 @@
 eight prompts push the first ones out to the host tier, and sending those again finds every prefix block,
 because the router's index follows the tier events to the worker that holds them, and that worker promotes them
 instead of computing. Then one worker is drained: it hands its prefixes to the other, which serves every one of
-them from its cache. The same text comes back; no tier copy or peer pull fails."""
+them from its cache. The same text comes back; no tier copy or peer pull fails.
+
+The placement is Dynamo's token cost (`placement: thresholds`), where a worker's cached blocks decide. The default
+(`slo`) prices each worker in seconds from its measured step costs, and for this tiny model a prefix is worth
+~3 ms of prefill while the two workers' measured decode steps on a shared 2-core box differ by as much per step:
+it sends the prompts to whichever measured faster at the time, holder or not (two clean-clone CI runs in three
+re-sent two of decode-0's prompts to decode-1). Its pricing of blocks in a lower tier is tested in
+test_router_policy.py."""
 import random
 import time
 import urllib.request
@@ -36,7 +43,7 @@ def total(samples, name: str) -> float:
 @pytest.fixture(scope="module")
 def served(ray_cluster, tiny_llama_dir):
     config = ClusterConfig(model=tiny_llama_dir, served_model_name="tiny", mode="colocated", name="tiers",
-                           namespace="tandem-tests", engine={"num_kv_blocks": 24},
+                           namespace="tandem-tests", engine={"num_kv_blocks": 24}, router={"placement": "thresholds"},
                            kv_tiers={"host_gb": 0.004}, decode={"replicas": 2, "num_cpus": 0.5})
     rng = random.Random(41)
     prompts = [[rng.randrange(10, 250) for _ in range(PROMPT_TOKENS)] for _ in range(8)]
@@ -82,7 +89,7 @@ def test_evicted_prefixes_come_back_from_the_host_tier_of_the_worker_that_holds_
 
 def test_a_drained_worker_hands_its_prefixes_to_the_one_that_stays(served):
     url, controller, complete, prompts, first = served
-    # The one holding most: the placement prefers the worker it measured faster, so one may hold them all.
+    # The one holding most: the first prompts go where the token cost was lowest, so one may hold them all.
     held = {w.worker_id: ray.get(w.actor.stats.remote()).kv_tiers["tiers"]["host"]["num_used"]
             for w in ray.get(controller.membership.remote()).workers}
     drained = max(held, key=held.get)
