@@ -1,6 +1,8 @@
 """The CPU prefill attention kernel (engine/csrc/prefill_attention.c) against torch's fused SDPA, in the same
 run: SmolLM2's heads (9 query, 3 KV, size 64), block size 16, whole prompts and chunks after a cached prefix,
-as the model runner calls each (the kernel reads the blocks in place; SDPA gets them gathered and a mask).
+as the model runner calls each (the kernel reads the blocks in place; SDPA gets them gathered and a mask);
+2 queries over 1,536 is a short chunk of a local prefill beside streams, where laying out the context's keys
+for the kernel's tiles is most of the call.
 `.venv/bin/python bench/prefill_attention.py [threads]`"""
 import sys
 import time
@@ -28,7 +30,7 @@ def main() -> None:
     heads, kv_heads, dim, block_size = 9, 3, 64, 16
     print(f"threads {torch.get_num_threads()}; ms per layer call, GFLOP/s of the kernel, kernel / SDPA")
     for dtype in (torch.bfloat16, torch.float32):
-        for n_q, context in [(256, 256), (512, 512), (64, 1600), (16, 2048)]:
+        for n_q, context in [(256, 256), (512, 512), (64, 1600), (16, 2048), (2, 1536)]:
             k_cache = torch.randn(400, block_size, kv_heads, dim).to(dtype)
             v_cache = torch.randn(400, block_size, kv_heads, dim).to(dtype)
             table = torch.arange(-(-context // block_size))

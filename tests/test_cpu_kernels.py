@@ -130,10 +130,13 @@ def prefill_reference(q, k_cache, v_cache, table, context_len, scale):
                                           scale=scale).transpose(0, 1)
 
 
-# Whole prompts (causal from 0), chunks after a cached prefix, single tokens, tails of every tile size; head
-# sizes 64 and 128 (compiled) and 32 (runtime loops), GQA groups 1, 3, 4 and 8.
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (8, 1, 64)])
-@pytest.mark.parametrize("n_q,context_len", [(1, 1), (7, 7), (256, 256), (64, 1600), (13, 45), (1, 300), (100, 333)])
+# Whole prompts (causal from 0), chunks after a cached prefix (a short one at long context), single tokens, tails
+# of every tile size; head sizes 64 and 128 (compiled) and 32 and 80 (runtime loops; 80 leaves the transposes of
+# 16 dimension pairs a tail of 8), GQA groups 1, 3, 4 and 8.
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (8, 1, 64),
+                                                             (6, 2, 80)])
+@pytest.mark.parametrize("n_q,context_len", [(1, 1), (7, 7), (256, 256), (64, 1600), (13, 45), (1, 300), (100, 333),
+                                             (2, 1536)])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_kernel_matches_sdpa_on_scattered_blocks(num_heads, num_kv_heads, head_dim, n_q, context_len,

@@ -178,9 +178,65 @@ static inline const void *kv_row(const Job *job, const void *cache, int t, int h
     return job->kv_bf16 ? (const void *)((const uint16_t *)cache + elem) : (const void *)((const float *)cache + elem);
 }
 
-/* Keys [t0, t0 + KT) of KV head `head` into kt (transposed) and vt; keys at or past `limit` are zeros. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TRANSPOSE16 1
+/* 16 x 16 32-bit elements transposed in registers: r[i][j] becomes r[j][i]. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* each 128-bit lane of r[i] now holds one row's 4 elements of column group i % 4 */
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+#endif
+
+/* Keys [t0, t0 + KT) of KV head `head` into kt (transposed) and vt; keys at or past `limit` are zeros.
+ * With AVX-512, 16 keys' elements are transposed in registers (KT is 32 there; head_dim a multiple of 16). */
 static void load_key_tile(const Job *job, Scratch *s, int head, int t0, int limit) {
     const int dim = job->head_dim;
+#ifdef TRANSPOSE16
+    for (int k0 = 0; k0 < KT; k0 += 16) {
+        const void *rows[16];
+        for (int j = 0; j < 16; j++) rows[j] = t0 + k0 + j < limit ? kv_row(job, job->k_cache, t0 + k0 + j, head) : NULL;
+        for (int d0 = 0; d0 < dim; d0 += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = !rows[j] ? _mm512_setzero_si512()
+                       : job->kv_bf16 ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                            _mm256_loadu_si256((const __m256i *)((const uint16_t *)rows[j] + d0))), 16)
+                       : _mm512_loadu_si512((const float *)rows[j] + d0);
+            transpose16(r);
+            for (int d = 0; d < 16; d++) _mm512_storeu_si512(s->kt + (size_t)(d0 + d) * KT + k0, r[d]);
+        }
+    }
+    for (int j = 0; j < KT; j++) {
+        const int t = t0 + j;
+        float *v = s->vt + (size_t)j * dim;
+        if (t >= limit) memset(v, 0, sizeof(float) * dim);
+        else if (job->kv_bf16) {
+            const uint16_t *vr = kv_row(job, job->v_cache, t, head);
+            for (int d = 0; d < dim; d++) v[d] = bf16_to_f32(vr[d]);
+        } else memcpy(v, kv_row(job, job->v_cache, t, head), sizeof(float) * dim);
+    }
+#else
     for (int j = 0; j < KT; j++) {
         const int t = t0 + j;
         float *v = s->vt + (size_t)j * dim;
@@ -197,6 +253,7 @@ static void load_key_tile(const Job *job, Scratch *s, int head, int t0, int limi
             memcpy(v, vr, sizeof(float) * dim);
         }
     }
+#endif
 }
 
 /* Rows [r0, r0 + RT) of the item against the key tile at t0: scores, online softmax, P V. Inlined once
@@ -331,20 +388,38 @@ static void tile_bf16(const Job *job, Scratch *s, int r0, int rows, int t0) {
     else tile_bf16_dim(s, r0, rows, t0, job->scale, job->window, job->softcap, job->head_dim);
 }
 
-/* Keys [t0, t0 + KT) as dimension pairs (for Q K^T) and key pairs (for P V); zeros at or past `limit`. */
+/* Keys [t0, t0 + KT) as dimension pairs (for Q K^T) and key pairs (for P V); zeros at or past `limit`.
+ * Vectorized: 16 keys' dimension pairs are transposed in registers (a scalar loop storing one element at a
+ * stride was most of a short chunk's attention at long context), and two keys' values are interleaved by
+ * widening 16-bit lanes to 32. */
 static void load_key_tile_bf16(const Job *job, Scratch *s, int head, int t0, int limit) {
-    const int dim = job->head_dim;
-    for (int j = 0; j < KT_BF; j++) {
-        const int t = t0 + j;
-        const uint32_t *k = t < limit ? (const uint32_t *)kv_row(job, job->k_cache, t, head) : NULL;
-        for (int d2 = 0; d2 < dim / 2; d2++) s->ktp[(size_t)d2 * KT_BF + j] = k ? k[d2] : 0;
+    const int dim = job->head_dim, np = dim / 2;
+    for (int k0 = 0; k0 < KT_BF; k0 += 16) {
+        const uint32_t *rows[16];
+        for (int j = 0; j < 16; j++)
+            rows[j] = t0 + k0 + j < limit ? (const uint32_t *)kv_row(job, job->k_cache, t0 + k0 + j, head) : NULL;
+        for (int p0 = 0; p0 < np; p0 += 16) {
+            const __mmask16 m = np - p0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (np - p0)) - 1);
+            __m512i r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = rows[j] ? _mm512_maskz_loadu_epi32(m, rows[j] + p0) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int d2 = 0; d2 < 16 && p0 + d2 < np; d2++)
+                _mm512_storeu_si512(s->ktp + (size_t)(p0 + d2) * KT_BF + k0, r[d2]);
+        }
     }
     for (int jp = 0; jp < KT_BF / 2; jp++) {
         const int t = t0 + 2 * jp;
         const uint16_t *v0 = t < limit ? kv_row(job, job->v_cache, t, head) : NULL;
         const uint16_t *v1 = t + 1 < limit ? kv_row(job, job->v_cache, t + 1, head) : NULL;
         uint32_t *dst = s->vtp + (size_t)jp * dim;
-        for (int d = 0; d < dim; d++) dst[d] = (v0 ? v0[d] : 0u) | (uint32_t)(v1 ? v1[d] : 0u) << 16;
+        for (int d = 0; d < dim; d += 16) {
+            const __m512i lo = v0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + d)))
+                                  : _mm512_setzero_si512();
+            const __m512i hi = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + d)))
+                                  : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
     }
 }
 #endif
