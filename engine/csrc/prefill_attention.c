@@ -205,12 +205,11 @@ static inline void transpose16(__m512i r[16]) {
         r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
     }
 }
-
 #endif
 
-/* Keys [t0, t0 + KT) of KV head `head` into kt (transposed) and vt; keys at or past `limit` are zeros.
- * With AVX-512, 16 keys' elements are transposed in registers (KT is 32 there; head_dim a multiple of 16). */
-static void load_key_tile(const Job *job, Scratch *s, int head, int t0, int limit) {
+/* Keys [t0, t0 + KT) of KV head `head` into kt, transposed ([dim][KT]); keys at or past `limit` are zeros. With
+ * AVX-512, 16 keys' elements are transposed in registers (KT is 32 there; head_dim a multiple of 16). */
+static void load_keys_transposed(const Job *job, Scratch *s, int head, int t0, int limit) {
     const int dim = job->head_dim;
 #ifdef TRANSPOSE16
     for (int k0 = 0; k0 < KT; k0 += 16) {
@@ -227,6 +226,20 @@ static void load_key_tile(const Job *job, Scratch *s, int head, int t0, int limi
             for (int d = 0; d < 16; d++) _mm512_storeu_si512(s->kt + (size_t)(d0 + d) * KT + k0, r[d]);
         }
     }
+#else
+    for (int j = 0; j < KT; j++) {
+        const void *k = t0 + j < limit ? kv_row(job, job->k_cache, t0 + j, head) : NULL;
+        for (int d = 0; d < dim; d++)
+            s->kt[(size_t)d * KT + j] = !k ? 0.0f : job->kv_bf16 ? bf16_to_f32(((const uint16_t *)k)[d])
+                                                                 : ((const float *)k)[d];
+    }
+#endif
+}
+
+/* Keys [t0, t0 + KT) of KV head `head` into kt (transposed) and vt; keys at or past `limit` are zeros. */
+static void load_key_tile(const Job *job, Scratch *s, int head, int t0, int limit) {
+    const int dim = job->head_dim;
+    load_keys_transposed(job, s, head, t0, limit);
     for (int j = 0; j < KT; j++) {
         const int t = t0 + j;
         float *v = s->vt + (size_t)j * dim;
@@ -236,24 +249,6 @@ static void load_key_tile(const Job *job, Scratch *s, int head, int t0, int limi
             for (int d = 0; d < dim; d++) v[d] = bf16_to_f32(vr[d]);
         } else memcpy(v, kv_row(job, job->v_cache, t, head), sizeof(float) * dim);
     }
-#else
-    for (int j = 0; j < KT; j++) {
-        const int t = t0 + j;
-        float *v = s->vt + (size_t)j * dim;
-        if (t >= limit) {
-            for (int d = 0; d < dim; d++) s->kt[(size_t)d * KT + j] = 0.0f, v[d] = 0.0f;
-            continue;
-        }
-        const void *k = kv_row(job, job->k_cache, t, head), *vr = kv_row(job, job->v_cache, t, head);
-        if (job->kv_bf16) {
-            for (int d = 0; d < dim; d++) s->kt[(size_t)d * KT + j] = bf16_to_f32(((const uint16_t *)k)[d]);
-            for (int d = 0; d < dim; d++) v[d] = bf16_to_f32(((const uint16_t *)vr)[d]);
-        } else {
-            for (int d = 0; d < dim; d++) s->kt[(size_t)d * KT + j] = ((const float *)k)[d];
-            memcpy(v, vr, sizeof(float) * dim);
-        }
-    }
-#endif
 }
 
 /* Rows [r0, r0 + RT) of the item against the key tile at t0: scores, online softmax, P V. Inlined once
@@ -318,7 +313,6 @@ static void tile(const Job *job, Scratch *s, int r0, int rows, int t0) {
 }
 
 #if defined(__AVX512BF16__) && VW == 16
-#include <immintrin.h>
 #define DPBF16 1
 #define RT_BF 6             /* rows a tile: 6 x 4 score vectors */
 #define NK_BF 4
